@@ -1,0 +1,278 @@
+"""A reversible stack against its ordinary-autograd twin: memory, speed and gradient accuracy.
+
+The stack is the one of the core acceptance test: N additive blocks with f = g =
+conv3x3(64)-BatchNorm-ReLU on a 128-channel 32x32 input (64 channels per half), batch 32, followed
+by a small classification head (global average pooling, linear, cross-entropy). A training step is
+forward, backward and an SGD step.
+
+    python benchmarks/reversible_stack.py            # full run, writes results/
+    python benchmarks/reversible_stack.py --quick    # the README demo: small, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import revnets
+
+MiB = 2**20
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def unit(channels: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(inplace=True),
+    )
+
+
+class Stack(nn.Module):
+    """Reversible blocks plus a head; ``strategy`` picks how the blocks save memory."""
+
+    def __init__(self, depth: int, half: int, coupling: str = "additive", classes: int = 10):
+        super().__init__()
+        width = 2 * half if coupling == "affine" else half
+        self.blocks = revnets.ReversibleSequence(
+            revnets.ReversibleBlock(
+                _transform(half, width, coupling), _transform(half, width, coupling), coupling
+            )
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(2 * half, classes)
+        # A plain tuple, not a registered submodule: same blocks, no duplicate state_dict keys.
+        self.checkpointed = tuple(revnets.Checkpointed(b) for b in self.blocks)
+        self.strategy = "reversible"
+
+    def set_strategy(self, strategy: str) -> None:
+        self.strategy = strategy
+        self.blocks.memory_efficient = strategy == "reversible"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.strategy == "checkpoint":
+            # torch.utils.checkpoint on every block, the common alternative to reversibility.
+            for block in self.checkpointed:
+                x = block(x)
+        else:
+            x = self.blocks(x)
+        return self.head(x.mean((2, 3)))
+
+
+def _transform(half: int, width: int, coupling: str) -> nn.Module:
+    if coupling == "additive":
+        return unit(half)
+    return nn.Sequential(nn.Conv2d(half, width, 3, padding=1), nn.Tanh())
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, target) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), target)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def make(depth: int, half: int, batch: int, size: int, strategy: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Stack(depth, half)
+    model.set_strategy(strategy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, 2 * half, size, size)
+    target = torch.randint(0, 10, (batch,))
+    train_step(model, optimizer, x, target)  # warm-up: optimizer state exists from now on
+    return model, optimizer, x, target
+
+
+def memory_table(depths, half, batch, size, strategies) -> list[dict]:
+    rows = []
+    for depth in depths:
+        for strategy in strategies:
+            model, optimizer, x, target = make(depth, half, batch, size, strategy)
+            report = revnets.measure_memory(train_step, model, optimizer, x, target)
+            rows.append(
+                {
+                    "depth": depth,
+                    "strategy": strategy,
+                    "peak_above_model_state_mib": round(report.above_model_state_bytes / MiB, 1),
+                    "peak_total_mib": round(report.peak_bytes / MiB, 1),
+                }
+            )
+            print(f"  memory  depth {depth:3d}  {strategy:<10} "
+                  f"{rows[-1]['peak_above_model_state_mib']:8.1f} MiB above model state")
+    return rows
+
+
+def speed_table(depth, half, batch, size, strategies, repeats) -> list[dict]:
+    setups = {s: make(depth, half, batch, size, s) for s in strategies}
+    # The same weights for every strategy, so only the memory strategy differs.
+    reference = setups["none"][0].state_dict()
+    for model, *_ in setups.values():
+        model.load_state_dict(reference)
+    times: dict[str, list[float]] = {s: [] for s in strategies}
+    for _ in range(repeats):  # interleaved, so drifts in machine speed hit all alike
+        for strategy, (model, optimizer, x, target) in setups.items():
+            start = time.perf_counter()
+            train_step(model, optimizer, x, target)
+            times[strategy].append(time.perf_counter() - start)
+    base = statistics.median(times["none"])
+    rows = []
+    for strategy in strategies:
+        ratios = [t / b for t, b in zip(times[strategy], times["none"])]
+        rows.append(
+            {
+                "strategy": strategy,
+                "median_step_s": round(statistics.median(times[strategy]), 4),
+                "ratio_of_medians": round(statistics.median(times[strategy]) / base, 3),
+                "ratio_min": round(min(ratios), 3),
+                "ratio_median": round(statistics.median(ratios), 3),
+                "ratio_max": round(max(ratios), 3),
+            }
+        )
+        print(f"  speed   depth {depth}  {strategy:<10} {rows[-1]['ratio_of_medians']:.3f}x "
+              f"(pairwise min {rows[-1]['ratio_min']}, max {rows[-1]['ratio_max']})")
+    return rows
+
+
+def gradient_error(depth: int, coupling: str, dtype: torch.dtype, half: int = 8) -> float:
+    """Largest relative gradient error (input and every parameter) against the ordinary twin."""
+    torch.manual_seed(depth)
+    model = Stack(depth, half, coupling).to(dtype)
+    twin = Stack(depth, half, coupling).to(dtype)
+    twin.load_state_dict(model.state_dict())
+    twin.set_strategy("none")
+    x = torch.randn(4, 2 * half, 8, 8, dtype=dtype)
+    target = torch.randint(0, 10, (4,))
+    grads = []
+    for m in (model, twin):
+        inp = x.clone().requires_grad_()
+        F.cross_entropy(m(inp), target).backward()
+        grads.append([inp.grad, *(p.grad for p in m.parameters())])
+    return max(
+        ((a - b).norm() / b.norm()).item() for a, b in zip(*grads) if b.norm() > 0
+    )
+
+
+def write_results(memory_rows, speed_rows, error_rows, config) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    stem = f"reversible_stack-{config['device']}-pt{torch.__version__.split('+')[0]}-fp32"
+    for name, rows in [("memory", memory_rows), ("speed", speed_rows), ("gradients", error_rows)]:
+        with open(RESULTS / f"{stem}-{name}.csv", "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    lines = [
+        "# Reversible stack against its ordinary-autograd twin",
+        "",
+        f"Generated by `python benchmarks/reversible_stack.py` on {config['date']}: device "
+        f"{config['device']} ({config['cpu']}, {torch.get_num_threads()} threads), torch "
+        f"{torch.__version__}, float32.",
+        "",
+        f"Stack: N additive blocks, f = g = conv3x3({config['half']})-BatchNorm-ReLU, input "
+        f"{config['batch']}x{2 * config['half']}x{config['size']}x{config['size']}, then global "
+        "average pooling, a linear head and cross-entropy. One training step = forward, backward, "
+        "SGD (momentum 0.9). `none` is ordinary autograd on the same blocks; `checkpoint` is "
+        "`revnets.Checkpointed` (non-reentrant torch.utils.checkpoint) around every block.",
+        "",
+        "## Peak memory of a training step above parameters, gradients and optimizer state (MiB)",
+        "",
+        "Counted as live tensor storage (revnets.measure_memory).",
+        "",
+        "| depth | " + " | ".join(config["strategies"]) + " |",
+        "|---|" + "---|" * len(config["strategies"]),
+    ]
+    for depth in config["depths"]:
+        cells = [
+            f"{r['peak_above_model_state_mib']:.1f}"
+            for s in config["strategies"]
+            for r in memory_rows
+            if r["depth"] == depth and r["strategy"] == s
+        ]
+        lines.append(f"| {depth} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Reference, measured on this machine type by the project (../shared/references.md, "
+        "same stack, depth 8/16/32): plain 472/920/1816, revlib 96/96/97, RevTorch 114/117/121, "
+        "MemCNN 130/132/137 MiB.",
+        "",
+        f"## Step time at depth {config['speed_depth']}, ratio to `none`",
+        "",
+        f"{config['repeats']} interleaved repetitions in one process. `ratio` is the median step "
+        "time over the median of `none`; min and max are over the paired repetitions.",
+        "",
+        "| strategy | median step (s) | ratio | min | max |",
+        "|---|---|---|---|---|",
+    ]
+    for r in speed_rows:
+        lines.append(
+            f"| {r['strategy']} | {r['median_step_s']:.3f} | {r['ratio_of_medians']:.3f} | "
+            f"{r['ratio_min']:.3f} | {r['ratio_max']:.3f} |"
+        )
+    lines += [
+        "",
+        "Reference ratios measured on this machine type (../shared/references.md): RevTorch "
+        "1.27x, revlib 1.33x, torch checkpoint per block 1.27x, MemCNN 1.71x.",
+        "",
+        "## Gradient error against ordinary backprop",
+        "",
+        "Largest relative error (norm of difference over norm) over the input gradient and every "
+        "parameter gradient, 16-channel blocks, batch 4, 8x8.",
+        "",
+        "| coupling | dtype | depth | relative error |",
+        "|---|---|---|---|",
+    ]
+    for r in error_rows:
+        lines.append(
+            f"| {r['coupling']} | {r['dtype']} | {r['depth']} | {r['relative_error']:.2e} |"
+        )
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / stem}.md and .csv files")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small demo, prints only")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+
+    strategies = ["none", "checkpoint", "reversible"]
+    if args.quick:
+        config = dict(depths=[4, 16], half=16, batch=8, size=16, speed_depth=8, repeats=5)
+    else:
+        config = dict(depths=[8, 16, 32, 64], half=64, batch=32, size=32, speed_depth=8,
+                      repeats=args.repeats)
+    config.update(
+        strategies=strategies,
+        device="cpu",
+        cpu=platform.processor() or platform.machine(),
+        date=datetime.date.today().isoformat(),
+    )
+    shape = (config["half"], config["batch"], config["size"])
+    print(f"reversible stack, half={shape[0]} channels, batch {shape[1]}, {shape[2]}x{shape[2]}")
+    memory_rows = memory_table(config["depths"], *shape, strategies)
+    speed_rows = speed_table(config["speed_depth"], *shape, strategies, config["repeats"])
+    error_rows = []
+    cases = [(c, torch.float64, d) for c in ("additive", "affine") for d in (8,)]
+    if not args.quick:
+        cases += [("additive", torch.float32, d) for d in (1, 4, 16, 64, 256)]
+    for coupling, dtype, depth in cases:
+        error = gradient_error(depth, coupling, dtype)
+        error_rows.append({"coupling": coupling, "dtype": str(dtype).replace("torch.", ""),
+                           "depth": depth, "relative_error": error})
+        print(f"  grads   {coupling:<8} {dtype}  depth {depth:3d}  relative error {error:.2e}")
+    if not args.quick:
+        write_results(memory_rows, speed_rows, error_rows, config)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,384 @@
+"""Measuring (and predicting) the peak memory of a training step, split by what it holds.
+
+On CPU, process RSS says little (freed memory stays in the heap), so revnets counts live tensor
+storage instead: a ``TorchDispatchMode`` sees every tensor every operator returns and touches,
+holds a weak reference to each storage, and notes when it is freed. That is exact and repeatable on
+any device, including the meta device, where nothing is computed: running a step on meta tensors
+*predicts* its peak memory, which is how 1000-layer, large-batch figures are obtained on a small
+machine. On CUDA the allocator's own peak statistic gives the total.
+
+Memory that kernels allocate privately (workspaces, im2col buffers) is not tensor storage and is
+not counted; on CUDA it is included in the allocator peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MemoryReport", "MemoryTracker", "measure_memory", "predict_memory"]
+
+MiB = 2**20
+
+PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, ACTIVATIONS = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "inputs",
+    "activations",
+)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Live tensor memory at the peak of a measured call, by category, in bytes.
+
+    - ``parameters``: parameters and buffers of the modules involved.
+    - ``gradients``: their ``.grad`` tensors.
+    - ``optimizer_state``: tensors held in the optimizers' ``state``.
+    - ``inputs``: tensors passed to the measured call that are none of the above (the batch).
+    - ``activations``: everything the call allocated that is none of the above: activations kept
+      for backward, temporaries, outputs.
+
+    These six describe the moment of the overall peak. ``above_model_state_bytes`` is the peak
+    over time of inputs + activations alone, the memory a training step needs above parameters,
+    gradients and optimizer state (its own peak can fall at another moment).
+    """
+
+    peak_bytes: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    inputs: int
+    activations: int
+    above_model_state_bytes: int  # the peak over time of inputs + activations
+    device: str
+    method: str  # "tensor-storage" or "cuda-allocator"
+    result: Any = None
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state: what does not depend on the batch."""
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+    def __str__(self) -> str:
+        rows = [
+            ("peak", self.peak_bytes),
+            (PARAMETERS, self.parameters),
+            (GRADIENTS, self.gradients),
+            (OPTIMIZER, self.optimizer_state),
+            (INPUTS, self.inputs),
+            (ACTIVATIONS, self.activations),
+            ("above state", self.above_model_state_bytes),
+        ]
+        lines = [f"memory at peak on {self.device} ({self.method}):"]
+        lines += [f"  {name:<16}{nbytes / MiB:10.2f} MiB" for name, nbytes in rows]
+        return "\n".join(lines)
+
+
+class _Storage:
+    __slots__ = ("nbytes", "allocated", "freed", "ref", "device")
+
+    def __init__(self, nbytes: int, allocated: int, ref: weakref.ref, device: torch.device):
+        self.nbytes = nbytes
+        self.allocated = allocated
+        self.freed: int | None = None
+        self.ref = ref
+        self.device = device
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Context manager recording every tensor storage alive while it is active.
+
+    Pass the modules and optimizers the measured code uses so that their tensors are attributed
+    to parameters, gradients and optimizer state, and the tensors that exist before it starts as
+    ``inputs`` (any other tensor counts from its first use)::
+
+        with MemoryTracker(model, optimizer) as tracker:
+            train_step()
+        print(tracker.report())
+    """
+
+    def __init__(
+        self,
+        *owners: nn.Module | torch.optim.Optimizer,
+        inputs: Iterable[Tensor] = (),
+        device: str | None = None,
+    ):
+        super().__init__()
+        self.owners = owners
+        self.inputs = list(inputs)
+        self.device = torch.device(device) if device is not None else None
+        self._clock = 0
+        self._storages: dict[int, _Storage] = {}  # by id of the live storage object
+        self._history: list[_Storage] = []
+        self._start_labels: dict[int, str] = {}
+        self._end_labels: dict[int, str] = {}
+
+    # -- recording -------------------------------------------------------------------------------
+    def __enter__(self) -> MemoryTracker:
+        labels = _label_owned(self.owners)
+        for tensor, label in labels:
+            record = self._see(tensor, allocated=0)
+            if record is not None:
+                self._start_labels.setdefault(id(record), label)
+        for tensor in self.inputs:
+            self._see(tensor, allocated=0)
+        if self.device is None:
+            self.device = next((t.device for t, _ in labels), None)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for tensor, label in _label_owned(self.owners):
+            storage = self._storages.get(_storage_key(tensor))
+            if storage is not None:
+                self._end_labels.setdefault(id(storage), label)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._clock += 1
+        inputs, _ = tree_flatten((args, kwargs))
+        for t in inputs:
+            if isinstance(t, Tensor):
+                # An unknown storage here was made outside the dispatcher (torch.get_rng_state,
+                # from_numpy) or before tracking began; it counts from its first use.
+                self._see(t, allocated=self._clock)
+        out = func(*args, **(kwargs or {}))
+        outputs, _ = tree_flatten(out)
+        for t in outputs:
+            if isinstance(t, Tensor):
+                self._see(t, allocated=self._clock)
+        return out
+
+    def _see(self, tensor: Tensor, allocated: int) -> _Storage | None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
+            return None
+        key = id(storage)
+        record = self._storages.get(key)
+        nbytes = storage.nbytes()
+        if record is not None and record.nbytes == nbytes:
+            return record
+        if record is not None:  # resized in place: the old allocation ends here
+            record.freed = self._clock
+        if self.device is None:
+            self.device = tensor.device
+        record = _Storage(nbytes, allocated, None, storage.device)  # type: ignore[arg-type]
+        record.ref = weakref.ref(storage, self._freed_callback(key, record))
+        self._storages[key] = record
+        self._history.append(record)
+        return record
+
+    def _freed_callback(self, key: int, record: _Storage):
+        def freed(_ref) -> None:
+            record.freed = self._clock
+            if self._storages.get(key) is record:
+                del self._storages[key]
+
+        return freed
+
+    # -- reporting -------------------------------------------------------------------------------
+    def _label(self, record: _Storage) -> str:
+        label = self._start_labels.get(id(record)) or self._end_labels.get(id(record))
+        if label is None:
+            label = INPUTS if record.allocated == 0 else ACTIVATIONS
+        return label
+
+    def _records(self, labels: Iterable[str] | None = None) -> list[_Storage]:
+        wanted = set(labels) if labels is not None else None
+        return [
+            r
+            for r in self._history
+            if (self.device is None or r.device == self.device)
+            and (wanted is None or self._label(r) in wanted)
+        ]
+
+    def peak(self, labels: Iterable[str] | None = None) -> tuple[int, int]:
+        """(peak live bytes, the clock tick reaching it), counting only ``labels`` if given."""
+        events: dict[int, int] = {}
+        for r in self._records(labels):
+            events[2 * r.allocated] = events.get(2 * r.allocated, 0) + r.nbytes
+            if r.freed is not None:  # frees at tick t happen after tick t's allocations
+                events[2 * r.freed + 1] = events.get(2 * r.freed + 1, 0) - r.nbytes
+        live = peak = peak_at = 0
+        for t in sorted(events):
+            live += events[t]
+            if live > peak:
+                peak, peak_at = live, t // 2
+        return peak, peak_at
+
+    def report(self, result: Any = None) -> MemoryReport:
+        peak, at = self.peak()
+        by_label = dict.fromkeys((PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, ACTIVATIONS), 0)
+        for r in self._records():
+            if r.allocated <= at and (r.freed is None or r.freed >= at):
+                by_label[self._label(r)] += r.nbytes
+        working_peak, _ = self.peak((INPUTS, ACTIVATIONS))
+        device = str(self.device) if self.device is not None else "cpu"
+        return MemoryReport(
+            peak_bytes=peak,
+            parameters=by_label[PARAMETERS],
+            gradients=by_label[GRADIENTS],
+            optimizer_state=by_label[OPTIMIZER],
+            inputs=by_label[INPUTS],
+            activations=by_label[ACTIVATIONS],
+            above_model_state_bytes=working_peak,
+            device=device,
+            method="tensor-storage",
+            result=result,
+        )
+
+
+def _storage_key(tensor: Tensor) -> int | None:
+    try:
+        return id(tensor.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _label_owned(owners: Iterable[Any]) -> list[tuple[Tensor, str]]:
+    labelled: list[tuple[Tensor, str]] = []
+    for owner in owners:
+        if isinstance(owner, nn.Module):
+            for p in owner.parameters():
+                labelled.append((p, PARAMETERS))
+                if p.grad is not None:
+                    labelled.append((p.grad, GRADIENTS))
+            labelled += [(b, PARAMETERS) for b in owner.buffers()]
+        elif isinstance(owner, torch.optim.Optimizer):
+            for state in owner.state.values():
+                labelled += [(v, OPTIMIZER) for v in state.values() if isinstance(v, Tensor)]
+            for group in owner.param_groups:
+                for p in group["params"]:
+                    labelled.append((p, PARAMETERS))
+                    if p.grad is not None:
+                        labelled.append((p.grad, GRADIENTS))
+    return labelled
+
+
+def _owners_in(*args: Any, **kwargs: Any) -> list[nn.Module | torch.optim.Optimizer]:
+    leaves, _ = tree_flatten((args, kwargs))
+    return [x for x in leaves if isinstance(x, (nn.Module, torch.optim.Optimizer))]
+
+
+def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
+    """Run ``fn(*args, **kwargs)`` once and report its peak memory by category.
+
+    Modules and optimizers among the arguments are recognised, so their tensors count as
+    parameters, gradients and optimizer state; tensors among the arguments count as inputs.
+    Pass everything the call uses as an argument: a tensor captured by a closure counts only from
+    its first use, as an activation. The call's return value is kept in ``report.result``.
+
+    On CUDA, the peak is the caching allocator's peak of memory allocated during the call (this
+    includes kernel workspaces); the model-state categories still come from storage tracking.
+    """
+    owners = _owners_in(*args, **kwargs)
+    device = _device_of(owners, args, kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    leaves, _ = tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+    with MemoryTracker(*owners, inputs=tensors, device=str(device)) as tracker:
+        result = fn(*args, **kwargs)
+    report = tracker.report(result)
+    if device.type != "cuda":
+        return report
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    rest = report.model_state_bytes + report.inputs
+    return MemoryReport(
+        peak_bytes=peak,
+        parameters=report.parameters,
+        gradients=report.gradients,
+        optimizer_state=report.optimizer_state,
+        inputs=report.inputs,
+        activations=max(peak - rest, 0),
+        above_model_state_bytes=max(peak - report.model_state_bytes, 0),
+        device=str(device),
+        method="cuda-allocator",
+        result=result,
+    )
+
+
+def _device_of(owners: list, args: tuple, kwargs: dict) -> torch.device:
+    for owner in owners:
+        if isinstance(owner, nn.Module):
+            for t in (*owner.parameters(), *owner.buffers()):
+                return t.device
+    leaves, _ = tree_flatten((args, kwargs))
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
+    """Predict the peak memory of ``fn(*args, **kwargs)`` without computing anything.
+
+    Modules, optimizers and tensors among the arguments are copied to the meta device (the
+    originals are left alone), then the call is measured there. ``fn`` must not read tensor
+    values (``.item()``, printing, data-dependent control flow). For very large models, build the
+    model on the meta device to begin with (``with torch.device("meta"): ...``).
+    """
+    memo: dict[int, Any] = {}
+    meta_args = tuple(_to_meta(a, memo) for a in args)
+    meta_kwargs = {k: _to_meta(v, memo) for k, v in kwargs.items()}
+    return measure_memory(fn, *meta_args, **meta_kwargs)
+
+
+def _to_meta(obj: Any, memo: dict[int, Any]) -> Any:
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, nn.Module):
+        meta = copy.deepcopy(obj).to("meta") if _not_meta(obj) else obj
+        for old, new in zip(obj.parameters(), meta.parameters()):
+            memo[id(old)] = new
+    elif isinstance(obj, torch.optim.Optimizer):
+        meta = _optimizer_to_meta(obj, memo)
+    elif isinstance(obj, Tensor):
+        meta = torch.empty_like(obj, device="meta").requires_grad_(obj.requires_grad)
+    elif isinstance(obj, (list, tuple)):
+        meta = type(obj)(_to_meta(o, memo) for o in obj)
+    elif isinstance(obj, dict):
+        meta = {k: _to_meta(v, memo) for k, v in obj.items()}
+    else:
+        return obj
+    memo[id(obj)] = meta
+    return meta
+
+
+def _not_meta(module: nn.Module) -> bool:
+    return any(t.device.type != "meta" for t in (*module.parameters(), *module.buffers()))
+
+
+def _optimizer_to_meta(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> Any:
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) not in memo:
+                raise ValueError(
+                    "predict_memory: pass the model whose parameters the optimizer updates "
+                    "before the optimizer in the argument list"
+                )
+            params.append(memo[id(p)])
+        groups.append({**group, "params": params})
+    meta = type(optimizer)(groups, **optimizer.defaults)
+    for p, state in optimizer.state.items():
+        meta.state[memo[id(p)]] = {
+            k: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v
+            for k, v in state.items()
+        }
+    return meta

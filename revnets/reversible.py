@@ -1,0 +1,545 @@
+"""Reversible residual blocks (Gomez et al. 2017) and the engine that backpropagates through a run
+of them by reconstructing each block's input from its output instead of storing it.
+
+A :class:`ReversibleBlock` splits its input into halves ``(x1, x2)`` and computes::
+
+    y1 = combine(x1, f(x2))        additive: y1 = x1 + f(x2)
+    y2 = combine(x2, g(y1))        additive: y2 = x2 + g(y1)
+
+which is inverted exactly, whatever f and g are::
+
+    x2 = uncombine(y2, g(y1))      additive: x2 = y2 - g(y1)
+    x1 = uncombine(y1, f(x2))      additive: x1 = y1 - f(x2)
+
+A :class:`ReversibleSequence` runs a list of blocks as one autograd Function. Its forward keeps
+nothing but the final output. Its backward walks the blocks in reverse, recomputing g(y1) and
+f(x2) once each with grad enabled; the same results serve both to reconstruct the block input and
+to backpropagate, so f and g run twice per step in all (4/3 of the cost of ordinary backprop for
+convolutional f and g), and activation memory does not grow with the number of blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+
+from revnets import reconstruction
+from revnets.replay import AutocastState, RngState, forked_rng, frozen_running_stats
+
+__all__ = [
+    "AdditiveCoupling",
+    "AffineCoupling",
+    "Coupling",
+    "ReversibleBlock",
+    "ReversibleSequence",
+]
+
+
+class Coupling:
+    """How a reversible block updates one half from a transform ``h`` of the other half.
+
+    Write your own coupling by subclassing and implementing three methods:
+
+    - ``combine(x, h) -> y``: differentiable in ``x`` and ``h``.
+    - ``uncombine(y, h) -> x``: the inverse in ``x``, ``combine(uncombine(y, h), h) == y`` up to
+      round-off. It runs under ``torch.no_grad``; keep it well-conditioned (never divide by ~0).
+    - ``transform_shape(half_shape) -> shape``: the shape that f and g must return for an input
+      half of ``half_shape`` (the default: the same shape).
+
+    Couplings are stateless: learnable parts belong in f and g, whose parameters the reversible
+    engine knows about.
+    """
+
+    #: The engine skips the extra ``combine`` in backward when it is a plain sum: its Jacobian is
+    #: the identity in both arguments.
+    is_additive: bool = False
+
+    def combine(self, x: Tensor, h: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def transform_shape(self, half_shape: torch.Size) -> torch.Size:
+        return half_shape
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class AdditiveCoupling(Coupling):
+    """``y = x + h``, the RevNet coupling: volume preserving and exactly invertible in exact arithmetic."""
+
+    is_additive = True
+
+    def combine(self, x: Tensor, h: Tensor) -> Tensor:
+        return x + h
+
+    def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
+        return y - h
+
+
+class AffineCoupling(Coupling):
+    """``y = x * s + t`` where f (or g) returns ``h = (r, t)`` stacked along ``dim`` and
+    ``s = exp(m * tanh(r / m))`` with ``m = max_log_scale``.
+
+    The soft clamp keeps ``s`` within ``[exp(-m), exp(m)]``: the inverse ``(y - t) / s`` never
+    divides by a number near zero, and round-off in reconstruction stays bounded per block.
+    f and g must return twice as many channels (along ``dim``) as the half they read.
+    """
+
+    def __init__(self, dim: int = 1, max_log_scale: float = 2.0) -> None:
+        if max_log_scale <= 0:
+            raise ValueError(f"AffineCoupling: max_log_scale must be positive, got {max_log_scale}")
+        self.dim = dim
+        self.max_log_scale = max_log_scale
+
+    def _scale_shift(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        raw, shift = h.chunk(2, dim=self.dim)
+        m = self.max_log_scale
+        return torch.exp(m * torch.tanh(raw / m)), shift
+
+    def combine(self, x: Tensor, h: Tensor) -> Tensor:
+        scale, shift = self._scale_shift(h)
+        return x * scale + shift
+
+    def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
+        scale, shift = self._scale_shift(h)
+        return (y - shift) / scale
+
+    def transform_shape(self, half_shape: torch.Size) -> torch.Size:
+        shape = list(half_shape)
+        shape[self.dim] *= 2
+        return torch.Size(shape)
+
+    def __repr__(self) -> str:
+        return f"AffineCoupling(dim={self.dim}, max_log_scale={self.max_log_scale})"
+
+
+def _make_coupling(coupling: str | Coupling, split_dim: int) -> Coupling:
+    if isinstance(coupling, Coupling):
+        return coupling
+    if coupling == "additive":
+        return AdditiveCoupling()
+    if coupling == "affine":
+        return AffineCoupling(dim=split_dim)
+    raise ValueError(
+        f"unknown coupling {coupling!r}: use 'additive', 'affine' or a revnets.Coupling instance"
+    )
+
+
+class ReversibleBlock(nn.Module):
+    """One reversible residual unit: ``y1 = combine(x1, f(x2))``, ``y2 = combine(x2, g(y1))``.
+
+    Args:
+        f: transform of the second half, added to the first. Must return the shape the coupling
+            asks for (for ``"additive"``: the shape of its input) and must not modify its input.
+        g: transform of the new first half, added to the second; same rules as f.
+        coupling: ``"additive"`` (RevNet), ``"affine"`` or a :class:`Coupling` instance.
+        split_dim: the dimension split into two equal halves (channels for NCHW images,
+            the last dimension for transformer tokens).
+
+    Calling the block runs it with ordinary autograd. Memory is saved by running blocks inside a
+    :class:`ReversibleSequence`. ``block.inverse(y)`` reconstructs the input of ``block(y)``.
+    """
+
+    def __init__(
+        self,
+        f: nn.Module,
+        g: nn.Module,
+        coupling: str | Coupling = "additive",
+        split_dim: int = 1,
+    ) -> None:
+        super().__init__()
+        self.f = f
+        self.g = g
+        self.coupling = _make_coupling(coupling, split_dim)
+        self.split_dim = split_dim
+
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The two halves of ``x`` along ``split_dim`` (views, no copy)."""
+        dim = self.split_dim
+        if not -x.dim() <= dim < x.dim():
+            raise ValueError(
+                f"ReversibleBlock: split_dim={dim} does not exist for an input of shape "
+                f"{tuple(x.shape)}"
+            )
+        if x.shape[dim] % 2:
+            raise ValueError(
+                f"ReversibleBlock: cannot split an input of shape {tuple(x.shape)} into two equal "
+                f"halves along split_dim={dim} (size {x.shape[dim]} is odd)"
+            )
+        x1, x2 = x.chunk(2, dim=dim)
+        return x1, x2
+
+    def merge(self, a: Tensor, b: Tensor) -> Tensor:
+        return torch.cat((a, b), dim=self.split_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.merge(*self.forward_halves(*self.split(x)))
+
+    def inverse(self, y: Tensor) -> Tensor:
+        return self.merge(*self.inverse_halves(*self.split(y)))
+
+    def forward_halves(self, x1: Tensor, x2: Tensor) -> tuple[Tensor, Tensor]:
+        y1 = self.coupling.combine(x1, self.transform("f", x2))
+        y2 = self.coupling.combine(x2, self.transform("g", y1))
+        return y1, y2
+
+    def inverse_halves(self, y1: Tensor, y2: Tensor) -> tuple[Tensor, Tensor]:
+        x2 = self.coupling.uncombine(y2, self.transform("g", y1))
+        x1 = self.coupling.uncombine(y1, self.transform("f", x2))
+        return x1, x2
+
+    def transform(self, name: str, half: Tensor) -> Tensor:
+        """Run ``f`` or ``g`` (by ``name``) on a half, checking what reversibility relies on."""
+        fn = self.f if name == "f" else self.g
+        version = half._version
+        try:
+            h = fn(half)
+        except (RuntimeError, NotImplementedError) as error:
+            message = str(error)
+            if half.device.type == "cpu" and ("'Half'" in message or "Got Half" in message):
+                raise TypeError(
+                    f"ReversibleBlock.{name} ({type(fn).__name__}) uses an operation that has no "
+                    "float16 kernel on CPU; use bfloat16 on CPU (torch.autocast('cpu', "
+                    "dtype=torch.bfloat16)) or float32"
+                ) from error
+            raise
+        if half._version != version:
+            raise RuntimeError(
+                f"ReversibleBlock.{name} ({type(fn).__name__}) modified its input in place; a "
+                "reversible block needs its input intact to be inverted (look for inplace=True "
+                "on the first layer of f or g, or an in-place op such as add_ on the input)"
+            )
+        if not isinstance(h, Tensor):
+            raise TypeError(
+                f"ReversibleBlock.{name} ({type(fn).__name__}) must return a single Tensor, "
+                f"got {type(h).__name__}"
+            )
+        expected = self.coupling.transform_shape(half.shape)
+        if h.shape != expected:
+            raise ValueError(
+                f"ReversibleBlock.{name} ({type(fn).__name__}) returned shape {tuple(h.shape)} for "
+                f"an input half of shape {tuple(half.shape)}; {self.coupling!r} needs "
+                f"{tuple(expected)}. A module that changes the shape (strided or "
+                "channel-changing) is not invertible: keep it outside the reversible sequence "
+                "(wrap it in revnets.Checkpointed to save its memory)"
+            )
+        return h
+
+    def extra_repr(self) -> str:
+        return f"coupling={self.coupling!r}, split_dim={self.split_dim}"
+
+
+class ReversibleSequence(nn.Module):
+    """A run of :class:`ReversibleBlock` whose activations are reconstructed, not stored.
+
+    Args:
+        blocks: the blocks, applied in order. All must split along the same dimension.
+        memory_efficient: the off switch. ``False`` runs the very same blocks with ordinary
+            autograd (storing every activation), which is the reference the reversible path must
+            match and the baseline its memory is compared with.
+        preserve_rng_state: replay the random number generators so that dropout and any other
+            randomness in f and g draw the same numbers in the backward recomputation.
+
+    The reversible path is taken in training mode with grad enabled. In eval mode or under
+    ``torch.no_grad`` the blocks run as plain modules, with no overhead.
+
+    .. note::
+        Gradients flow to the input and to the parameters of f and g (shared parameters
+        included). Only the sequence's output is kept, and it is released during backward, so a
+        second backward through the same forward (``retain_graph=True``) raises an error: run
+        the forward again. Modifying the parameters or the output in place between forward and
+        backward is an error too, as it would make the reconstruction wrong.
+    """
+
+    def __init__(
+        self,
+        blocks: Iterable[ReversibleBlock],
+        memory_efficient: bool = True,
+        preserve_rng_state: bool = True,
+    ) -> None:
+        super().__init__()
+        blocks = list(blocks)
+        for i, block in enumerate(blocks):
+            if not isinstance(block, ReversibleBlock):
+                raise TypeError(
+                    f"ReversibleSequence: block {i} is a {type(block).__name__}, not a "
+                    "ReversibleBlock. Only invertible blocks can sit in a reversible sequence; run "
+                    "a non-invertible module before or after it (wrap it in revnets.Checkpointed "
+                    "to save its memory)"
+                )
+        split_dims = {block.split_dim for block in blocks}
+        if len(split_dims) > 1:
+            raise ValueError(
+                f"ReversibleSequence: all blocks must split along the same dimension, got "
+                f"split_dim values {sorted(split_dims)}"
+            )
+        self.blocks = nn.ModuleList(blocks)
+        self.memory_efficient = memory_efficient
+        self.preserve_rng_state = preserve_rng_state
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[ReversibleBlock]:
+        return iter(self.blocks)
+
+    def __getitem__(self, index: int) -> ReversibleBlock:
+        return self.blocks[index]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.blocks:
+            return x
+        params = self.trainable_parameters()
+        reversible = (
+            self.memory_efficient
+            and self.training
+            and torch.is_grad_enabled()
+            and (x.requires_grad or bool(params))
+        )
+        if not reversible:
+            return self.forward_plain(x)
+        return _ReversibleFunction.apply(x, self, *params)
+
+    def forward_plain(self, x: Tensor) -> Tensor:
+        """The blocks as ordinary modules (what autograd would store, it stores)."""
+        first = self.blocks[0]
+        x1, x2 = first.split(x)
+        for block in self.blocks:
+            x1, x2 = block.forward_halves(x1, x2)
+        return first.merge(x1, x2)
+
+    def inverse(self, y: Tensor) -> Tensor:
+        first = self.blocks[0]
+        y1, y2 = first.split(y)
+        for block in reversed(self.blocks):
+            y1, y2 = block.inverse_halves(y1, y2)
+        return first.merge(y1, y2)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def extra_repr(self) -> str:
+        return f"memory_efficient={self.memory_efficient}"
+
+
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class _GradRoot:
+    """Where backpropagation through a recomputed transform starts, without keeping its output.
+
+    Holding the output tensor itself would keep its storage alive for the whole backward through
+    the transform; the gradient edge (its grad_fn) is all the engine needs.
+    """
+
+    __slots__ = ("edge", "dtype")
+
+    def __init__(self, output: Tensor) -> None:
+        self.edge = get_gradient_edge(output) if output.requires_grad else None
+        self.dtype = output.dtype
+
+    def vjp(self, inputs: Sequence[Tensor], grad_output: Tensor) -> list[Tensor | None]:
+        """Vector-Jacobian product w.r.t. ``inputs`` (None where independent)."""
+        if not inputs or self.edge is None:
+            return [None] * len(inputs)
+        if grad_output.dtype != self.dtype:
+            # Plain autograd casts an incoming gradient to its producer's dtype (autocast outputs).
+            grad_output = grad_output.to(self.dtype)
+        return list(torch.autograd.grad(self.edge, inputs, grad_output, allow_unused=True))
+
+
+def _add(a: Tensor, b: Tensor | None, *live: Tensor | None) -> Tensor:
+    """``a + b``, written into ``b`` when ``b`` is a fresh gradient that aliases none of ``a`` and
+    the other ``live`` gradients (autograd passes a gradient through unchanged across identities).
+    """
+    if b is None:
+        return a
+    storage = b.untyped_storage().data_ptr()
+    aliased = any(t is not None and t.untyped_storage().data_ptr() == storage for t in (a, *live))
+    if b._base is None and b.dtype == a.dtype and not aliased:
+        return b.add_(a)
+    return a + b
+
+
+def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor:
+    # Updating x in place saves an allocation per half; only for intermediates the engine owns.
+    if in_place and coupling.is_additive and torch.result_type(x, h) == x.dtype:
+        return x.add_(h)
+    return coupling.combine(x, h)
+
+
+def _uncombine(coupling: Coupling, y: Tensor, h: Tensor, in_place: bool) -> Tensor:
+    if in_place and coupling.is_additive and torch.result_type(y, h) == y.dtype:
+        return y.sub_(h)
+    return coupling.uncombine(y, h)
+
+
+class _ReversibleFunction(torch.autograd.Function):
+    """Forward: the blocks without a graph, output kept. Backward: reconstruct and backprop."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sequence: ReversibleSequence, *params: Tensor) -> Tensor:
+        blocks = sequence.blocks
+        preserve_rng = sequence.preserve_rng_state
+        report = reconstruction.active_report()
+        true_inputs = [] if report is not None else None
+        rng_states: list[tuple[RngState | None, RngState | None]] = []
+
+        x1, x2 = blocks[0].split(x)
+        owned = False  # the halves are views of the caller's input until the first block has run
+        for block in blocks:
+            if true_inputs is not None:
+                true_inputs.append((x1, x2))
+            rng_f = RngState((x2,)) if preserve_rng else None
+            y1 = _combine(block.coupling, x1, block.transform("f", x2), owned)
+            if rng_f is not None and rng_f.unchanged():
+                rng_f = None  # f drew no random numbers: nothing to replay
+            rng_g = RngState((y1,)) if preserve_rng else None
+            y2 = _combine(block.coupling, x2, block.transform("g", y1), owned)
+            if rng_g is not None and rng_g.unchanged():
+                rng_g = None
+            rng_states.append((rng_f, rng_g))
+            x1, x2 = y1, y2
+            owned = true_inputs is None  # kept true inputs must not be overwritten
+        y = blocks[0].merge(x1, x2)
+
+        # The output is held directly rather than saved, so that backward can let it go as soon
+        # as the top block is reconstructed (a saved tensor would live until backward returns).
+        # The version counter still catches in-place changes between forward and backward.
+        ctx.output = y.detach()
+        ctx.output_version = y._version
+        ctx.save_for_backward(*params)
+        ctx.sequence = sequence
+        ctx.rng_states = rng_states
+        ctx.autocast = AutocastState.capture(x.device.type)
+        ctx.report = report
+        ctx.true_inputs = true_inputs
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        params = ctx.saved_tensors
+        y, ctx.output = ctx.output, None
+        if y is None:
+            raise RuntimeError(
+                "ReversibleSequence: backward through the same forward a second time is not "
+                "supported (after the first backward the output it reconstructs from is released "
+                "to save memory). Run the forward again, or use memory_efficient=False."
+            )
+        if y._version != ctx.output_version:
+            raise RuntimeError(
+                "ReversibleSequence: its output was modified in place after the forward pass; the "
+                "inputs reconstructed from it would be wrong. Clone the output before modifying it."
+            )
+        blocks = ctx.sequence.blocks
+        position = {id(p): i for i, p in enumerate(params)}
+        param_grads: list[Tensor | None] = [None] * len(params)
+
+        # [y1, y2, dy1, dy2] of the block being reversed; _reverse_block swaps in its input's.
+        carry = [*blocks[0].split(y), *blocks[0].split(grad_y)]
+        del y, grad_y
+        owned = False  # the output and its gradient belong to the caller
+        replays_rng = any(s is not None for pair in ctx.rng_states for s in pair)
+        rng_guard = forked_rng(carry[:1]) if replays_rng else contextlib.nullcontext()
+        with rng_guard, frozen_running_stats(ctx.sequence):
+            for i in reversed(range(len(blocks))):
+                need_input_grad = i > 0 or ctx.needs_input_grad[0]
+                grads = _reverse_block(
+                    blocks[i], carry, ctx.rng_states[i], ctx.autocast, need_input_grad, owned
+                )
+                owned = ctx.true_inputs is None  # reconstructions are ours, unless compared
+                for p, grad in grads:
+                    k = position[id(p)]
+                    param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
+                if ctx.true_inputs is not None:
+                    ctx.report.record(i, len(blocks), ctx.true_inputs[i], carry[0], carry[1])
+
+        grad_x = blocks[0].merge(carry[2], carry[3]) if ctx.needs_input_grad[0] else None
+        return (grad_x, None, *param_grads)
+
+
+def _reverse_block(
+    block: ReversibleBlock,
+    carry: list,
+    rng: tuple[RngState | None, RngState | None],
+    autocast: AutocastState,
+    need_input_grad: bool,
+    owned: bool,
+) -> list[tuple[Tensor, Tensor]]:
+    """Reconstruct the block's input from its output and backpropagate through it.
+
+    ``carry`` holds ``[y1, y2, dy1, dy2]`` and is overwritten with ``[x1, x2, dx1, dx2]``; working
+    on the caller's list lets each tensor be freed the moment it is no longer needed. ``owned``
+    says whether ``y1`` and ``y2`` may be overwritten. Returns the (parameter, gradient) pairs of
+    f and g.
+    """
+    coupling = block.coupling
+    rng_f, rng_g = rng
+    g_params, f_params = _trainable(block.g), _trainable(block.f)
+
+    # Second half, y2 = combine(x2, g(y1)): one run of g gives both x2 and the gradients through g.
+    y1 = carry[0].detach().requires_grad_()
+    h = _recompute(block, "g", y1, rng_g, autocast)
+    with torch.no_grad(), autocast():
+        x2 = _uncombine(coupling, carry[1], h, owned)
+    carry[1] = None  # y2
+    if coupling.is_additive:
+        root = _GradRoot(h)
+        del h
+        grad_y1, *g_grads = root.vjp([y1, *g_params], carry[3])
+        grad_x2 = carry[3]
+    else:
+        x2_leaf = x2.detach().requires_grad_()
+        with torch.enable_grad(), autocast():
+            root = _GradRoot(coupling.combine(x2_leaf, h))
+        del h
+        grad_x2, grad_y1, *g_grads = root.vjp([x2_leaf, y1, *g_params], carry[3])
+        del x2_leaf
+    del root, y1
+    carry[3] = None  # dy2
+    grad_y1 = _add(carry[2], grad_y1, grad_x2, *g_grads)
+    carry[2] = None  # dy1
+
+    # First half, y1 = combine(x1, f(x2)): one run of f gives both x1 and the gradients through f.
+    x2.requires_grad_()
+    h = _recompute(block, "f", x2, rng_f, autocast)
+    with torch.no_grad(), autocast():
+        x1 = _uncombine(coupling, carry[0], h, owned)
+    carry[0] = None  # y1
+    if coupling.is_additive:
+        root = _GradRoot(h)
+        del h
+        grads = root.vjp([x2, *f_params] if need_input_grad else f_params, grad_y1)
+        grad_x1 = grad_y1
+    else:
+        x1.requires_grad_()
+        with torch.enable_grad(), autocast():
+            root = _GradRoot(coupling.combine(x1, h))
+        del h
+        grads = root.vjp([x1, x2, *f_params] if need_input_grad else f_params, grad_y1)
+        grad_x1 = grads.pop(0) if need_input_grad else None
+    del root
+    if need_input_grad:
+        grad_x2 = _add(grad_x2, grads.pop(0), grad_x1, *grads, *g_grads)
+    f_grads = grads
+
+    carry[:] = [x1.detach(), x2.detach(), grad_x1, grad_x2]
+    pairs = list(zip(g_params, g_grads)) + list(zip(f_params, f_grads))
+    return [(p, grad) for p, grad in pairs if grad is not None]
+
+
+def _recompute(
+    block: ReversibleBlock, name: str, half: Tensor, rng: RngState | None, autocast: AutocastState
+) -> Tensor:
+    if rng is not None:
+        rng.restore()
+    with torch.enable_grad(), autocast():
+        return block.transform(name, half)

@@ -1,0 +1,108 @@
+"""The memory meter on cases whose answer is known by arithmetic."""
+
+import torch
+from torch import nn
+
+import revnets
+from revnets.memory import MemoryTracker, measure_memory, predict_memory
+
+KiB = 1024
+
+
+def test_peak_of_known_allocations():
+    def fn():
+        a = torch.empty(256 * KiB, dtype=torch.uint8)
+        b = torch.empty(512 * KiB, dtype=torch.uint8)
+        del a
+        c = torch.empty(128 * KiB, dtype=torch.uint8)
+        d = c.view(-1)[:10]  # a view: no new storage
+        return b.numel() + d.numel()
+
+    report = measure_memory(fn)
+    assert report.peak_bytes == (512 + 256) * KiB
+    assert report.activations == (512 + 256) * KiB
+    assert report.result == 512 * KiB + 10
+
+
+def test_freed_memory_is_reused_in_the_count():
+    def fn():
+        for _ in range(10):
+            torch.empty(100 * KiB, dtype=torch.uint8)
+        return None
+
+    assert measure_memory(fn).peak_bytes == 100 * KiB
+
+
+def test_training_step_categories():
+    linear = nn.Linear(256, 128, bias=False)  # 128 KiB of float32 weight
+    optimizer = torch.optim.SGD(linear.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(64, 256)  # 64 KiB
+
+    def step(model, optimizer, x):
+        optimizer.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+        optimizer.step()
+
+    step(linear, optimizer, x)  # creates .grad and the momentum buffer
+    report = measure_memory(step, linear, optimizer, x)
+    assert report.parameters == 128 * KiB
+    assert report.gradients == 128 * KiB
+    assert report.optimizer_state == 128 * KiB
+    assert report.inputs == 64 * KiB
+    # The output (64 x 128 floats = 32 KiB) and the weight gradient before it is accumulated
+    # (128 KiB) are the largest things the step allocates at once.
+    assert report.peak_bytes == report.model_state_bytes + report.inputs + report.activations
+    assert 128 * KiB <= report.activations <= 128 * KiB + 2 * 32 * KiB
+
+
+def test_activations_of_a_relu_chain_scale_with_depth():
+    def forward(model, x):
+        return model(x)
+
+    x = torch.randn(1024, requires_grad=True)  # 4 KiB
+    for depth in (1, 4, 16):
+        chain = nn.Sequential(*(nn.Softplus() for _ in range(depth)))
+        report = measure_memory(forward, chain, x)
+        # Every Softplus output is kept (the next one saves it for backward).
+        assert report.activations == depth * 4 * KiB
+
+
+def test_tracker_as_context_manager_sees_backward():
+    w = nn.Parameter(torch.randn(1000))
+    with MemoryTracker() as tracker:
+        (w * 2).sum().backward()
+    assert tracker.report().peak_bytes >= 2 * 4000
+
+
+def test_meta_prediction_equals_measurement():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 64, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+
+    def step(model, optimizer, x, y):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    step(model, optimizer, x, y)
+    measured = measure_memory(step, model, optimizer, x, y)
+    predicted = predict_memory(step, model, optimizer, x, y)
+    assert predicted.device == "meta"
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes
+    assert predicted.optimizer_state == measured.optimizer_state > 0
+
+
+def test_meta_prediction_of_a_reversible_stack():
+    from conftest import make_stack
+
+    model = make_stack(6, half=8)
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+
+    def step(model, x):
+        model(x).square().mean().backward()
+
+    measured = measure_memory(step, model, x)
+    predicted = revnets.predict_memory(step, model, x)
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes

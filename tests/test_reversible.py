@@ -1,0 +1,341 @@
+import pytest
+import torch
+from conftest import make_stack, max_grad_error, rel_error, twin
+from torch import nn
+
+import revnets
+from revnets.memory import measure_memory
+
+COUPLINGS = ["additive", "affine"]
+
+
+def run(model, x, seed=1, loss=lambda out: out.square().sum()):
+    torch.manual_seed(seed)
+    out = model(x)
+    loss(out).backward()
+    return out
+
+
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_float64_gradients_equal_ordinary_backprop(coupling):
+    model = make_stack(6, coupling=coupling).double()
+    plain = twin(model)
+    x = torch.randn(3, 8, 5, 5, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    out, out_plain = run(model, x), run(plain, x_plain)
+    assert out.grad_fn.name() == "_ReversibleFunctionBackward"
+    assert torch.equal(out, out_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+class SubtractCoupling(revnets.Coupling):
+    """A user-written coupling: y = x - 2h."""
+
+    def combine(self, x, h):
+        return x - 2 * h
+
+    def uncombine(self, y, h):
+        return y + 2 * h
+
+
+def test_user_coupling_protocol():
+    blocks = [
+        revnets.ReversibleBlock(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
+                                coupling=SubtractCoupling(), split_dim=-1)
+        for _ in range(4)
+    ]
+    model = revnets.ReversibleSequence(blocks).double()
+    plain = twin(model)
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    run(model, x), run(plain, x_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_inverse_reconstructs_input(coupling):
+    model = make_stack(3, coupling=coupling).double().eval()
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(model.inverse(model(x)), x, atol=1e-12)
+        block = model[0]
+        assert torch.allclose(block.inverse(block(x)), x, atol=1e-12)
+
+
+def test_affine_scale_is_bounded_away_from_zero():
+    coupling = revnets.AffineCoupling(dim=1, max_log_scale=2.0)
+    h = torch.cat([torch.full((1, 2), -1e6), torch.zeros(1, 2)], dim=1)
+    scale, _ = coupling._scale_shift(h)
+    assert torch.all(scale >= torch.exp(torch.tensor(-2.0)) - 1e-6)
+    x = torch.randn(1, 2)
+    assert torch.allclose(coupling.uncombine(coupling.combine(x, h), h), x, atol=1e-5)
+
+
+def test_batchnorm_statistics_updated_once_per_step():
+    model = make_stack(4).double()
+    plain = twin(model)
+    for step in range(3):
+        x = torch.randn(4, 8, 5, 5, dtype=torch.float64, requires_grad=True)
+        run(model, x, seed=step)
+        run(plain, x.detach().clone().requires_grad_(), seed=step)
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        if name.endswith("num_batches_tracked"):
+            assert a.item() == 3, name
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name
+
+
+def test_dropout_masks_replayed():
+    model = make_stack(4, dropout=0.5).double()
+    plain = twin(model)
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    out, out_plain = run(model, x, seed=7), run(plain, x_plain, seed=7)
+    assert torch.equal(out, out_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+def test_rng_left_as_after_plain_forward_backward():
+    model = make_stack(2, dropout=0.5)
+    plain = twin(model)
+    x = torch.randn(2, 8, 4, 4)
+    run(model, x, seed=3)
+    after_reversible = torch.rand(3)
+    run(plain, x, seed=3)
+    assert torch.equal(after_reversible, torch.rand(3))
+
+
+def test_bfloat16_autocast_on_cpu():
+    model = make_stack(4)
+    plain = twin(model)
+    x = torch.randn(2, 8, 6, 6, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        out_plain = plain(x_plain)
+    assert torch.equal(out, out_plain)
+    out.float().square().sum().backward()
+    out_plain.float().square().sum().backward()
+    # Reconstruction in bfloat16-rounded arithmetic: close, not identical.
+    assert rel_error(x.grad, x_plain.grad) < 5e-2
+    assert max_grad_error(model, plain) < 5e-2
+
+
+def test_eval_and_no_grad_run_plain_forward():
+    model = make_stack(3)
+    x = torch.randn(2, 8, 4, 4, requires_grad=True)
+    with torch.no_grad():
+        reference = model.forward_plain(x)
+        assert torch.equal(model(x), reference)
+    model.eval()
+    out = model(x)
+    assert out.grad_fn is not None and "Reversible" not in out.grad_fn.name()
+
+
+def test_input_without_grad_and_frozen_parameters():
+    model = make_stack(3).double()
+    plain = twin(model)
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
+    run(model, x), run(plain, x)
+    assert max_grad_error(model, plain) <= 1e-10
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x.requires_grad_()
+    x_plain = x.detach().clone().requires_grad_()
+    for p in plain.parameters():
+        p.requires_grad_(False)
+    run(model, x), run(plain, x_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+
+
+def test_gradient_accumulation():
+    model = make_stack(3).double()
+    plain = twin(model)
+    for seed in range(3):
+        x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
+        run(model, x, seed), run(plain, x, seed)
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+def test_autograd_grad_leaves_dot_grad_alone():
+    model = make_stack(3).double()
+    plain = twin(model)
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    grads = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+    grads_plain = torch.autograd.grad(plain(x).square().sum(), [x, *plain.parameters()])
+    assert all(p.grad is None for p in model.parameters())
+    assert max(rel_error(a, b) for a, b in zip(grads, grads_plain)) <= 1e-10
+
+
+def test_partly_used_output():
+    model = make_stack(3).double()
+    plain = twin(model)
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    only_first_channels = lambda out: out[:, :3].sum()  # noqa: E731
+    run(model, x, loss=only_first_channels), run(plain, x_plain, loss=only_first_channels)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+def test_parameters_shared_between_blocks():
+    shared = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    blocks = [revnets.ReversibleBlock(shared, nn.Linear(4, 4), split_dim=-1) for _ in range(3)]
+    model = revnets.ReversibleSequence(blocks).double()
+    plain = twin(model)
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    run(model, x), run(plain, x.detach().clone().requires_grad_())
+    assert len(list(model.parameters())) == 2 + 3 * 2
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+def test_identity_transforms():
+    model = revnets.ReversibleSequence(
+        [revnets.ReversibleBlock(nn.Identity(), nn.Identity(), split_dim=-1) for _ in range(3)]
+    ).double()
+    x = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    run(model, x), run(twin(model), x_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+
+
+def test_caller_tensors_untouched():
+    model = make_stack(4)
+    x = torch.randn(2, 8, 4, 4, requires_grad=True)
+    before, version = x.detach().clone(), x._version
+    out = model(x)
+    out_copy, out_version = out.detach().clone(), out._version
+    out.square().sum().backward()
+    assert x._version == version and torch.equal(x.detach(), before)
+    assert out._version == out_version and torch.equal(out.detach(), out_copy)
+
+
+def test_memory_flat_in_depth():
+    def step(model, x):
+        model(x).square().mean().backward()
+
+    def activation_peak(depth, memory_efficient):
+        model = make_stack(depth, half=8)
+        model.memory_efficient = memory_efficient
+        x = torch.randn(4, 16, 16, 16, requires_grad=True)
+        return measure_memory(step, model, x).above_model_state_bytes
+
+    assert activation_peak(16, True) == activation_peak(4, True)
+    assert activation_peak(16, False) > 3 * activation_peak(4, False)
+
+
+def test_reconstruction_check_reports_every_block():
+    model = make_stack(5).double()
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    with revnets.check_reconstruction() as report:
+        model(x).sum().backward()
+    assert sorted(d.block for d in report.drifts) == list(range(5))
+    assert 0 <= report.max_rel_error < 1e-12
+    assert "reconstructions" in report.table()
+
+
+def test_reconstruction_drift_grows_in_float32():
+    torch.manual_seed(0)
+    model = make_stack(12)
+    x = torch.randn(2, 8, 4, 4, requires_grad=True)
+    with revnets.check_reconstruction() as report:
+        model(x).sum().backward()
+    by_distance = {d.reconstructions: d.max_abs_error for d in report.drifts}
+    assert by_distance[12] > 0 and by_distance[12] >= by_distance[1]
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_odd_split_is_named():
+    model = make_stack(2)
+    with pytest.raises(ValueError, match=r"cannot split .*\(size 7 is odd\)"):
+        model(torch.randn(2, 7, 4, 4, requires_grad=True))
+
+
+def test_shape_changing_transform_is_named():
+    block = revnets.ReversibleBlock(nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.Identity())
+    with pytest.raises(ValueError, match=r"ReversibleBlock.f \(Conv2d\) returned shape"):
+        revnets.ReversibleSequence([block])(torch.randn(1, 8, 4, 4, requires_grad=True))
+
+
+def test_in_place_transform_is_named():
+    f = nn.Sequential(nn.ReLU(inplace=True), nn.Conv2d(4, 4, 1))
+    block = revnets.ReversibleBlock(f, nn.Identity())
+    with pytest.raises(RuntimeError, match=r"ReversibleBlock.f \(Sequential\) modified its input"):
+        revnets.ReversibleSequence([block])(torch.randn(1, 8, 4, 4, requires_grad=True))
+
+
+def test_non_invertible_module_in_sequence_is_named():
+    with pytest.raises(TypeError, match=r"block 1 is a Conv2d, not a ReversibleBlock"):
+        revnets.ReversibleSequence([make_stack(1)[0], nn.Conv2d(8, 8, 3)])
+
+
+def test_float16_without_cpu_kernel_is_named():
+    class Zeta(nn.Module):
+        def forward(self, x):
+            return torch.special.zeta(x.abs() + 2, x.abs() + 1)
+
+    block = revnets.ReversibleBlock(Zeta(), nn.Identity(), split_dim=-1)
+    x = torch.rand(2, 4, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(TypeError, match="no float16 kernel on CPU; use bfloat16"):
+        revnets.ReversibleSequence([block])(x)
+
+
+def test_second_backward_is_refused_clearly():
+    model = make_stack(2)
+    out = model(torch.randn(1, 8, 4, 4, requires_grad=True))
+    loss = out.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second time is not supported"):
+        loss.backward()
+
+
+def test_output_modified_in_place_is_refused():
+    model = make_stack(2)
+    out = model(torch.randn(1, 8, 4, 4, requires_grad=True))
+    loss = out.sum()
+    with torch.no_grad():
+        out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place after the forward pass"):
+        loss.backward()
+
+
+def test_parameters_modified_between_forward_and_backward_is_refused():
+    model = make_stack(2)
+    loss = model(torch.randn(1, 8, 4, 4, requires_grad=True)).sum()
+    with torch.no_grad():
+        next(model.parameters()).add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_unknown_coupling_is_named():
+    with pytest.raises(ValueError, match="unknown coupling 'multiplicative'"):
+        revnets.ReversibleBlock(nn.Identity(), nn.Identity(), coupling="multiplicative")
+
+
+class AddParameter(nn.Module):
+    """(x + p) * 2: autograd hands the same gradient tensor to x and to p."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(shape))
+
+    def forward(self, x):
+        return (x + self.p) * 2
+
+
+def test_gradients_that_alias_each_other():
+    blocks = [revnets.ReversibleBlock(AddParameter(3), AddParameter(3), split_dim=-1)
+              for _ in range(3)]
+    model = revnets.ReversibleSequence(blocks).double()
+    plain = twin(model)
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    run(model, x, loss=lambda out: (out * torch.arange(6.0)).sum())
+    run(plain, x_plain, loss=lambda out: (out * torch.arange(6.0)).sum())
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
