@@ -1,6 +1,8 @@
 """revnets: reversible networks and checkpointing for models that do not fit in memory."""
 
-from revnets.checkpoint import Checkpointed, checkpoint_segments
+from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
+from revnets import models  # registers the zoo with timm
+from revnets.models import MEMORY_STRATEGIES, ResidualNet
 from revnets.memory import MemoryReport, MemoryTracker, measure_memory, predict_memory
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
 from revnets.reversible import (
@@ -14,17 +16,21 @@ from revnets.reversible import (
 __all__ = [
     "AdditiveCoupling",
     "AffineCoupling",
+    "MEMORY_STRATEGIES",
     "BlockDrift",
     "Checkpointed",
     "Coupling",
     "MemoryReport",
     "MemoryTracker",
+    "ResidualNet",
     "ReconstructionReport",
     "ReversibleBlock",
     "ReversibleSequence",
     "check_reconstruction",
+    "checkpoint",
     "checkpoint_segments",
     "measure_memory",
+    "models",
     "predict_memory",
 ]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch.utils.checkpoint
@@ -17,7 +18,34 @@ from torch import nn
 
 from revnets.replay import frozen_running_stats
 
-__all__ = ["Checkpointed", "checkpoint_segments"]
+__all__ = [
+    "Checkpointed",
+    "checkpoint",
+    "checkpoint_segments",
+    "run_checkpointed_segments",
+    "segment_bounds",
+]
+
+
+def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)``, storing only the inputs; the internals are recomputed in backward.
+
+    Non-reentrant :func:`torch.utils.checkpoint.checkpoint` with RNG replayed and the module's
+    BatchNorm running statistics left alone during the recomputation.
+    """
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+        # The first context wraps the original forward, the second the recomputation.
+        return contextlib.nullcontext(), frozen_running_stats(module)
+
+    return torch.utils.checkpoint.checkpoint(
+        module,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=contexts,
+        **kwargs,
+    )
 
 
 class Checkpointed(nn.Module):
@@ -41,21 +69,36 @@ class Checkpointed(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.enabled and self.training and torch.is_grad_enabled()):
             return self.module(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(
-            self.module,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=self.preserve_rng_state,
-            context_fn=self._contexts,
-            **kwargs,
+        return checkpoint(
+            self.module, *args, preserve_rng_state=self.preserve_rng_state, **kwargs
         )
-
-    def _contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
-        # The first context wraps the original forward, the second the recomputation.
-        return contextlib.nullcontext(), frozen_running_stats(self.module)
 
     def extra_repr(self) -> str:
         return f"enabled={self.enabled}"
+
+
+def segment_bounds(n: int, segments: int | None = None) -> list[tuple[int, int]]:
+    """(start, stop) of ``segments`` near-equal runs covering ``range(n)``; default about sqrt(n)."""
+    if segments is None:
+        segments = max(1, round(math.sqrt(n)))
+    if not 1 <= segments <= max(n, 1):
+        raise ValueError(f"segments must be between 1 and {n}, got {segments}")
+    bounds = [round(i * n / segments) for i in range(segments + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def run_checkpointed_segments(
+    layers: Sequence[nn.Module], x: Any, segments: int | None = None
+) -> Any:
+    """Run ``layers`` in order, checkpointing each of about sqrt(n) segments but the last.
+
+    The last segment is not checkpointed: backward would recompute it at once, saving nothing.
+    """
+    bounds = segment_bounds(len(layers), segments)
+    for i, (start, stop) in enumerate(bounds):
+        segment = nn.Sequential(*layers[start:stop])  # a view on the layers, not registered
+        x = segment(x) if i == len(bounds) - 1 else checkpoint(segment, x)
+    return x
 
 
 def checkpoint_segments(sequential: nn.Sequential, segments: int | None = None) -> nn.Sequential:
@@ -63,21 +106,13 @@ def checkpoint_segments(sequential: nn.Sequential, segments: int | None = None) 
 
     With ``n`` layers and ``segments`` about ``sqrt(n)`` (the default), training stores one
     activation per segment boundary plus one segment's internals at a time: O(sqrt n) memory for
-    one extra forward pass. The last segment is not checkpointed: backward would recompute it
-    immediately, saving nothing.
+    one extra forward pass. The last segment is not checkpointed.
 
     Returns a new ``nn.Sequential`` of ``Checkpointed(nn.Sequential(...))`` segments sharing the
     original layers (so parameters are the same objects).
     """
     layers = list(sequential)
-    n = len(layers)
-    if n == 0:
+    if not layers:
         return nn.Sequential()
-    if segments is None:
-        segments = max(1, round(math.sqrt(n)))
-    if not 1 <= segments <= n:
-        raise ValueError(f"checkpoint_segments: segments must be between 1 and {n}, got {segments}")
-    bounds = [round(i * n / segments) for i in range(segments + 1)]
-    parts = [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
-    wrapped = [Checkpointed(part) for part in parts[:-1]] + [parts[-1]]
-    return nn.Sequential(*wrapped)
+    parts = [nn.Sequential(*layers[a:b]) for a, b in segment_bounds(len(layers), segments)]
+    return nn.Sequential(*(Checkpointed(part) for part in parts[:-1]), parts[-1])

@@ -1,0 +1,373 @@
+"""Pre-activation ResNets and RevNets for CIFAR and ImageNet, registered with timm.
+
+Architectures follow the official RevNet code (renmengye/revnet-public), so parameter counts match
+the RevNet paper's table exactly. One class builds both families; ``reversible=True`` makes the
+units RevNet units: the units of a stage that keep the shape run in a
+:class:`~revnets.ReversibleSequence`, and the first unit of a stage, where the shape changes, is an
+ordinary (non-invertible) :class:`~revnets.layers.RevNetDownsampleUnit`.
+
+How much memory a model saves is a setting, switchable on the same weights (``set_memory``):
+
+- ``none``: store every activation (for a RevNet: the same weights under ordinary autograd).
+- ``checkpoint``: split every stage into about sqrt(n) checkpointed segments of units.
+- ``reversible`` (RevNet default): reversible units reconstruct; the stem, downsampling units and
+  head are stored.
+- ``reversible+checkpoint``: as ``reversible``, with the stem, downsampling units and final
+  activation checkpointed too.
+
+Depth is counted as in the papers: every convolution on the main path plus the stem convolution
+and the classifier (projection shortcuts not counted). A basic unit has 2 convolutions, a
+bottleneck unit 3; a RevNet unit has f and g, so twice that: RevNet-38 = 3 stages x 3 units x 4 + 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import Tensor, nn
+
+from revnets.checkpoint import checkpoint, run_checkpointed_segments
+from revnets.layers import (
+    ResidualUnit,
+    RevNetDownsampleUnit,
+    preact_basic,
+    preact_bottleneck,
+    shortcut,
+)
+from revnets.reversible import ReversibleBlock, ReversibleSequence
+
+__all__ = ["MEMORY_STRATEGIES", "ResidualNet"]
+
+MEMORY_STRATEGIES = ("none", "checkpoint", "reversible", "reversible+checkpoint")
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+class Stage(nn.Module):
+    """Units of one resolution: ordinary ``units`` first, then an optional reversible run."""
+
+    def __init__(self, units: Sequence[nn.Module], reversible: Sequence[ReversibleBlock]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(units)
+        self.reversible = ReversibleSequence(reversible) if reversible else None
+        self.memory = "none"
+
+    def set_memory(self, strategy: str) -> None:
+        self.memory = strategy
+        if self.reversible is not None:
+            self.reversible.memory_efficient = strategy.startswith("reversible")
+
+    def forward(self, x: Tensor) -> Tensor:
+        saving = self.training and torch.is_grad_enabled()
+        if self.memory == "checkpoint" and saving:
+            # Reversible blocks run here as ordinary modules, grouped with the other units.
+            return run_checkpointed_segments([*self.units, *(self.reversible or ())], x)
+        for unit in self.units:
+            x = checkpoint(unit, x) if self.memory == "reversible+checkpoint" and saving else unit(x)
+        if self.reversible is not None:
+            x = self.reversible(x)
+        return x
+
+
+class _Activation(nn.Sequential):
+    """BatchNorm-ReLU, checkpointable as one piece."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
+
+
+class ResidualNet(nn.Module):
+    """A pre-activation ResNet (``reversible=False``) or RevNet (``reversible=True``).
+
+    Args:
+        units: residual units per stage, e.g. ``(9, 9, 9)``.
+        channels: stem channels then the channels of each stage (before the x4 of bottleneck
+            units), e.g. ``(32, 32, 64, 128)``.
+        bottleneck: bottleneck units (1x1-3x3-1x1, 4x the channels out) instead of basic ones.
+        reversible: RevNet units.
+        stem: ``"cifar"`` (conv3x3) or ``"imagenet"`` (conv7x7 stride 2, max pool).
+        memory: memory strategy (see the module docstring); default ``reversible`` for a
+            RevNet, ``none`` for a ResNet.
+        num_classes, in_chans, drop_rate: as in timm.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[int],
+        channels: Sequence[int],
+        bottleneck: bool = False,
+        reversible: bool = False,
+        stem: str = "cifar",
+        memory: str | None = None,
+        num_classes: int = 10,
+        in_chans: int = 3,
+        drop_rate: float = 0.0,
+        global_pool: str = "avg",
+    ) -> None:
+        super().__init__()
+        if len(channels) != len(units) + 1:
+            raise ValueError(
+                f"ResidualNet: channels needs the stem's plus one per stage ({len(units) + 1} "
+                f"values), got {len(channels)}"
+            )
+        if global_pool != "avg":
+            raise ValueError(f"ResidualNet: only global_pool='avg' is supported, got {global_pool!r}")
+        self.reversible = reversible
+        self.num_classes = num_classes
+        self.drop_rate = drop_rate
+        expansion = 4 if bottleneck else 1
+        self.stem = self._make_stem(stem, in_chans, channels[0])
+
+        strides = [1] + [2] * (len(units) - 1)
+        stages = []
+        in_ch = channels[0]
+        for index, (count, width, stride) in enumerate(zip(units, channels[1:], strides)):
+            out_ch = width * expansion
+            plain, blocks = [], []
+            for j in range(count):
+                unit_in, unit_stride = (in_ch, stride) if j == 0 else (out_ch, 1)
+                unit = self._make_unit(
+                    unit_in, out_ch, unit_stride, bottleneck, preactivate=(index, j) != (0, 0)
+                )
+                (blocks if isinstance(unit, ReversibleBlock) else plain).append(unit)
+            if blocks and plain and len(plain) > 1:
+                raise AssertionError("only the first unit of a stage can be non-invertible")
+            stages.append(Stage(plain, blocks))
+            in_ch = out_ch
+        self.stages = nn.Sequential(*stages)
+        self.final_act = _Activation(in_ch)
+        self.num_features = self.head_hidden_size = in_ch
+        self.head_drop = nn.Dropout(drop_rate)
+        self.fc = nn.Linear(in_ch, num_classes) if num_classes else nn.Identity()
+        self._init_weights()
+        self.memory = "none"
+        self.set_memory(memory or ("reversible" if reversible else "none"))
+
+    @staticmethod
+    def _make_stem(kind: str, in_chans: int, out_ch: int) -> nn.Sequential:
+        if kind == "cifar":
+            return nn.Sequential(
+                nn.Conv2d(in_chans, out_ch, 3, padding=1, bias=False), *_Activation(out_ch)
+            )
+        if kind == "imagenet":
+            return nn.Sequential(
+                nn.Conv2d(in_chans, out_ch, 7, stride=2, padding=3, bias=False),
+                *_Activation(out_ch),
+                nn.MaxPool2d(3, stride=2, padding=1),
+            )
+        raise ValueError(f"ResidualNet: unknown stem {kind!r}; valid: 'cifar', 'imagenet'")
+
+    def _make_unit(
+        self, in_ch: int, out_ch: int, stride: int, bottleneck: bool, preactivate: bool
+    ) -> nn.Module:
+        transform = preact_bottleneck if bottleneck else preact_basic
+        if not self.reversible:
+            return ResidualUnit(
+                transform(in_ch, out_ch, stride, preactivate),
+                shortcut(in_ch, out_ch, stride, bottleneck),
+            )
+        half_in, half_out = in_ch // 2, out_ch // 2
+        f = transform(half_in, half_out, stride, preactivate)
+        g = transform(half_out, half_out, 1)
+        if stride == 1 and in_ch == out_ch:
+            return ReversibleBlock(f, g)
+        return RevNetDownsampleUnit(
+            f,
+            g,
+            shortcut(half_in, half_out, stride, bottleneck),
+            shortcut(half_in, half_out, stride, bottleneck),
+        )
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                # The official code: normal with std sqrt(2 / (k * k * out_channels)).
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    # -- memory strategy ----------------------------------------------------------------------
+    @property
+    def memory_strategies(self) -> tuple[str, ...]:
+        return MEMORY_STRATEGIES if self.reversible else MEMORY_STRATEGIES[:2]
+
+    def set_memory(self, strategy: str) -> ResidualNet:
+        """Switch how training saves memory; weights and state_dict keys stay the same."""
+        if strategy not in self.memory_strategies:
+            family = "RevNet" if self.reversible else "ResNet (it has no reversible units)"
+            raise ValueError(
+                f"unknown memory strategy {strategy!r} for a {family}; valid: "
+                + ", ".join(repr(s) for s in self.memory_strategies)
+            )
+        self.memory = strategy
+        for stage in self.stages:
+            stage.set_memory(strategy)
+        return self
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's switch, mapped onto a memory strategy."""
+        if self.reversible:
+            self.set_memory("reversible+checkpoint" if enable else "reversible")
+        else:
+            self.set_memory("checkpoint" if enable else "none")
+
+    # -- timm interface -----------------------------------------------------------------------
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
+        self.num_classes = num_classes
+        self.fc = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+
+    def _maybe_checkpoint(self, module: nn.Module, x: Tensor) -> Tensor:
+        if self.memory == "reversible+checkpoint" and self.training and torch.is_grad_enabled():
+            return checkpoint(module, x)
+        return module(x)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        x = self._maybe_checkpoint(self.stem, x)
+        x = self.stages(x)
+        return self._maybe_checkpoint(self.final_act, x)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = self.head_drop(x.mean((2, 3)))
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    if pretrained:
+        raise ValueError(
+            f"no pretrained weights are published for {variant}: create it with "
+            "pretrained=False and train it (python train.py model=...)"
+        )
+    return build_model_with_cfg(ResidualNet, variant, pretrained, **kwargs)
+
+
+def _cifar_cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 10,
+        "input_size": (3, 32, 32),
+        "pool_size": (8, 8),
+        "crop_pct": 1.0,
+        "interpolation": "bilinear",
+        "mean": CIFAR_MEAN,
+        "std": CIFAR_STD,
+        "first_conv": "stem.0",
+        "classifier": "fc",
+        **kwargs,
+    }
+
+
+def _imagenet_cfg(**kwargs: Any) -> dict[str, Any]:
+    return _cifar_cfg(
+        num_classes=1000,
+        input_size=(3, 224, 224),
+        pool_size=(7, 7),
+        crop_pct=0.875,
+        mean=IMAGENET_DEFAULT_MEAN,
+        std=IMAGENET_DEFAULT_STD,
+        **kwargs,
+    )
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "resnet32.untrained": _cifar_cfg(),
+        "resnet110.untrained": _cifar_cfg(),
+        "resnet164.untrained": _cifar_cfg(),
+        "resnet1001.untrained": _cifar_cfg(),
+        "revnet38.untrained": _cifar_cfg(),
+        "revnet110.untrained": _cifar_cfg(),
+        "revnet164.untrained": _cifar_cfg(),
+        "revnet992.untrained": _cifar_cfg(),
+        "preact_resnet101.untrained": _imagenet_cfg(),
+        "revnet104.untrained": _imagenet_cfg(),
+    }
+)
+
+_CIFAR_RESNET = dict(channels=(16, 16, 32, 64), stem="cifar")
+_CIFAR_REVNET = dict(channels=(32, 32, 64, 128), stem="cifar", reversible=True)
+
+
+@register_model
+def resnet32(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """ResNet-32 for CIFAR: 5-5-5 basic units, 16-32-64 channels."""
+    return _create("resnet32", pretrained, **dict(_CIFAR_RESNET, units=(5, 5, 5)), **kwargs)
+
+
+@register_model
+def resnet110(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """ResNet-110 for CIFAR: 18-18-18 basic units, 16-32-64 channels."""
+    return _create("resnet110", pretrained, **dict(_CIFAR_RESNET, units=(18, 18, 18)), **kwargs)
+
+
+@register_model
+def resnet164(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """ResNet-164 for CIFAR: 18-18-18 bottleneck units, 64-128-256 channels out."""
+    args = dict(_CIFAR_RESNET, units=(18, 18, 18), bottleneck=True)
+    return _create("resnet164", pretrained, **args, **kwargs)
+
+
+@register_model
+def resnet1001(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """ResNet-1001 for CIFAR (He et al. 2016): 111-111-111 pre-activation bottleneck units."""
+    args = dict(_CIFAR_RESNET, units=(111, 111, 111), bottleneck=True)
+    return _create("resnet1001", pretrained, **args, **kwargs)
+
+
+@register_model
+def revnet38(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """RevNet-38 for CIFAR: 3-3-3 basic units, 32-64-112 channels."""
+    args = dict(_CIFAR_REVNET, units=(3, 3, 3), channels=(32, 32, 64, 112))
+    return _create("revnet38", pretrained, **args, **kwargs)
+
+
+@register_model
+def revnet110(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """RevNet-110 for CIFAR: 9-9-9 basic units, 32-64-128 channels."""
+    return _create("revnet110", pretrained, **dict(_CIFAR_REVNET, units=(9, 9, 9)), **kwargs)
+
+
+@register_model
+def revnet164(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """RevNet-164 for CIFAR: 9-9-9 bottleneck units, 128-256-512 channels out."""
+    args = dict(_CIFAR_REVNET, units=(9, 9, 9), bottleneck=True)
+    return _create("revnet164", pretrained, **args, **kwargs)
+
+
+@register_model
+def revnet992(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """A 992-layer RevNet for CIFAR: RevNet-164's plan with 55-55-55 bottleneck units
+    (6 convolutions a unit: 6 x 165 + 2 = 992), the reversible counterpart of ResNet-1001."""
+    args = dict(_CIFAR_REVNET, units=(55, 55, 55), bottleneck=True)
+    return _create("revnet992", pretrained, **args, **kwargs)
+
+
+@register_model
+def preact_resnet101(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """Pre-activation ResNet-101 for ImageNet as in the RevNet paper: 3-4-23-3 bottleneck units.
+
+    Named apart from timm's ``resnet101``, a different (post-activation) model.
+    """
+    args = dict(units=(3, 4, 23, 3), channels=(64, 64, 128, 256, 512), bottleneck=True,
+                stem="imagenet")
+    return _create("preact_resnet101", pretrained, **args, **kwargs)
+
+
+@register_model
+def revnet104(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+    """RevNet-104 for ImageNet: 2-2-11-2 bottleneck units, 512-1024-2048-3328 channels out."""
+    args = dict(units=(2, 2, 11, 2), channels=(128, 128, 256, 512, 832), bottleneck=True,
+                stem="imagenet", reversible=True)
+    return _create("revnet104", pretrained, **args, **kwargs)

@@ -1,0 +1,152 @@
+import copy
+
+import pytest
+import timm
+import torch
+from conftest import rel_error
+
+import revnets
+from revnets.models.residual import ResidualNet
+
+# Parameter counts of the official RevNet code (../shared/references.md).
+PARAMETERS = {
+    "resnet32": (464_154, 470_004),
+    "resnet110": (1_727_962, 1_733_812),
+    "resnet164": (1_703_258, 1_726_388),
+    "revnet38": (464_890, 475_060),
+    "revnet110": (1_729_194, 1_740_804),
+    "revnet164": (1_748_778, 1_794_948),
+}
+IMAGENET_PARAMETERS = {"preact_resnet101": 44_541_480, "revnet104": 45_428_072}
+
+
+def count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", PARAMETERS)
+def test_cifar_parameter_counts_match_the_paper(name):
+    assert count(timm.create_model(name)) == PARAMETERS[name][0]
+    assert count(timm.create_model(name, num_classes=100)) == PARAMETERS[name][1]
+
+
+@pytest.mark.parametrize("name", IMAGENET_PARAMETERS)
+def test_imagenet_parameter_counts_match_the_paper(name):
+    with torch.device("meta"):  # no need to allocate 45M parameters to count them
+        model = timm.create_model(name)
+    assert count(model) == IMAGENET_PARAMETERS[name]
+
+
+def test_pretrained_cfg_and_pretrained_refused():
+    model = timm.create_model("revnet38", num_classes=100)
+    assert model.pretrained_cfg["input_size"] == (3, 32, 32)
+    assert len(model.pretrained_cfg["mean"]) == 3 and len(model.pretrained_cfg["std"]) == 3
+    assert timm.create_model("revnet104").pretrained_cfg["input_size"] == (3, 224, 224)
+    with pytest.raises(ValueError, match="no pretrained weights are published for revnet38"):
+        timm.create_model("revnet38", pretrained=True)
+
+
+def test_every_model_is_listed_by_timm():
+    names = set(timm.list_models())
+    zoo = {*PARAMETERS, *IMAGENET_PARAMETERS, "resnet1001", "revnet992"}
+    assert zoo <= names
+
+
+def test_memory_strategy_validation_and_state_dict_unchanged():
+    model = timm.create_model("revnet38")
+    assert model.memory == "reversible"
+    keys = list(model.state_dict())
+    for strategy in revnets.MEMORY_STRATEGIES:
+        model.set_memory(strategy)
+        assert list(model.state_dict()) == keys
+    with pytest.raises(ValueError, match="unknown memory strategy 'reversible' for a ResNet"):
+        timm.create_model("resnet32", memory="reversible")
+    with pytest.raises(ValueError, match="valid: 'none', 'checkpoint', 'reversible'"):
+        model.set_memory("recompute")
+    model.set_grad_checkpointing(True)
+    assert model.memory == "reversible+checkpoint"
+
+
+def small_revnet(bottleneck: bool) -> ResidualNet:
+    return ResidualNet(units=(2, 3), channels=(8, 8, 16), bottleneck=bottleneck, reversible=True)
+
+
+def steps(model, inputs, targets):
+    """A few SGD steps; returns the gradients of the last one."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(zip(inputs, targets)):
+        optimizer.zero_grad()
+        torch.manual_seed(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+    return grads
+
+
+@pytest.mark.parametrize("bottleneck", [False, True])
+@pytest.mark.parametrize("strategy", ["checkpoint", "reversible", "reversible+checkpoint"])
+def test_strategies_match_the_baseline(strategy, bottleneck):
+    torch.manual_seed(0)
+    baseline = small_revnet(bottleneck).double().set_memory("none")
+    model = copy.deepcopy(baseline).set_memory(strategy)
+    inputs = [torch.randn(4, 3, 8, 8, dtype=torch.float64) for _ in range(3)]
+    targets = [torch.randint(0, 10, (4,)) for _ in range(3)]
+    expected, got = steps(baseline, inputs, targets), steps(model, inputs, targets)
+    assert max(rel_error(a, b) for a, b in zip(got, expected)) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), baseline.named_buffers()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-10), name
+    assert any("num_batches_tracked" in n and b.item() == 3 for n, b in model.named_buffers())
+
+
+def test_revnet_units_are_reversible_where_the_shape_allows():
+    model = timm.create_model("revnet38")
+    stages = list(model.stages)
+    # Stage 1 keeps 32 channels at stride 1: all three units invertible. Stages 2 and 3 open
+    # with a downsampling unit, stored like an ordinary layer.
+    assert stages[0].units == torch.nn.ModuleList() or len(stages[0].units) == 0
+    assert len(stages[0].reversible) == 3
+    assert [len(s.units) for s in stages[1:]] == [1, 1]
+    assert [len(s.reversible) for s in stages[1:]] == [2, 2]
+
+
+def test_eval_forward_same_for_all_strategies():
+    model = timm.create_model("revnet38").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        outputs = [model.set_memory(s)(x) for s in revnets.MEMORY_STRATEGIES]
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+    assert outputs[0].shape == (2, 10)
+
+
+def test_timm_feature_interface():
+    model = timm.create_model("revnet38", num_classes=100)
+    x = torch.randn(2, 3, 32, 32)
+    features = model.forward_features(x)
+    assert features.shape == (2, 112, 8, 8)
+    assert model.forward_head(features, pre_logits=True).shape == (2, 112)
+    model.reset_classifier(7)
+    assert model(x).shape == (2, 7)
+
+
+def test_reversible_activation_memory_flat_in_depth():
+    def step(model, x, y):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+
+    def activations(units, memory):
+        model = ResidualNet(units=units, channels=(8, 8, 16, 32), reversible=True, memory=memory)
+        return revnets.measure_memory(step, model, x, y).above_model_state_bytes
+
+    # Flat up to bytes (BatchNorm's per-channel batch statistics live at slightly different times).
+    assert activations((6, 6, 6), "reversible") <= 1.01 * activations((2, 2, 2), "reversible")
+    assert activations((6, 6, 6), "none") > 2 * activations((2, 2, 2), "none")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet1001", "revnet992"])
+def test_thousand_layer_models_train_a_step(name):
+    model = timm.create_model(name)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())
