@@ -50,7 +50,9 @@ class MemoryReport:
 
     These six describe the moment of the overall peak. ``above_model_state_bytes`` is the peak
     over time of inputs + activations alone, the memory a training step needs above parameters,
-    gradients and optimizer state (its own peak can fall at another moment).
+    gradients and optimizer state (its own peak can fall at another moment). ``retained_bytes``
+    counts the activations the call left alive: for a forward pass that returns its loss, the
+    activations kept for backward.
     """
 
     peak_bytes: int
@@ -60,6 +62,7 @@ class MemoryReport:
     inputs: int
     activations: int
     above_model_state_bytes: int  # the peak over time of inputs + activations
+    retained_bytes: int  # activations still alive when the call returned (e.g. a forward's graph)
     device: str
     method: str  # "tensor-storage" or "cuda-allocator"
     result: Any = None
@@ -79,6 +82,7 @@ class MemoryReport:
             (INPUTS, self.inputs),
             (ACTIVATIONS, self.activations),
             ("above state", self.above_model_state_bytes),
+            ("retained", self.retained_bytes),
         ]
         lines = [f"memory at peak on {self.device} ({self.method}):"]
         lines += [f"  {name:<16}{nbytes / MiB:10.2f} MiB" for name, nbytes in rows]
@@ -225,6 +229,11 @@ class MemoryTracker(TorchDispatchMode):
             if r.allocated <= at and (r.freed is None or r.freed >= at):
                 by_label[self._label(r)] += r.nbytes
         working_peak, _ = self.peak((INPUTS, ACTIVATIONS))
+        retained = sum(
+            r.nbytes
+            for r in self._records((ACTIVATIONS,))
+            if r.freed is None and r.ref() is not None
+        )
         device = str(self.device) if self.device is not None else "cpu"
         return MemoryReport(
             peak_bytes=peak,
@@ -234,6 +243,7 @@ class MemoryTracker(TorchDispatchMode):
             inputs=by_label[INPUTS],
             activations=by_label[ACTIVATIONS],
             above_model_state_bytes=working_peak,
+            retained_bytes=retained,
             device=device,
             method="tensor-storage",
             result=result,
@@ -306,6 +316,7 @@ def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
         inputs=report.inputs,
         activations=max(peak - rest, 0),
         above_model_state_bytes=max(peak - report.model_state_bytes, 0),
+        retained_bytes=report.retained_bytes,
         device=str(device),
         method="cuda-allocator",
         result=result,

@@ -106,3 +106,16 @@ def test_meta_prediction_of_a_reversible_stack():
     measured = measure_memory(step, model, x)
     predicted = revnets.predict_memory(step, model, x)
     assert predicted.above_model_state_bytes == measured.above_model_state_bytes
+
+
+def test_retained_bytes_are_what_a_forward_keeps_for_backward():
+    def forward(model, x):
+        return model(x)
+
+    x = torch.randn(1024, requires_grad=True)  # 4 KiB
+    chain = nn.Sequential(*(nn.Softplus() for _ in range(5)))
+    report = measure_memory(forward, chain, x)
+    # Four outputs are saved by the next Softplus; the fifth is the returned output itself.
+    assert report.retained_bytes == 5 * 4 * KiB
+    del report
+    assert measure_memory(lambda m, x: m(x).sum().item(), chain, x).retained_bytes == 0

@@ -1,0 +1,13 @@
+"""Training: the loop behind train.py, with its data, optimisation and checkpointing."""
+
+from revnets.training.data import DataNotFoundError, build_loaders
+from revnets.training.loop import NonFiniteLossError, Trainer, create_model, train
+
+__all__ = [
+    "DataNotFoundError",
+    "NonFiniteLossError",
+    "Trainer",
+    "build_loaders",
+    "create_model",
+    "train",
+]

@@ -1,0 +1,148 @@
+"""Data sets and loaders: synthetic CIFAR-shaped data, CIFAR-10/100 and ImageNet.
+
+CIFAR uses torchvision's own dataset classes on a local folder and ImageNet torchvision's
+ImageFolder; nothing is downloaded unless ``download=true`` is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+
+__all__ = ["DataNotFoundError", "Loaders", "ResumableSampler", "build_loaders"]
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class DataNotFoundError(RuntimeError):
+    """The data set is not where the configuration says; the message says how to get it."""
+
+
+@dataclass
+class Loaders:
+    train: DataLoader
+    val: DataLoader
+    sampler: ResumableSampler
+    num_classes: int
+
+
+class ResumableSampler(Sampler[int]):
+    """A :class:`DistributedSampler` (one replica outside DDP) that can start mid-epoch.
+
+    Every rank, and a single process, draws the same permutation for an epoch, so resuming or
+    changing the number of processes replays the same sample order.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
+        self.inner = DistributedSampler(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.inner.set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        indices = list(self.inner)[self.start :]
+        self.start = 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return len(self.inner) - self.start
+
+
+def synthetic(
+    size: int, num_classes: int, image_size: int, seed: int, split: int = 0
+) -> TensorDataset:
+    """Images of a smooth per-class pattern plus noise: a convolutional net learns them in a few
+    dozen steps. The patterns depend on ``seed`` only, the samples on ``seed`` and ``split``."""
+    patterns_from = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(num_classes, 3, 4, 4, generator=patterns_from)
+    patterns = torch.nn.functional.interpolate(coarse, size=image_size, mode="bilinear")
+    generator = torch.Generator().manual_seed(1_000_003 * (split + 1) + seed)
+    labels = torch.randint(0, num_classes, (size,), generator=generator)
+    noise = torch.randn(size, 3, image_size, image_size, generator=generator)
+    return TensorDataset(patterns[labels] + noise, labels)
+
+
+def _cifar(cfg: Any, train: bool) -> Dataset:
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    cls = datasets.CIFAR10 if cfg.name == "cifar10" else datasets.CIFAR100
+    steps = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()] if train and cfg.augment else []
+    transform = T.Compose([*steps, T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)])
+    root = Path(cfg.root).expanduser()
+    try:
+        return cls(str(root), train=train, transform=transform, download=cfg.download)
+    except RuntimeError as error:
+        raise DataNotFoundError(
+            f"{cfg.name} was not found in {root.resolve()} (torchvision looked for "
+            f"{root.resolve() / cls.base_folder}: {error}). Put the python version of the data "
+            f"set there (the folder {cls.base_folder} from {cls.filename}), point data.root at "
+            "it, or run once with data.download=true on a machine with internet access."
+        ) from None
+
+
+def _imagenet(cfg: Any, train: bool) -> Dataset:
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    folder = Path(cfg.root).expanduser() / ("train" if train else "val")
+    if not folder.is_dir():
+        raise DataNotFoundError(
+            f"imagenet was not found: no folder {folder.resolve()}. ImageFolder expects "
+            f"{Path(cfg.root).expanduser().resolve()}/{{train,val}}/<class>/<image>.JPEG; "
+            "ImageNet cannot be downloaded automatically (it needs registration at image-net.org)."
+        )
+    size = cfg.image_size
+    if train:
+        steps = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    else:
+        steps = [T.Resize(int(size / 0.875)), T.CenterCrop(size)]
+    transform = T.Compose([*steps, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return datasets.ImageFolder(str(folder), transform=transform)
+
+
+def build_datasets(cfg: Any, seed: int) -> tuple[Dataset, Dataset]:
+    if cfg.name == "synthetic":
+        return (
+            synthetic(cfg.train_size, cfg.num_classes, cfg.image_size, seed, split=0),
+            synthetic(cfg.val_size, cfg.num_classes, cfg.image_size, seed, split=1),
+        )
+    if cfg.name in ("cifar10", "cifar100"):
+        return _cifar(cfg, train=True), _cifar(cfg, train=False)
+    if cfg.name == "imagenet":
+        return _imagenet(cfg, train=True), _imagenet(cfg, train=False)
+    raise ValueError(
+        f"unknown data set {cfg.name!r}; valid: 'synthetic', 'cifar10', 'cifar100', 'imagenet'"
+    )
+
+
+def build_loaders(cfg: Any, seed: int, world_size: int = 1, rank: int = 0) -> Loaders:
+    """Loaders whose ``batch_size`` is the global batch, split evenly across processes."""
+    if cfg.batch_size % world_size:
+        raise ValueError(
+            f"data.batch_size={cfg.batch_size} cannot be split evenly across {world_size} processes"
+        )
+    train_set, val_set = build_datasets(cfg, seed)
+    per_rank = cfg.batch_size // world_size
+    sampler = ResumableSampler(train_set, world_size, rank, seed)
+    common = dict(num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    # Its own generator: creating an iterator then draws no number from the global RNG, which a
+    # resumed run restores exactly (augmentation in the main process and dropout draw from it).
+    generator = torch.Generator().manual_seed(seed)
+    train = DataLoader(
+        train_set, batch_size=per_rank, sampler=sampler, drop_last=True, generator=generator,
+        **common,
+    )
+    val = DataLoader(val_set, batch_size=per_rank, shuffle=False, **common)
+    return Loaders(train, val, sampler, cfg.num_classes)

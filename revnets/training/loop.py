@@ -1,0 +1,332 @@
+"""The training loop behind ``train.py``: data, model, optimisation, logging, checkpoints, resume."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import revnets  # noqa: F401  (registers the zoo with timm)
+from revnets.memory import measure_memory
+from revnets.training.data import build_loaders
+from revnets.training.distributed import Distributed, all_finite, setup_distributed
+from revnets.training.optim import build_optimizer, build_scheduler
+from revnets.training.report import MemoryComparison, predict_baseline, summary_table
+from revnets.training.state import (
+    CHECKPOINT_NAME,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+
+__all__ = ["NonFiniteLossError", "create_model", "train"]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+def create_model(cfg: DictConfig, device: torch.device | str = "cpu") -> nn.Module:
+    with torch.device(device):
+        return timm.create_model(
+            cfg.model.name,
+            num_classes=cfg.data.num_classes,
+            memory=cfg.memory.strategy,
+            drop_rate=cfg.model.drop_rate,
+        )
+
+
+def resolve_device(choice: str, state: Distributed) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is available; use auto or cpu")
+        return torch.device("cuda", state.local_rank)
+    if choice == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"unknown trainer.device {choice!r}; valid: 'auto', 'cpu', 'cuda'")
+
+
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        if device.type != "cuda":
+            raise ValueError("trainer.precision=fp16 needs a GPU; on CPU use bf16")
+        return torch.autocast("cuda", dtype=torch.float16)
+    raise ValueError(f"unknown trainer.precision {precision!r}; valid: 'fp32', 'bf16', 'fp16'")
+
+
+class _StopRequest:
+    """SIGTERM / SIGINT ask for a checkpoint at the next step boundary, then a clean exit."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequest:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals to the caller
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, output_dir: str | Path) -> None:
+        self.cfg = cfg
+        self.output_dir = Path(output_dir)
+        self.dist = setup_distributed(cfg.trainer.distributed)
+        self.device = resolve_device(cfg.trainer.device, self.dist)
+        torch.manual_seed(cfg.seed)
+        self.loaders = build_loaders(cfg.data, cfg.seed, self.dist.world_size, self.dist.rank)
+        self.model = create_model(cfg, self.device)
+        self.optimizer = build_optimizer(cfg.optim, self.model)
+        self.total_steps = self._total_steps()
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=cfg.trainer.precision == "fp16"
+        )
+        self.autocast = autocast_for(cfg.trainer.precision, self.device)
+        self.step = self.epoch = self.position = 0
+        self.writer = self._tensorboard()
+        if cfg.trainer.resume:
+            self._resume(cfg.trainer.resume)
+        self.net: nn.Module = self.model
+        if self.dist.enabled:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, device_ids=ids)
+        if cfg.trainer.compile:
+            self.net = torch.compile(self.net)
+        self.step_times: list[float] = []
+        self.memory: MemoryComparison | None = None
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _total_steps(self) -> int:
+        trainer = self.cfg.trainer
+        if trainer.epochs is not None:
+            return trainer.epochs * len(self.loaders.train)
+        return trainer.max_steps
+
+    def _resume(self, run_dir: str) -> None:
+        state = load_checkpoint(run_dir)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+        restore_rng(state["rng"][min(self.dist.rank, len(state["rng"]) - 1)])
+        self._log({"event": "resumed", "from": str(run_dir), "step": self.step})
+
+    def _tensorboard(self):
+        if not (self.cfg.trainer.tensorboard and self.dist.is_main):
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise RuntimeError(
+                "trainer.tensorboard=true needs the tensorboard package: pip install tensorboard"
+            ) from error
+        return SummaryWriter(self.output_dir / "tensorboard")
+
+    # -- one step --------------------------------------------------------------------------------
+    def train_step(self, net: nn.Module, optimizer: torch.optim.Optimizer, x, y):
+        """Forward and backward over ``trainer.accumulate`` micro-batches, then one update."""
+        optimizer.zero_grad(set_to_none=True)
+        parts = self.cfg.trainer.accumulate
+        total_loss = torch.zeros((), device=self.device)
+        correct = torch.zeros((), device=self.device, dtype=torch.long)
+        for i in range(parts):
+            # Interleaved slices: the same split torch's DistributedSampler makes across ranks.
+            xs, ys = x[i::parts], y[i::parts]
+            sync = i == parts - 1 or not self.dist.enabled
+            with contextlib.nullcontext() if sync else net.no_sync(), self.autocast:
+                logits = net(xs)
+                loss = F.cross_entropy(logits.float(), ys) / parts
+            self.scaler.scale(loss).backward()
+            total_loss += loss.detach()
+            correct += (logits.argmax(1) == ys).sum()
+        if not all_finite(total_loss, self.dist):
+            raise NonFiniteLossError(
+                f"the loss is {total_loss.item()} at step {self.step + 1}: stopping before the "
+                f"update. The last good checkpoint is {self.output_dir / CHECKPOINT_NAME} "
+                "(try a smaller optim.lr, or trainer.precision=fp32)"
+            )
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return total_loss, correct
+
+    def _measured_step(self, x, y):
+        """The first step of the run, measured; the baseline is predicted on the meta device."""
+        report = measure_memory(self.train_step, self.net, self.optimizer, x, y)
+        baseline = predict_baseline(self.cfg, self.train_step_meta, x.shape)
+        self.memory = MemoryComparison(report, baseline)
+        return report.result
+
+    def train_step_meta(self, model, optimizer, x, y):
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg.trainer
+        start_step = self.step
+        with _StopRequest() as stop:
+            while self.step < self.total_steps:
+                per_rank = self.loaders.train.batch_size
+                self.loaders.sampler.set_position(self.epoch, self.position * per_rank)
+                for x, y in self.loaders.train:
+                    x = x.to(self.device, non_blocking=True)
+                    y = y.to(self.device, non_blocking=True)
+                    self.net.train()
+                    begin = time.perf_counter()
+                    if self.step == start_step and cfg.memory_report and self.dist.is_main:
+                        loss, correct = self._measured_step(x, y)
+                    else:
+                        loss, correct = self.train_step(self.net, self.optimizer, x, y)
+                        if self.device.type == "cuda":
+                            torch.cuda.synchronize(self.device)
+                        if self.step > start_step:
+                            self.step_times.append(time.perf_counter() - begin)
+                    self.scheduler.step()
+                    self.step += 1
+                    self.position += 1
+                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                        self._log_step(loss, correct, len(y), begin)
+                    if cfg.eval_every and self.step % cfg.eval_every == 0:
+                        self._log(self.evaluate())
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save()
+                    if stop.signal is not None or self.step >= self.total_steps:
+                        break
+                else:
+                    self.epoch += 1
+                    self.position = 0
+                if stop.signal is not None:
+                    self.save()
+                    self._log({"event": "stopped", "signal": stop.signal, "step": self.step})
+                    return {"interrupted": True, "step": self.step}
+        self.save()
+        result = {"interrupted": False, "step": self.step, **self.evaluate()}
+        self._log(result)
+        return result
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.net.eval()
+        total, loss_sum, correct = 0, 0.0, 0
+        for x, y in self.loaders.val:
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast:
+                logits = self.net(x).float()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            correct += (logits.argmax(1) == y).sum().item()
+            total += len(y)
+        self.net.train()
+        return {"step": self.step, "val_loss": loss_sum / total, "val_accuracy": correct / total}
+
+    def save(self) -> None:
+        """Every rank contributes its RNG state; rank 0 writes the checkpoint."""
+        rng = [capture_rng()]
+        if self.dist.enabled:
+            gathered: list[Any] = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(gathered, rng[0])
+            rng = gathered
+        if self.dist.is_main:
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "step": self.step,
+                "epoch": self.epoch,
+                "position": self.position,
+                "rng": rng,
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
+            }
+            save_checkpoint(self.output_dir / CHECKPOINT_NAME, state)
+        self.dist.barrier()
+
+    # -- logging ---------------------------------------------------------------------------------
+    def _log_step(self, loss, correct, batch: int, begin: float) -> None:
+        elapsed = time.perf_counter() - begin
+        if self.dist.enabled:  # report the global batch, not this process's share
+            totals = torch.stack([loss.float() * batch, correct.float()]).to(self.device)
+            torch.distributed.all_reduce(totals)
+            batch *= self.dist.world_size
+            loss, correct = totals[0] / batch, totals[1]
+        record = {
+            "step": self.step,
+            "loss": loss.item(),
+            "accuracy": correct.item() / batch,
+            "lr": self.scheduler.get_last_lr()[0],
+            "images_per_s": batch / max(elapsed, 1e-9),
+        }
+        if self.memory is not None:
+            record["peak_mib"] = self.memory.report.peak_bytes / 2**20
+        if self.dist.is_main:
+            memory = f" | mem {record['peak_mib']:.1f} MiB" if "peak_mib" in record else ""
+            width = len(str(self.total_steps))
+            print(
+                f"step {self.step:>{width}}/{self.total_steps} | loss {record['loss']:.4f} | "
+                f"acc {record['accuracy']:.3f} | {record['images_per_s']:.0f} img/s{memory}",
+                flush=True,
+            )
+        self._log(record)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.output_dir / "metrics.jsonl", "a") as file:
+            file.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.writer.add_scalar(key, value, record.get("step", self.step))
+
+    def summary(self, result: dict[str, Any]) -> str:
+        step_time = statistics.median(self.step_times) if self.step_times else float("nan")
+        return summary_table(self.cfg, self.model.memory, self.memory, step_time, result)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.dist.shutdown()
+
+
+def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+    """Train as ``cfg`` says, writing metrics and checkpoints to ``output_dir``; print a summary."""
+    trainer = Trainer(copy.deepcopy(cfg), output_dir)
+    try:
+        result = trainer.fit()
+        if trainer.dist.is_main and not result["interrupted"]:
+            print(trainer.summary(result), flush=True)
+        return result
+    finally:
+        trainer.close()

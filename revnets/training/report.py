@@ -1,0 +1,83 @@
+"""What the trainer reports at the end: memory against the non-reversible baseline, speed, quality."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from revnets.memory import MemoryReport, measure_memory
+
+__all__ = ["MemoryComparison", "predict_baseline", "summary_table"]
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryComparison:
+    report: MemoryReport  # the run's own first step, measured
+    baseline: MemoryReport  # the same model with strategy "none", predicted on the meta device
+
+    @property
+    def ratio(self) -> float:
+        return self.baseline.peak_bytes / max(self.report.peak_bytes, 1)
+
+
+def predict_baseline(cfg: DictConfig, step: Callable[..., Any], batch_shape: torch.Size) -> MemoryReport:
+    """Peak memory of one step of the same model with every memory saving off, on meta tensors."""
+    from revnets.training.loop import create_model  # the loop imports this module
+    from revnets.training.optim import build_optimizer
+
+    baseline_cfg = OmegaConf.merge(cfg, {"memory": {"strategy": "none"}})
+    model = create_model(baseline_cfg, "meta")
+    optimizer = build_optimizer(cfg.optim, model)
+    micro_batch = (batch_shape[0] // cfg.trainer.accumulate, *batch_shape[1:])
+    x = torch.empty(micro_batch, device="meta")
+    y = torch.empty(micro_batch[0], dtype=torch.long, device="meta")
+    return measure_memory(step, model, optimizer, x, y)
+
+
+def summary_table(
+    cfg: DictConfig,
+    strategy: str,
+    memory: MemoryComparison | None,
+    step_time: float,
+    result: dict[str, Any],
+) -> str:
+    header = ["model", "memory", "peak MiB", "baseline (none) MiB", "ratio", "step ms",
+              "val loss", "val acc"]
+    if memory is not None:
+        peak = f"{memory.report.peak_bytes / MiB:.1f}"
+        base = f"{memory.baseline.peak_bytes / MiB:.1f}"
+        ratio = f"{memory.ratio:.2f}x"
+    else:
+        peak = base = ratio = "-"
+    row = [
+        cfg.model.name,
+        strategy,
+        peak,
+        base,
+        ratio,
+        "-" if math.isnan(step_time) else f"{1000 * step_time:.0f}",
+        f"{result['val_loss']:.4f}",
+        f"{result['val_accuracy']:.3f}",
+    ]
+    widths = [max(len(h), len(c)) for h, c in zip(header, row)]
+    lines = [
+        " | ".join(h.ljust(w) for h, w in zip(header, widths)),
+        "-+-".join("-" * w for w in widths),
+        " | ".join(c.ljust(w) for c, w in zip(row, widths)),
+    ]
+    if memory is not None:
+        lines.append(
+            f"peak = all live tensor memory of one training step on {memory.report.device} "
+            f"({memory.report.method}); activations above model state: "
+            f"{memory.report.above_model_state_bytes / MiB:.1f} MiB vs baseline "
+            f"{memory.baseline.above_model_state_bytes / MiB:.1f} MiB (baseline predicted on the "
+            "meta device" + (", in float32" if cfg.trainer.precision != "fp32" else "") + ")"
+        )
+    return "\n".join(lines)

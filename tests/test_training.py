@@ -1,0 +1,226 @@
+"""The trainer: configs, the default run, overrides, data, resume, faults and DDP."""
+
+import hashlib
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from revnets.training import DataNotFoundError, NonFiniteLossError, build_loaders, create_model, train
+from revnets.training.loop import Trainer
+from revnets.training.optim import build_optimizer
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+SMALL = [
+    "trainer.max_steps=4",
+    "trainer.log_every=2",
+    "trainer.checkpoint_every=2",
+    "data.train_size=64",
+    "data.val_size=32",
+    "data.batch_size=16",
+]
+
+
+def config(*overrides: str):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIGS)):
+        return compose("config", overrides=list(overrides))
+
+
+def run_train_py(*args: str, cwd: Path, launcher=(sys.executable,)) -> subprocess.CompletedProcess:
+    # One thread, as torchrun gives each process: kernels that split work differently round
+    # differently, and a few steps of SGD on tiny batches amplify that.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*launcher, str(ROOT / "train.py"), *args, f"hydra.run.dir={cwd}"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+def final_weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+
+
+@pytest.mark.parametrize("group", ["model", "data", "optim", "memory", "trainer", "experiment"])
+def test_every_config_composes_and_instantiates(group):
+    for option in sorted(p.stem for p in (CONFIGS / group).glob("*.yaml")):
+        if group == "memory" and option != "default":
+            continue  # checked below against the models that accept them
+        cfg = config(f"{group}={option}")
+        model = create_model(cfg, "meta")
+        assert build_optimizer(cfg.optim, model).param_groups
+
+
+@pytest.mark.parametrize("strategy", ["none", "checkpoint", "reversible", "reversible_checkpoint"])
+def test_memory_options_instantiate(strategy):
+    model = create_model(config("model=revnet38", f"memory={strategy}"), "meta")
+    assert model.memory == config(f"memory={strategy}").memory.strategy
+
+
+def test_default_run_reports_memory_against_baseline(tmp_path, capsys):
+    result = train(config(*SMALL), tmp_path)
+    out = capsys.readouterr().out
+    assert "baseline (none) MiB" in out and "revnet38" in out and "reversible" in out
+    assert result["step"] == 4 and 0 <= result["val_accuracy"] <= 1
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 4]
+    assert (tmp_path / "checkpoint.pt").is_file()
+
+
+def test_synthetic_task_is_learned(tmp_path):
+    overrides = ["model=resnet32", "trainer.max_steps=60", "trainer.log_every=60",
+                 "trainer.memory_report=false", "optim.schedule=constant", "optim.lr=0.05"]
+    result = train(config(*overrides), tmp_path)
+    assert result["val_accuracy"] > 0.5  # chance is 0.1
+
+
+def test_command_line_overrides(tmp_path):
+    done = run_train_py("model=resnet32", "optim.lr=0.05", *SMALL, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["config"]
+    assert saved["model"]["name"] == "resnet32" and saved["optim"]["optimizer"]["lr"] == 0.05
+    assert "resnet32" in done.stdout
+
+
+def test_unknown_model_and_key_name_the_choices(tmp_path):
+    done = run_train_py("model=revnet39", cwd=tmp_path)
+    assert done.returncode != 0 and "revnet38" in done.stderr and "revnet39" in done.stderr
+    done = run_train_py("trainer.max_stepz=3", cwd=tmp_path)
+    assert done.returncode != 0 and "max_stepz" in done.stderr
+    done = run_train_py("memory=reversible", "model=resnet32", cwd=tmp_path)
+    assert done.returncode != 0 and "valid: 'none', 'checkpoint'" in done.stderr
+
+
+def test_missing_data_is_a_message_not_a_traceback(tmp_path):
+    empty = tmp_path / "nowhere"
+    done = run_train_py("data=cifar10", f"data.root={empty}", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "cifar10 was not found in" in done.stderr and "data.download=true" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def write_cifar10(root: Path, per_batch: int = 20) -> dict:
+    """A small CIFAR-10 in its real on-disk format: pickled dicts of uint8 rows, labels, meta."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    digests = {}
+
+    def dump(name, obj):
+        with open(folder / name, "wb") as file:
+            pickle.dump(obj, file)
+        digests[name] = hashlib.md5((folder / name).read_bytes()).hexdigest()
+
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        labels = rng.integers(0, 10, per_batch).tolist()
+        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        data[:, 0] = labels  # so the test can check that images and labels stay paired
+        # Keys as Python 2 wrote them (str); torchvision unpickles with encoding="latin1".
+        dump(name, {"batch_label": name, "labels": labels, "data": data})
+    dump("batches.meta", {"label_names": [f"class{i}" for i in range(10)]})
+    return digests
+
+
+@pytest.fixture
+def cifar10(tmp_path, monkeypatch):
+    from torchvision.datasets import CIFAR10
+
+    root = tmp_path / "data"
+    digests = write_cifar10(root)
+    # torchvision checks the published md5 sums; point it at those of the small files.
+    monkeypatch.setattr(CIFAR10, "train_list", [[f"data_batch_{i}", digests[f"data_batch_{i}"]]
+                                                for i in range(1, 6)])
+    monkeypatch.setattr(CIFAR10, "test_list", [["test_batch", digests["test_batch"]]])
+    monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": digests["batches.meta"]})
+    return root
+
+
+def test_cifar10_loader_reads_the_real_format(cifar10):
+    cfg = config("data=cifar10", f"data.root={cifar10}", "data.num_workers=0",
+                 "data.batch_size=10", "data.augment=false")
+    loaders = build_loaders(cfg.data, seed=0)
+    assert len(loaders.train.dataset) == 100 and len(loaders.val.dataset) == 20
+    x, y = next(iter(loaders.train))
+    assert x.shape == (10, 3, 32, 32) and x.dtype == torch.float32
+    # Pixel (0, 0, 0) was written as the label, then normalised by the CIFAR mean and std.
+    assert torch.allclose(x[:, 0, 0, 0] * 0.2470 + 0.4914, y.float() / 255, atol=1e-4)
+
+
+def test_training_on_cifar10_files(cifar10, tmp_path):
+    cfg = config("data=cifar10", f"data.root={cifar10}", "data.num_workers=0",
+                 "data.batch_size=10", "trainer.max_steps=2", "trainer.memory_report=false")
+    assert train(cfg, tmp_path / "run")["step"] == 2
+
+
+def test_sigterm_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch):
+    overrides = [*SMALL, "trainer.max_steps=6", "trainer.checkpoint_every=0",
+                 "trainer.memory_report=false", "model.drop_rate=0.3"]  # RNG in use
+    train(config(*overrides), tmp_path / "straight")
+
+    real_step = Trainer.train_step
+
+    def step_then_sigterm(self, *args):
+        out = real_step(self, *args)
+        if self.step == 2:  # during the third step
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    result = train(config(*overrides), tmp_path / "interrupted")
+    assert result == {"interrupted": True, "step": 3}
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    resumed = train(config(*overrides, f"trainer.resume={tmp_path / 'interrupted'}"),
+                    tmp_path / "resumed")
+    assert resumed["step"] == 6
+    straight, again = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
+    for name in straight:
+        assert torch.equal(straight[name], again[name]), name
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    cfg = config(*SMALL, "trainer.checkpoint_every=1", "optim.lr=1e30",
+                 "trainer.memory_report=false", "optim.schedule=constant")
+    with pytest.raises(NonFiniteLossError, match=r"at step \d+: stopping before the update"):
+        train(cfg, tmp_path)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["step"] >= 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+def test_resume_from_a_missing_run_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint there"):
+        train(config(*SMALL, f"trainer.resume={tmp_path / 'nothing'}"), tmp_path / "run")
+
+
+def test_two_process_ddp_equals_one_process_on_the_same_global_batch(tmp_path):
+    common = [*SMALL, "trainer.max_steps=3", "trainer.memory_report=false", "model=revnet38"]
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--master_port=29533")
+    (tmp_path / "ddp").mkdir()
+    ddp = run_train_py(*common, "trainer.distributed=true", cwd=tmp_path / "ddp",
+                       launcher=torchrun)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    (tmp_path / "single").mkdir()
+    single = run_train_py(*common, "trainer.accumulate=2", cwd=tmp_path / "single")
+    assert single.returncode == 0, single.stderr[-3000:]
+    a, b = final_weights(tmp_path / "ddp"), final_weights(tmp_path / "single")
+    params = [k for k in a if "running" not in k and "num_batches" not in k]
+    assert params
+    for name in params:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
+    # The logged loss is the mean over both processes, as in the single run.
+    assert ddp.stdout.splitlines()[0].split("|")[1] == single.stdout.splitlines()[0].split("|")[1]
+
+
+def test_missing_data_raises_in_process(tmp_path):
+    with pytest.raises(DataNotFoundError, match="data.download=true"):
+        build_loaders(config("data=cifar100", f"data.root={tmp_path}").data, seed=0)
