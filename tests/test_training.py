@@ -224,3 +224,20 @@ def test_two_process_ddp_equals_one_process_on_the_same_global_batch(tmp_path):
 def test_missing_data_raises_in_process(tmp_path):
     with pytest.raises(DataNotFoundError, match="data.download=true"):
         build_loaders(config("data=cifar100", f"data.root={tmp_path}").data, seed=0)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    from revnets.training import state as state_module
+
+    path = tmp_path / "checkpoint.pt"
+    state_module.save_checkpoint(path, {"step": 1})
+
+    def crash_midway(obj, file):
+        file.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(state_module.torch, "save", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        state_module.save_checkpoint(path, {"step": 2})
+    assert torch.load(path, weights_only=False) == {"step": 1}
+    assert list(tmp_path.iterdir()) == [path]

@@ -33,11 +33,14 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     write a temporary file, flush it to disk, then atomically rename it over the old one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as file:
-        torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
