@@ -4,6 +4,7 @@ from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets import models  # registers the zoo with timm
 from revnets.models import MEMORY_STRATEGIES, ResidualNet
 from revnets.memory import MemoryReport, MemoryTracker, measure_memory, predict_memory
+from revnets.planning import PlanningError, auto_checkpoint
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
 from revnets.reversible import (
     AdditiveCoupling,
@@ -22,10 +23,12 @@ __all__ = [
     "Coupling",
     "MemoryReport",
     "MemoryTracker",
+    "PlanningError",
     "ResidualNet",
     "ReconstructionReport",
     "ReversibleBlock",
     "ReversibleSequence",
+    "auto_checkpoint",
     "check_reconstruction",
     "checkpoint",
     "checkpoint_segments",

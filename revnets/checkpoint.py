@@ -101,12 +101,15 @@ def run_checkpointed_segments(
     return x
 
 
-def checkpoint_segments(sequential: nn.Sequential, segments: int | None = None) -> nn.Sequential:
+def checkpoint_segments(
+    sequential: nn.Sequential, segments: int | Sequence[tuple[int, int]] | None = None
+) -> nn.Sequential:
     """Split a sequential model into segments and checkpoint each, Chen et al.'s sqrt(n) plan.
 
     With ``n`` layers and ``segments`` about ``sqrt(n)`` (the default), training stores one
     activation per segment boundary plus one segment's internals at a time: O(sqrt n) memory for
-    one extra forward pass. The last segment is not checkpointed.
+    one extra forward pass. ``segments`` may also list the (start, stop) bounds of a plan. The
+    last segment is not checkpointed: backward would recompute it at once, saving nothing.
 
     Returns a new ``nn.Sequential`` of ``Checkpointed(nn.Sequential(...))`` segments sharing the
     original layers (so parameters are the same objects).
@@ -114,5 +117,20 @@ def checkpoint_segments(sequential: nn.Sequential, segments: int | None = None) 
     layers = list(sequential)
     if not layers:
         return nn.Sequential()
-    parts = [nn.Sequential(*layers[a:b]) for a, b in segment_bounds(len(layers), segments)]
+    if segments is None or isinstance(segments, int):
+        bounds = segment_bounds(len(layers), segments)
+    else:
+        bounds = list(segments)
+        if [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or (
+            bounds[0][0], bounds[-1][1]
+        ) != (0, len(layers)):
+            raise ValueError(f"checkpoint_segments: {bounds} do not cover 0..{len(layers)} in order")
+    for a, b in bounds[1:-1]:
+        if getattr(layers[a], "inplace", False):
+            raise ValueError(
+                f"checkpoint_segments: the checkpointed segment {a}..{b} starts with an in-place "
+                f"layer ({type(layers[a]).__name__}), which would overwrite the input its "
+                "checkpoint keeps; move the cut"
+            )
+    parts = [nn.Sequential(*layers[a:b]) for a, b in bounds]
     return nn.Sequential(*(Checkpointed(part) for part in parts[:-1]), parts[-1])
