@@ -7,8 +7,9 @@ CIFAR table: batch 100, 32x32, float32, training mode. "Kept after forward" is M
 (memory alive after the forward pass, i.e. what is stored for backward); "step peak" is the peak of
 a whole training step above parameters, gradients and optimizer state.
 
-1000 layers: ResNet-1001 against RevNet-992 under each memory strategy, measured at a small batch
-on this CPU and predicted at batch 128 on the meta device.
+Step time of each RevNet against its ResNet twin at batch 100; ImageNet models predicted on the meta
+device at batch 32; 1000 layers: ResNet-1001 against RevNet-992 under each memory strategy,
+measured at a small batch on this CPU and predicted at batch 128 on the meta device.
 """
 
 from __future__ import annotations
@@ -101,6 +102,67 @@ def cifar_table(batch: int) -> list[dict]:
     return rows
 
 
+TWINS = [("resnet32", "revnet38"), ("resnet110", "revnet110"), ("resnet164", "revnet164")]
+IMAGENET_ROWS = [("preact_resnet101", "none"), ("revnet104", "reversible"), ("revnet104", "none")]
+
+
+def twin_speed(batch: int, repeats: int) -> list[dict]:
+    """Step time of each RevNet (reversible, and none on the same weights) over its ResNet twin,
+    interleaved so that drifts in machine speed hit all three alike."""
+    rows = []
+    for resnet, revnet in TWINS:
+        setups = {
+            (resnet, "none"): setup(resnet, "none", batch),
+            (revnet, "reversible"): setup(revnet, "reversible", batch),
+            (revnet, "none"): setup(revnet, "none", batch),
+        }
+        times = {key: [] for key in setups}
+        for args in setups.values():
+            train_step(*args)
+        for _ in range(repeats):
+            for key, args in setups.items():
+                start = time.perf_counter()
+                train_step(*args)
+                times[key].append(time.perf_counter() - start)
+        base = statistics.median(times[(resnet, "none")])
+        same_weights = statistics.median(times[(revnet, "none")])
+        reversible = statistics.median(times[(revnet, "reversible")])
+        rows.append({
+            "resnet": resnet,
+            "revnet": revnet,
+            "resnet_step_s": round(base, 3),
+            "revnet_step_s": round(reversible, 3),
+            "ratio_to_resnet": round(reversible / base, 3),
+            "ratio_to_same_weights_none": round(reversible / same_weights, 3),
+        })
+        print("  ", rows[-1], flush=True)
+    return rows
+
+
+def imagenet_table(batch: int) -> list[dict]:
+    """ImageNet models at 224x224, predicted on the meta device (too large for this CPU)."""
+    rows = []
+    for name, memory in IMAGENET_ROWS:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = timm.create_model(name, memory=memory)
+            x = torch.empty(batch, 3, 224, 224)
+            y = torch.zeros(batch, dtype=torch.long)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        kept = revnets.measure_memory(forward_loss, model, x, y).retained_bytes
+        train_step(model, optimizer, x, y)
+        step = revnets.measure_memory(train_step, model, optimizer, x, y)
+        rows.append({
+            "model": name,
+            "memory": memory,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "kept_after_forward_mib": round(kept / MiB, 1),
+            "step_peak_above_state_mib": round(step.above_model_state_bytes / MiB, 1),
+        })
+        print("  ", rows[-1], flush=True)
+    return rows
+
+
 def deep_table(batch: int, predict_batch: int, repeats: int) -> list[dict]:
     rows = []
     setups = {}
@@ -140,9 +202,11 @@ def deep_table(batch: int, predict_batch: int, repeats: int) -> list[dict]:
     return rows
 
 
-def write(cifar_rows, deep_rows, args) -> None:
+def write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args) -> None:
     stem = results_stem("zoo_memory")
-    for name, rows in [("cifar", cifar_rows), ("1000_layers", deep_rows)]:
+    tables = [("cifar", cifar_rows), ("cifar_speed", twin_rows), ("imagenet", imagenet_rows),
+              ("1000_layers", deep_rows)]
+    for name, rows in tables:
         write_csv(RESULTS / f"{stem}-{name}.csv", rows)
     kept = {(r["model"], r["memory"]): r["kept_after_forward_mib"] for r in cifar_rows}
     ratio = kept[("revnet110", "reversible")] / kept[("revnet38", "reversible")]
@@ -174,6 +238,28 @@ def write(cifar_rows, deep_rows, args) -> None:
         f"RevNet-110 keeps {ratio:.3f}x the activations of RevNet-38: reversible stages do not "
         "grow with depth, only the stored stem, downsampling units and head remain.",
         "",
+        f"## Step time against the ResNet twin, batch {args.batch}",
+        "",
+        f"Median of {args.repeats} interleaved training steps on this CPU. The paper reports "
+        "each RevNet update 1.5-2x as expensive as the ResNet's (**published**, depending on the "
+        "implementation); MemCNN's published CIFAR-10 training times (GTX 1080) give 1.16x, 1.30x "
+        "and 1.47x for 38/110/164.",
+        "",
+        "| ResNet | RevNet | ResNet step (s) | RevNet step (s) | ratio to ResNet | "
+        "ratio to same weights with `none` |",
+        "|---|---|---|---|---|---|",
+        *[f"| {r['resnet']} | {r['revnet']} | {r['resnet_step_s']:.2f} | {r['revnet_step_s']:.2f} "
+          f"| {r['ratio_to_resnet']:.2f} | {r['ratio_to_same_weights_none']:.2f} |"
+          for r in twin_rows],
+        "",
+        f"## ImageNet models, batch {args.imagenet_batch}, 224x224 (predicted on the meta device)",
+        "",
+        "| model | memory | parameters | kept after forward (MiB) | step peak (MiB) |",
+        "|---|---|---|---|---|",
+        *[f"| {r['model']} | {r['memory']} | {r['parameters']:,} | "
+          f"{r['kept_after_forward_mib']:.1f} | {r['step_peak_above_state_mib']:.1f} |"
+          for r in imagenet_rows],
+        "",
         "## 1000 layers: ResNet-1001 against RevNet-992",
         "",
         f"Measured: a training step at batch {args.deep_batch}, 32x32, on this CPU (total peak, "
@@ -203,16 +289,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--deep-batch", type=int, default=4)
     parser.add_argument("--predict-batch", type=int, default=128)
+    parser.add_argument("--imagenet-batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.deep_batch, args.predict_batch, args.repeats = 4, 1, 8, 1
+        args.imagenet_batch = 2
     print(f"CIFAR models at batch {args.batch}")
     cifar_rows = cifar_table(args.batch)
+    twin_rows = twin_speed(args.batch, args.repeats)
+    print(f"ImageNet models at batch {args.imagenet_batch} (meta)")
+    imagenet_rows = imagenet_table(args.imagenet_batch)
     print(f"1000-layer models at batch {args.deep_batch}, predicted at {args.predict_batch}")
     deep_rows = deep_table(args.deep_batch, args.predict_batch, args.repeats)
     if not args.quick:
-        write(cifar_rows, deep_rows, args)
+        write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args)
 
 
 if __name__ == "__main__":

@@ -83,19 +83,26 @@ def steps(model, inputs, targets):
     return grads
 
 
-@pytest.mark.parametrize("bottleneck", [False, True])
-@pytest.mark.parametrize("strategy", ["checkpoint", "reversible", "reversible+checkpoint"])
-def test_strategies_match_the_baseline(strategy, bottleneck):
+def assert_matches_baseline(baseline, strategy: str, batch: int, steps_taken: int = 3) -> None:
+    """Same gradients (float64, 1e-10) and BatchNorm statistics as ``baseline`` under ``none``."""
     torch.manual_seed(0)
-    baseline = small_revnet(bottleneck).double().set_memory("none")
+    baseline = baseline.double().set_memory("none")
     model = copy.deepcopy(baseline).set_memory(strategy)
-    inputs = [torch.randn(4, 3, 8, 8, dtype=torch.float64) for _ in range(3)]
-    targets = [torch.randint(0, 10, (4,)) for _ in range(3)]
+    inputs = [torch.randn(batch, 3, 8, 8, dtype=torch.float64) for _ in range(steps_taken)]
+    targets = [torch.randint(0, 10, (batch,)) for _ in range(steps_taken)]
     expected, got = steps(baseline, inputs, targets), steps(model, inputs, targets)
     assert max(rel_error(a, b) for a, b in zip(got, expected)) <= 1e-10
     for (name, a), (_, b) in zip(model.named_buffers(), baseline.named_buffers()):
         assert torch.allclose(a, b, rtol=0, atol=1e-10), name
-    assert any("num_batches_tracked" in n and b.item() == 3 for n, b in model.named_buffers())
+    assert any(
+        "num_batches_tracked" in n and b.item() == steps_taken for n, b in model.named_buffers()
+    )
+
+
+@pytest.mark.parametrize("bottleneck", [False, True])
+@pytest.mark.parametrize("strategy", ["checkpoint", "reversible", "reversible+checkpoint"])
+def test_strategies_match_the_baseline(strategy, bottleneck):
+    assert_matches_baseline(small_revnet(bottleneck), strategy, batch=4)
 
 
 def test_revnet_units_are_reversible_where_the_shape_allows():
@@ -150,3 +157,9 @@ def test_thousand_layer_models_train_a_step(name):
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     torch.nn.functional.cross_entropy(model(x), y).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["revnet38", "revnet110", "revnet164"])
+@pytest.mark.parametrize("strategy", ["reversible", "reversible+checkpoint"])
+def test_zoo_revnets_match_their_baseline(name, strategy):
+    assert_matches_baseline(timm.create_model(name), strategy, batch=2, steps_taken=2)

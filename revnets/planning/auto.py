@@ -7,11 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 
 from revnets.checkpoint import checkpoint_segments
 from revnets.memory import measure_memory
 from revnets.planning.chain import Plan, candidate_plans
+from revnets.planning.chain_graph import NotAChainError, as_chain
 from revnets.planning.profile import profile_chain
 
 __all__ = ["PlanningError", "auto_checkpoint", "predict_training_peak"]
@@ -59,19 +61,24 @@ def auto_checkpoint(
     - revnets zoo models (anything with ``set_memory``): the cheapest memory strategy that fits,
       trying ``none``, ``reversible``, ``checkpoint``, ``reversible+checkpoint`` in that order.
       Returned as the same object.
-    - ``nn.Sequential`` chains: the plan with the fewest recomputed layers among Chen's sqrt(n)
-      and budgeted plans. Returned as a new ``nn.Sequential`` sharing the layers (same weights).
+    - chains of layers: ``nn.Sequential``, or any model whose torch.fx graph is a chain of
+      steps (torchvision's ResNets, VGG, DenseNet; see :func:`as_chain`). The plan with the
+      fewest recomputed layers among Chen's sqrt(n) and budgeted plans. Returned as a new
+      ``nn.Sequential`` sharing the layers (same weights, same outputs).
 
     Raises :class:`PlanningError` stating the smallest reachable budget when none fits.
     """
     if hasattr(model, "set_memory") and hasattr(model, "memory_strategies"):
         return _choose_strategy(model, example_input, budget, loss_fn)
-    if isinstance(model, nn.Sequential):
-        return _choose_plan(model, example_input, budget, loss_fn)
-    raise TypeError(
-        f"auto_checkpoint: {type(model).__name__} is neither an nn.Sequential chain nor a revnets "
-        "zoo model; express it as an nn.Sequential of its stages"
-    )
+    if not isinstance(model, nn.Sequential):
+        try:
+            model = as_chain(model)
+        except (NotAChainError, torch.fx.proxy.TraceError) as error:
+            raise TypeError(
+                f"auto_checkpoint: {type(model).__name__} is neither a chain of layers nor a "
+                f"revnets zoo model ({error}); express it as an nn.Sequential of its stages"
+            ) from error
+    return _choose_plan(model, example_input, budget, loss_fn)
 
 
 def _choose_strategy(model, example_input, budget, loss_fn) -> nn.Module:

@@ -1,0 +1,15 @@
+"""Regenerate everything in results/ (about 30 minutes on 2 CPU cores; needs `.[bench]`).
+
+    pip install -e '.[bench]' && python benchmarks/run_all.py
+"""
+
+import accuracy
+import memory_vs_depth
+import peers
+import reversible_stack
+import zoo_memory
+
+if __name__ == "__main__":
+    for script in (reversible_stack, peers, zoo_memory, memory_vs_depth, accuracy):
+        print(f"== {script.__name__}", flush=True)
+        script.main([])
