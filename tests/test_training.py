@@ -241,3 +241,9 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         state_module.save_checkpoint(path, {"step": 2})
     assert torch.load(path, weights_only=False) == {"step": 1}
     assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.slow
+def test_compiled_training_runs(tmp_path):
+    result = train(config(*SMALL, "trainer.compile=true", "trainer.max_steps=2"), tmp_path)
+    assert result["step"] == 2
