@@ -18,7 +18,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import timm
 import torch

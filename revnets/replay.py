@@ -53,8 +53,8 @@ class AutocastState:
 class RngState:
     """CPU and accelerator generator states taken before a piece of user code runs.
 
-    ``capture`` is cheap enough to call around every f and g: a block that draws no random numbers
-    leaves the generators untouched, and then nothing is kept (see :meth:`drop_if_unused`).
+    Cheap enough to take around every f and g: a transform that draws no random numbers leaves
+    the generators untouched, and then nothing needs to be kept (see :meth:`unchanged`).
     """
 
     __slots__ = ("cpu", "devices", "device_states")

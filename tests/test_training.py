@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from revnets.training import DataNotFoundError, NonFiniteLossError, build_loaders, create_model, train
 from revnets.training.loop import Trainer
