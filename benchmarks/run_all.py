@@ -1,4 +1,4 @@
-"""Regenerate everything in results/ (about 30 minutes on 2 CPU cores; needs `.[bench]`).
+"""Regenerate everything in results/ (about 40 minutes on 2 CPU cores; needs `.[bench]`).
 
     pip install -e '.[bench]' && python benchmarks/run_all.py
 """
@@ -6,10 +6,12 @@
 import accuracy
 import memory_vs_depth
 import peers
+import planning_torchvision
 import reversible_stack
 import zoo_memory
 
 if __name__ == "__main__":
-    for script in (reversible_stack, peers, zoo_memory, memory_vs_depth, accuracy):
+    for script in (reversible_stack, peers, zoo_memory, memory_vs_depth, accuracy,
+                   planning_torchvision):
         print(f"== {script.__name__}", flush=True)
         script.main([])
