@@ -246,3 +246,9 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 def test_compiled_training_runs(tmp_path):
     result = train(config(*SMALL, "trainer.compile=true", "trainer.max_steps=2"), tmp_path)
     assert result["step"] == 2
+
+
+def test_bfloat16_training_on_cpu(tmp_path, capsys):
+    result = train(config(*SMALL, "trainer.precision=bf16"), tmp_path)
+    assert result["step"] == 4 and np.isfinite(result["val_loss"])
+    assert "predicted on the meta device, in float32" in capsys.readouterr().out
