@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from revnets.checkpoint import checkpoint_segments
 from revnets.memory import measure_memory
@@ -35,12 +36,21 @@ def predict_training_peak(
     """Peak bytes of forward + backward (parameters, gradients and activations), predicted on the
     meta device: nothing is computed and ``model`` is left alone."""
     meta = copy.deepcopy(model).to("meta") if _has_data(model) else model
-    x = torch.empty_like(example_input, device="meta")
+    x = _meta_like(example_input)
 
     def step(model: nn.Module, x: Tensor) -> None:
         loss_fn(model(x)).backward()
 
     return measure_memory(step, meta.train(), x).peak_bytes
+
+
+def _meta_like(value: Any) -> Any:
+    """Meta tensors shaped like ``value`` (a tensor or a tuple of tensors), keeping requires_grad."""
+    return tree_map(
+        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        if isinstance(t, Tensor) else t,
+        value,
+    )
 
 
 def _has_data(model: nn.Module) -> bool:
@@ -98,7 +108,7 @@ def _choose_strategy(model, example_input, budget, loss_fn) -> nn.Module:
 
 def _choose_plan(model, example_input, budget, loss_fn) -> nn.Module:
     meta_model = copy.deepcopy(model).to("meta")
-    profiles = profile_chain(list(meta_model), torch.empty_like(example_input, device="meta"))
+    profiles = profile_chain(list(meta_model), _meta_like(example_input))
     best: tuple[int, Plan] | None = None
     for plan in candidate_plans(profiles):
         peak = predict_training_peak(checkpoint_segments(meta_model, plan), example_input, loss_fn)

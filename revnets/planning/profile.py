@@ -6,9 +6,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["LayerProfile", "profile_chain"]
 
@@ -23,20 +25,26 @@ class LayerProfile:
     inplace: bool = False  # modifies its input: a checkpointed segment must not start here
 
 
-def _nbytes(t: Tensor) -> int:
-    return t.untyped_storage().nbytes()
+def _nbytes(output: Any) -> int:
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def profile_chain(layers: Sequence[nn.Module], example_input: Tensor) -> list[LayerProfile]:
+def _device_type(value: Any) -> str:
+    return next(t for t in tree_flatten(value)[0] if isinstance(t, Tensor)).device.type
+
+
+def profile_chain(layers: Sequence[nn.Module], example_input: Any) -> list[LayerProfile]:
     """Run ``layers`` one after the other on ``example_input`` (training mode, grad on) and record
     each layer's costs. On the meta device only sizes are known; elsewhere times are measured too.
+    What passes between layers may be a tensor or a tuple of tensors (a recurrent state).
     """
     # Parameters and buffers (BatchNorm's running statistics) are model state, not activations.
     params = {
         id(t.untyped_storage()) for layer in layers for t in (*layer.parameters(), *layer.buffers())
     }
-    timed = example_input.device.type != "meta"
-    leaf = example_input.detach().requires_grad_()
+    timed = _device_type(example_input) != "meta"
+    leaf = tree_map(_as_leaf, example_input)
     profiles = []
     for index, layer in enumerate(layers):
         saved: dict[int, int] = {}  # storages by identity: views of one storage count once
@@ -47,7 +55,8 @@ def profile_chain(layers: Sequence[nn.Module], example_input: Tensor) -> list[La
                 saved[id(storage)] = storage.nbytes()
             return t
 
-        x = leaf.clone()  # not a leaf, so in-place layers (ReLU(inplace=True)) work as in a chain
+        # Not leaves, so in-place layers (ReLU(inplace=True)) work as they do inside a chain.
+        x = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf)
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = layer(x)
@@ -62,5 +71,11 @@ def profile_chain(layers: Sequence[nn.Module], example_input: Tensor) -> list[La
                 bool(getattr(layer, "inplace", False)),
             )
         )
-        leaf = y.detach().requires_grad_()
+        leaf = tree_map(_as_leaf, y)
     return profiles
+
+
+def _as_leaf(value: Any) -> Any:
+    if isinstance(value, Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_()
+    return value
