@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         print("  ", row, flush=True)
 
     stem = results_stem("planning_lstm")
-    fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[-1]).index(k)
-                    if k in rows[-1] else 99)
+    fields = list(rows[-1])  # the measured case has every column the predicted one has, and more
     write_csv(RESULTS / f"{stem}.csv", [{f: r.get(f, "") for f in fields} for r in rows])
     full, small = rows
     lines = [
