@@ -46,11 +46,17 @@ class TorchCheckpointPerBlock(nn.Module):
         return x
 
 
+REVNETS_STORED = "revnets, last block stored"
+OURS = ("none", "revnets", REVNETS_STORED, "torch checkpoint")
+
+
 def wrap(library: str, pairs: list[tuple[nn.Module, nn.Module]]) -> nn.Module:
     """The stack of (f, g) pairs as ``library`` builds a reversible sequence."""
-    if library in ("revnets", "none"):
+    if library in ("revnets", REVNETS_STORED, "none"):
         blocks = [revnets.ReversibleBlock(f, g) for f, g in pairs]
-        return revnets.ReversibleSequence(blocks, memory_efficient=library == "revnets")
+        return revnets.ReversibleSequence(
+            blocks, memory_efficient=library != "none", store_last_block=library == REVNETS_STORED
+        )
     if library == "torch checkpoint":
         return TorchCheckpointPerBlock([revnets.ReversibleBlock(f, g) for f, g in pairs])
     if library == "memcnn":
@@ -100,7 +106,7 @@ def available(libraries: list[str]) -> list[str]:
     found = []
     for library in libraries:
         try:
-            if library not in ("revnets", "none", "torch checkpoint"):
+            if library not in OURS:
                 __import__(library)
             found.append(library)
         except ImportError:
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args(argv)
-    libraries = available(["none", "revnets", "torch checkpoint", "memcnn", "revlib", "revtorch"])
+    libraries = available([*OURS, "memcnn", "revlib", "revtorch"])
     x, target = data()
 
     rows = []

@@ -24,6 +24,7 @@ import revnets
 from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 
 MiB = 2**20
+STORED = "reversible_store_last"  # ReversibleSequence(store_last_block=True)
 
 
 def unit(channels: int) -> nn.Module:
@@ -53,7 +54,8 @@ class Stack(nn.Module):
 
     def set_strategy(self, strategy: str) -> None:
         self.strategy = strategy
-        self.blocks.memory_efficient = strategy == "reversible"
+        self.blocks.memory_efficient = strategy.startswith("reversible")
+        self.blocks.store_last_block = strategy == STORED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.strategy == "checkpoint":
@@ -172,7 +174,10 @@ def write_results(memory_rows, speed_rows, error_rows, config) -> None:
         f"{config['batch']}x{2 * config['half']}x{config['size']}x{config['size']}, then global "
         "average pooling, a linear head and cross-entropy. One training step = forward, backward, "
         "SGD (momentum 0.9). `none` is ordinary autograd on the same blocks; `checkpoint` is "
-        "`revnets.Checkpointed` (non-reentrant torch.utils.checkpoint) around every block.",
+        "`revnets.Checkpointed` (non-reentrant torch.utils.checkpoint) around every block; "
+        f"`reversible` is `ReversibleSequence` as is, `{STORED}` the same with "
+        "`store_last_block=True` (the last block's graph kept from the forward pass instead of "
+        "recomputed first thing in backward).",
         "",
         "## Peak memory of a training step above parameters, gradients and optimizer state (MiB)",
         "",
@@ -231,10 +236,10 @@ def write_results(memory_rows, speed_rows, error_rows, config) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small demo, prints only")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=21)
     args = parser.parse_args(argv)
 
-    strategies = ["none", "checkpoint", "reversible"]
+    strategies = ["none", "checkpoint", "reversible", STORED]
     if args.quick:
         config = dict(depths=[4, 16], half=16, batch=8, size=16, speed_depth=8, repeats=5)
     else:

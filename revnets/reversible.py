@@ -203,6 +203,8 @@ class ReversibleBlock(nn.Module):
             h = fn(half)
         except (RuntimeError, NotImplementedError) as error:
             message = str(error)
+            if half.is_leaf and half.requires_grad and "in-place operation" in message:
+                raise self._modified_input_error(name, fn) from error
             if half.device.type == "cpu" and ("'Half'" in message or "Got Half" in message):
                 raise TypeError(
                     f"ReversibleBlock.{name} ({type(fn).__name__}) uses an operation that has no "
@@ -211,11 +213,7 @@ class ReversibleBlock(nn.Module):
                 ) from error
             raise
         if half._version != version:
-            raise RuntimeError(
-                f"ReversibleBlock.{name} ({type(fn).__name__}) modified its input in place; a "
-                "reversible block needs its input intact to be inverted (look for inplace=True "
-                "on the first layer of f or g, or an in-place op such as add_ on the input)"
-            )
+            raise self._modified_input_error(name, fn)
         if not isinstance(h, Tensor):
             raise TypeError(
                 f"ReversibleBlock.{name} ({type(fn).__name__}) must return a single Tensor, "
@@ -232,6 +230,14 @@ class ReversibleBlock(nn.Module):
             )
         return h
 
+    @staticmethod
+    def _modified_input_error(name: str, fn: nn.Module) -> RuntimeError:
+        return RuntimeError(
+            f"ReversibleBlock.{name} ({type(fn).__name__}) modified its input in place; a "
+            "reversible block needs its input intact to be inverted (look for inplace=True "
+            "on the first layer of f or g, or an in-place op such as add_ on the input)"
+        )
+
     def extra_repr(self) -> str:
         return f"coupling={self.coupling!r}, split_dim={self.split_dim}"
 
@@ -246,6 +252,10 @@ class ReversibleSequence(nn.Module):
             match and the baseline its memory is compared with.
         preserve_rng_state: replay the random number generators so that dropout and any other
             randomness in f and g draw the same numbers in the backward recomputation.
+        store_last_block: keep the autograd graph of the last block from the forward pass instead
+            of recomputing it first thing in backward (``checkpoint_sequential`` leaves its last
+            segment unrecomputed for the same reason). Saves 1/depth of the recomputation for one
+            block's activations, whatever the depth.
 
     The reversible path is taken in training mode with grad enabled. In eval mode or under
     ``torch.no_grad`` the blocks run as plain modules, with no overhead.
@@ -263,6 +273,7 @@ class ReversibleSequence(nn.Module):
         blocks: Iterable[ReversibleBlock],
         memory_efficient: bool = True,
         preserve_rng_state: bool = True,
+        store_last_block: bool = False,
     ) -> None:
         super().__init__()
         blocks = list(blocks)
@@ -283,6 +294,7 @@ class ReversibleSequence(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.memory_efficient = memory_efficient
         self.preserve_rng_state = preserve_rng_state
+        self.store_last_block = store_last_block
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -392,12 +404,17 @@ class _ReversibleFunction(torch.autograd.Function):
         report = reconstruction.active_report()
         true_inputs = [] if report is not None else None
         rng_states: list[tuple[RngState | None, RngState | None]] = []
+        autocast = AutocastState.capture(x.device.type)
+        stored = None
 
         x1, x2 = blocks[0].split(x)
         owned = False  # the halves are views of the caller's input until the first block has run
-        for block in blocks:
+        for i, block in enumerate(blocks):
             if true_inputs is not None:
                 true_inputs.append((x1, x2))
+            if sequence.store_last_block and i == len(blocks) - 1:
+                stored = _StoredTransforms(block, x1, x2, autocast)
+                break
             rng_f = RngState((x2,)) if preserve_rng else None
             y1 = _combine(block.coupling, x1, block.transform("f", x2), owned)
             if rng_f is not None and rng_f.unchanged():
@@ -409,17 +426,24 @@ class _ReversibleFunction(torch.autograd.Function):
             rng_states.append((rng_f, rng_g))
             x1, x2 = y1, y2
             owned = true_inputs is None  # kept true inputs must not be overwritten
-        y = blocks[0].merge(x1, x2)
+        if stored is None:
+            y = blocks[0].merge(x1, x2)
+        else:
+            y, stored.output = stored.output, None
+        del x1, x2
 
         # The output is held directly rather than saved, so that backward can let it go as soon
         # as the top block is reconstructed (a saved tensor would live until backward returns).
         # The version counter still catches in-place changes between forward and backward.
-        ctx.output = y.detach()
+        # A stored last block needs no output: its inputs are kept with its graph.
+        ctx.output = y.detach() if stored is None else None
         ctx.output_version = y._version
+        ctx.stored = stored
+        ctx.backward_done = False
         ctx.save_for_backward(*params)
         ctx.sequence = sequence
         ctx.rng_states = rng_states
-        ctx.autocast = AutocastState.capture(x.device.type)
+        ctx.autocast = autocast
         ctx.report = report
         ctx.true_inputs = true_inputs
         return y
@@ -427,14 +451,16 @@ class _ReversibleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         params = ctx.saved_tensors
-        y, ctx.output = ctx.output, None
-        if y is None:
+        if ctx.backward_done:
             raise RuntimeError(
                 "ReversibleSequence: backward through the same forward a second time is not "
                 "supported (after the first backward the output it reconstructs from is released "
                 "to save memory). Run the forward again, or use memory_efficient=False."
             )
-        if y._version != ctx.output_version:
+        ctx.backward_done = True
+        y, ctx.output = ctx.output, None
+        stored, ctx.stored = ctx.stored, None
+        if y is not None and y._version != ctx.output_version:
             raise RuntimeError(
                 "ReversibleSequence: its output was modified in place after the forward pass; the "
                 "inputs reconstructed from it would be wrong. Clone the output before modifying it."
@@ -444,17 +470,23 @@ class _ReversibleFunction(torch.autograd.Function):
         param_grads: list[Tensor | None] = [None] * len(params)
 
         # [y1, y2, dy1, dy2] of the block being reversed; _reverse_block swaps in its input's.
-        carry = [*blocks[0].split(y), *blocks[0].split(grad_y)]
-        del y, grad_y
-        owned = False  # the output and its gradient belong to the caller
+        # A stored block knows its input already, and needs neither y2 nor a recomputation.
+        outputs = blocks[0].split(y) if stored is None else (stored.y1.detach(), None)
+        carry = [*outputs, *blocks[0].split(grad_y)]
+        del y, outputs, grad_y
+        # The output belongs to the caller; a stored block's halves are the engine's own.
+        owned = stored is not None and ctx.true_inputs is None
         replays_rng = any(s is not None for pair in ctx.rng_states for s in pair)
         rng_guard = forked_rng(carry[:1]) if replays_rng else contextlib.nullcontext()
         with rng_guard, frozen_running_stats(ctx.sequence):
             for i in reversed(range(len(blocks))):
+                if stored is not None:
+                    transforms, stored = stored, None
+                else:
+                    transforms = _Recomputation(blocks[i], ctx.rng_states[i], ctx.autocast)
                 need_input_grad = i > 0 or ctx.needs_input_grad[0]
-                grads = _reverse_block(
-                    blocks[i], carry, ctx.rng_states[i], ctx.autocast, need_input_grad, owned
-                )
+                grads = _reverse_block(blocks[i], carry, transforms, need_input_grad, owned)
+                del transforms
                 owned = ctx.true_inputs is None  # reconstructions are ours, unless compared
                 for p, grad in grads:
                     k = position[id(p)]
@@ -466,11 +498,91 @@ class _ReversibleFunction(torch.autograd.Function):
         return (grad_x, None, *param_grads)
 
 
+def _merged_shape(block: ReversibleBlock, half_shape: torch.Size) -> torch.Size:
+    shape = list(half_shape)
+    shape[block.split_dim] *= 2
+    return torch.Size(shape)
+
+
+class _Recomputation:
+    """f and g of one block recomputed with grad enabled, RNG and autocast as in the forward."""
+
+    def __init__(
+        self,
+        block: ReversibleBlock,
+        rng: tuple[RngState | None, RngState | None],
+        autocast: AutocastState,
+    ) -> None:
+        self.block = block
+        self.rng = dict(zip("fg", rng))
+        self.autocast = autocast
+
+    def g_input(self, y1: Tensor) -> Tensor:
+        return y1.detach().requires_grad_()
+
+    def f_input(self, y2: Tensor, h_g: Tensor, owned: bool) -> Tensor:
+        with torch.no_grad(), self.autocast():
+            return _uncombine(self.block.coupling, y2, h_g, owned).requires_grad_()
+
+    def transform(self, name: str, half: Tensor) -> Tensor:
+        rng = self.rng[name]
+        if rng is not None:
+            rng.restore()
+        with torch.enable_grad(), self.autocast():
+            return self.block.transform(name, half)
+
+
+class _StoredTransforms:
+    """The last block's f and g run with grad enabled in the forward pass, their graphs kept.
+
+    Backward then starts from these instead of recomputing them: the same leaves and outputs a
+    :class:`_Recomputation` would produce, so the same code backpropagates through both.
+    """
+
+    def __init__(
+        self, block: ReversibleBlock, x1: Tensor, x2: Tensor, autocast: AutocastState
+    ) -> None:
+        coupling = block.coupling
+        self.autocast = autocast
+        self.x2 = x2.detach().requires_grad_()
+        with torch.enable_grad():
+            self.h_f = block.transform("f", self.x2)
+        self.y1 = coupling.combine(x1, self.h_f.detach()).requires_grad_()
+        with torch.enable_grad():
+            self.h_g = block.transform("g", self.y1)
+        # y2 goes straight into the sequence's output: it is not needed again, and building it
+        # apart and concatenating would hold it twice at the moment of peak forward memory.
+        y2_dtype = torch.result_type(x2, self.h_g)
+        self.output = torch.empty(
+            _merged_shape(block, x1.shape),
+            dtype=torch.promote_types(self.y1.dtype, y2_dtype),
+            device=x1.device,
+        )
+        out1, out2 = block.split(self.output)
+        out1.copy_(self.y1)
+        if coupling.is_additive:
+            torch.add(x2, self.h_g.detach(), out=out2)
+        else:
+            out2.copy_(coupling.combine(x2, self.h_g.detach()))
+
+    def g_input(self, y1: Tensor) -> Tensor:
+        return self.y1
+
+    def f_input(self, y2: Tensor | None, h_g: Tensor, owned: bool) -> Tensor:
+        return self.x2
+
+    def transform(self, name: str, half: Tensor) -> Tensor:
+        if name == "f":
+            h, self.h_f = self.h_f, None
+        else:
+            h, self.h_g = self.h_g, None
+        return h
+
+
 def _reverse_block(
     block: ReversibleBlock,
     carry: list,
-    rng: tuple[RngState | None, RngState | None],
-    autocast: AutocastState,
+    transforms: _Recomputation | _StoredTransforms,
     need_input_grad: bool,
     owned: bool,
 ) -> list[tuple[Tensor, Tensor]]:
@@ -482,14 +594,12 @@ def _reverse_block(
     f and g.
     """
     coupling = block.coupling
-    rng_f, rng_g = rng
     g_params, f_params = _trainable(block.g), _trainable(block.f)
 
     # Second half, y2 = combine(x2, g(y1)): one run of g gives both x2 and the gradients through g.
-    y1 = carry[0].detach().requires_grad_()
-    h = _recompute(block, "g", y1, rng_g, autocast)
-    with torch.no_grad(), autocast():
-        x2 = _uncombine(coupling, carry[1], h, owned)
+    y1 = transforms.g_input(carry[0])
+    h = transforms.transform("g", y1)
+    x2 = transforms.f_input(carry[1], h, owned)
     carry[1] = None  # y2
     if coupling.is_additive:
         root = _GradRoot(h)
@@ -498,7 +608,7 @@ def _reverse_block(
         grad_x2 = carry[3]
     else:
         x2_leaf = x2.detach().requires_grad_()
-        with torch.enable_grad(), autocast():
+        with torch.enable_grad(), transforms.autocast():
             root = _GradRoot(coupling.combine(x2_leaf, h))
         del h
         grad_x2, grad_y1, *g_grads = root.vjp([x2_leaf, y1, *g_params], carry[3])
@@ -509,9 +619,8 @@ def _reverse_block(
     carry[2] = None  # dy1
 
     # First half, y1 = combine(x1, f(x2)): one run of f gives both x1 and the gradients through f.
-    x2.requires_grad_()
-    h = _recompute(block, "f", x2, rng_f, autocast)
-    with torch.no_grad(), autocast():
+    h = transforms.transform("f", x2)
+    with torch.no_grad(), transforms.autocast():
         x1 = _uncombine(coupling, carry[0], h, owned)
     carry[0] = None  # y1
     if coupling.is_additive:
@@ -521,7 +630,7 @@ def _reverse_block(
         grad_x1 = grad_y1
     else:
         x1.requires_grad_()
-        with torch.enable_grad(), autocast():
+        with torch.enable_grad(), transforms.autocast():
             root = _GradRoot(coupling.combine(x1, h))
         del h
         grads = root.vjp([x1, x2, *f_params] if need_input_grad else f_params, grad_y1)
@@ -534,12 +643,3 @@ def _reverse_block(
     carry[:] = [x1.detach(), x2.detach(), grad_x1, grad_x2]
     pairs = list(zip(g_params, g_grads)) + list(zip(f_params, f_grads))
     return [(p, grad) for p, grad in pairs if grad is not None]
-
-
-def _recompute(
-    block: ReversibleBlock, name: str, half: Tensor, rng: RngState | None, autocast: AutocastState
-) -> Tensor:
-    if rng is not None:
-        rng.restore()
-    with torch.enable_grad(), autocast():
-        return block.transform(name, half)
