@@ -1,19 +1,34 @@
 """Choosing what to store: profiles, checkpoint plans and automatic selection under a budget."""
 
 from revnets.planning.auto import PlanningError, auto_checkpoint, predict_training_peak
-from revnets.planning.chain import budget_plan, candidate_plans, sqrt_plan
+from revnets.planning.chain import (
+    budget_plan,
+    candidate_plans,
+    forbidden_cuts,
+    modelled_peak,
+    optimal_plan,
+    recompute_cost,
+    sqrt_plan,
+)
 from revnets.planning.chain_graph import NotAChainError, as_chain
+from revnets.planning.graph_chain import GraphStep, as_graph_chain
 from revnets.planning.profile import LayerProfile, profile_chain
 
 __all__ = [
+    "GraphStep",
     "LayerProfile",
     "NotAChainError",
     "PlanningError",
     "as_chain",
+    "as_graph_chain",
     "auto_checkpoint",
     "budget_plan",
     "candidate_plans",
+    "forbidden_cuts",
+    "modelled_peak",
+    "optimal_plan",
     "predict_training_peak",
     "profile_chain",
+    "recompute_cost",
     "sqrt_plan",
 ]

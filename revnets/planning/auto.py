@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.fx
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from revnets.checkpoint import checkpoint_segments
 from revnets.memory import measure_memory
-from revnets.planning.chain import Plan, candidate_plans
-from revnets.planning.chain_graph import NotAChainError, as_chain
-from revnets.planning.profile import profile_chain
+from revnets.planning.chain import candidate_plans
+from revnets.planning.graph_chain import as_graph_chain
+from revnets.planning.profile import _device_type, _nbytes, profile_chain
 
 __all__ = ["PlanningError", "auto_checkpoint", "predict_training_peak"]
 
@@ -62,6 +62,7 @@ def auto_checkpoint(
     example_input: Tensor,
     budget: int,
     loss_fn: Callable[[Tensor], Tensor] = _default_loss,
+    measure_time: bool = True,
 ) -> nn.Module:
     """Return ``model`` set up to train within ``budget`` bytes, recomputing as little as possible.
 
@@ -71,10 +72,14 @@ def auto_checkpoint(
     - revnets zoo models (anything with ``set_memory``): the cheapest memory strategy that fits,
       trying ``none``, ``reversible``, ``checkpoint``, ``reversible+checkpoint`` in that order.
       Returned as the same object.
-    - chains of layers: ``nn.Sequential``, or any model whose torch.fx graph is a chain of
-      steps (torchvision's ResNets, VGG, DenseNet; see :func:`as_chain`). The plan with the
-      fewest recomputed layers among Chen's sqrt(n) and budgeted plans. Returned as a new
-      ``nn.Sequential`` sharing the layers (same weights, same outputs).
+    - ``nn.Sequential`` chains, and any other model torch.fx can trace, as the chain of its
+      graph nodes (:func:`as_graph_chain`: branches and concatenations included, cuts anywhere).
+      Candidates are the optimal plans of :func:`optimal_plan` over a range of budgets, Chen's
+      sqrt(n) and budgeted plans, ordered by what they recompute (forward time measured layer
+      by layer on ``example_input``'s device when ``measure_time``, else layers counted); the
+      first whose exact peak, predicted on the meta device, fits (found by bisection: a few
+      predictions). Returned as a new ``nn.Sequential`` sharing the model's modules (same
+      weights, same outputs).
 
     Raises :class:`PlanningError` stating the smallest reachable budget when none fits.
     """
@@ -82,13 +87,13 @@ def auto_checkpoint(
         return _choose_strategy(model, example_input, budget, loss_fn)
     if not isinstance(model, nn.Sequential):
         try:
-            model = as_chain(model)
-        except (NotAChainError, torch.fx.proxy.TraceError) as error:
+            model = as_graph_chain(model)
+        except Exception as error:  # torch.fx raises many kinds on code it cannot trace
             raise TypeError(
-                f"auto_checkpoint: {type(model).__name__} is neither a chain of layers nor a "
-                f"revnets zoo model ({error}); express it as an nn.Sequential of its stages"
+                f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
+                f"single-input steps ({error}); express it as an nn.Sequential of its stages"
             ) from error
-    return _choose_plan(model, example_input, budget, loss_fn)
+    return _choose_plan(model, example_input, budget, loss_fn, measure_time)
 
 
 def _choose_strategy(model, example_input, budget, loss_fn) -> nn.Module:
@@ -106,18 +111,45 @@ def _choose_strategy(model, example_input, budget, loss_fn) -> nn.Module:
     raise PlanningError(_no_fit(budget, peaks[best], f"memory strategy {best!r}"))
 
 
-def _choose_plan(model, example_input, budget, loss_fn) -> nn.Module:
+def _choose_plan(model, example_input, budget, loss_fn, measure_time) -> nn.Module:
     meta_model = copy.deepcopy(model).to("meta")
-    profiles = profile_chain(list(meta_model), _meta_like(example_input))
-    best: tuple[int, Plan] | None = None
-    for plan in candidate_plans(profiles):
-        peak = predict_training_peak(checkpoint_segments(meta_model, plan), example_input, loss_fn)
-        if peak <= budget:
-            return checkpoint_segments(model, plan) if len(plan) > 1 else model
-        if best is None or peak < best[0]:
-            best = (peak, plan)
-    assert best is not None
-    raise PlanningError(_no_fit(budget, best[0], f"segments {best[1]}"))
+    meta_input = _meta_like(example_input)
+    profiles = profile_chain(list(meta_model), meta_input)
+    if measure_time and _device_type(example_input) != "meta":
+        times = profile_chain(list(model), example_input, repeats=2)
+        profiles = [replace(p, forward_seconds=t.forward_seconds) for p, t in zip(profiles, times)]
+    input_state = profiles and _input_state(model, meta_input)
+    plans = candidate_plans(profiles, input_state=input_state)
+    peaks: dict[int, int] = {}
+
+    def peak(i: int) -> int:
+        if i not in peaks:
+            planned = checkpoint_segments(meta_model, plans[i])
+            peaks[i] = predict_training_peak(planned, example_input, loss_fn)
+        return peaks[i]
+
+    # Plans come in order of increasing recomputation, so memory mostly decreases along them:
+    # bisect for the first that fits (each exact prediction runs the model on the meta device).
+    if peak(0) <= budget:
+        return model
+    low, high = 0, len(plans) - 1
+    if peak(high) > budget:
+        smallest = min(range(len(plans)), key=peak)
+        if peak(smallest) > budget:
+            raise PlanningError(_no_fit(budget, peak(smallest), f"segments {plans[smallest]}"))
+        high = smallest
+    while high - low > 1:
+        middle = (low + high) // 2
+        if peak(middle) <= budget:
+            high = middle
+        else:
+            low = middle
+    return checkpoint_segments(model, plans[high])
+
+
+def _input_state(chain: nn.Sequential, example_input: Any) -> dict[str, int]:
+    names = getattr(chain[0], "inputs", None) or ["input"]
+    return {names[0]: _nbytes(example_input)}
 
 
 def _no_fit(budget: int, smallest: int, how: Any) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,13 @@ class LayerProfile:
     saved_bytes: int  # what autograd keeps for this layer's backward (model state excluded)
     forward_seconds: float  # NaN when profiled on the meta device
     inplace: bool = False  # modifies its input: a checkpointed segment must not start here
+    # The values this layer passes on, by name, with their bytes: one for a plain layer, the live
+    # set for a step of a graph chain (values keep their names from step to step, so a planner
+    # can tell what a checkpoint adds to those before it).
+    state: dict[str, int] = field(default_factory=dict)
+    # The index of an earlier layer whose output this one overwrites in place (None: nothing);
+    # no checkpoint may be cut in between.
+    mutates_from: int | None = None
 
 
 def _nbytes(output: Any) -> int:
@@ -34,10 +41,13 @@ def _device_type(value: Any) -> str:
     return next(t for t in tree_flatten(value)[0] if isinstance(t, Tensor)).device.type
 
 
-def profile_chain(layers: Sequence[nn.Module], example_input: Any) -> list[LayerProfile]:
+def profile_chain(
+    layers: Sequence[nn.Module], example_input: Any, repeats: int = 1
+) -> list[LayerProfile]:
     """Run ``layers`` one after the other on ``example_input`` (training mode, grad on) and record
-    each layer's costs. On the meta device only sizes are known; elsewhere times are measured too.
-    What passes between layers may be a tensor or a tuple of tensors (a recurrent state).
+    each layer's costs. On the meta device only sizes are known; elsewhere times are measured too
+    (the fastest of ``repeats`` runs of each layer). What passes between layers may be a tensor
+    or a tuple of tensors (a recurrent state, or the live values of a graph chain).
     """
     # Parameters and buffers (BatchNorm's running statistics) are model state, not activations.
     params = {
@@ -55,24 +65,37 @@ def profile_chain(layers: Sequence[nn.Module], example_input: Any) -> list[Layer
                 saved[id(storage)] = storage.nbytes()
             return t
 
-        # Not leaves, so in-place layers (ReLU(inplace=True)) work as they do inside a chain.
-        x = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf)
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = layer(x)
-        seconds = time.perf_counter() - start if timed else math.nan
+        seconds = math.inf
+        for _ in range(repeats if timed else 1):
+            saved.clear()
+            # Not leaves, so in-place layers (ReLU(inplace=True)) work as inside a chain.
+            x = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf)
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(x)
+            seconds = min(seconds, time.perf_counter() - start)
+        inplace = bool(getattr(layer, "inplace", False))
         profiles.append(
             LayerProfile(
                 index,
                 type(layer).__name__,
                 _nbytes(y),
                 sum(saved.values()),
-                seconds,
-                bool(getattr(layer, "inplace", False)),
+                seconds if timed else math.nan,
+                inplace,
+                _named_bytes(y, getattr(layer, "state_names", None), index),
+                getattr(layer, "mutates_from", index - 1 if inplace else None),
             )
         )
         leaf = tree_map(_as_leaf, y)
     return profiles
+
+
+def _named_bytes(output: Any, names: Sequence[str] | None, index: int) -> dict[str, int]:
+    values = output if isinstance(output, tuple) else (output,)
+    if names is None or len(names) != len(values):
+        names = [f"{index}.{j}" for j in range(len(values))]
+    return {name: _nbytes(value) for name, value in zip(names, values)}
 
 
 def _as_leaf(value: Any) -> Any:

@@ -1,0 +1,216 @@
+"""Any torch.fx-traceable model as a chain of its graph nodes, so that chain planners can cut it
+anywhere, including inside blocks with branches and concatenations.
+
+A cut in an arbitrary graph is a point in a topological order of its nodes; what a checkpoint at
+that point must keep is every value computed before it and used after it (the *live set*), which
+is the lower-set view of checkpointing of Feng & Huang (2018). ``as_graph_chain`` makes that
+literal: step ``k`` runs node ``k`` and passes the live set on as a tuple. A checkpointed segment
+then stores its input tuple (tensors shared with earlier checkpoints are the same storages, kept
+once) and recomputes its nodes in backward. For a DenseNet this puts cuts between the layers of a
+dense block, where the concatenated features live anyway and only the wide BatchNorm and ReLU
+outputs of each layer need recomputing.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch.fx
+from torch import nn
+
+from revnets.planning.chain_graph import NotAChainError
+
+__all__ = ["GraphStep", "as_graph_chain"]
+
+
+class GraphStep(nn.Module):
+    """One node of a traced graph: takes the live values before it, returns those after it.
+
+    ``state_names`` names the values of the tuple it returns (the model's output for the last
+    step); ``mutates_from`` is the index of the step that produced a value this node overwrites
+    in place (None if it overwrites nothing): no checkpoint may be cut between the two.
+    """
+
+    def __init__(
+        self,
+        node: torch.fx.Node,
+        root: nn.Module,
+        inputs: list[str],
+        outputs: list[str] | None,
+        result: Any = None,
+    ) -> None:
+        super().__init__()
+        self.op, self.target, self.label = node.op, node.target, node.name
+        def reference(n: torch.fx.Node) -> Any:
+            return self._reference(n, root)
+
+        self.args = torch.fx.node.map_arg(node.args, reference)
+        self.kwargs = torch.fx.node.map_arg(dict(node.kwargs), reference)
+        self.result = torch.fx.node.map_arg(result, reference)
+        if self.op == "call_module":
+            self.module = root.get_submodule(node.target)
+        self.inputs = inputs
+        self.outputs = outputs  # None for the last step, which returns ``result``
+        self.state_names = outputs if outputs is not None else [node.name]
+        self.mutates_from: int | None = None
+        self.inplace = False
+
+    def _reference(self, node: torch.fx.Node, root: nn.Module) -> Any:
+        if node.op != "get_attr":
+            return _Ref(node.name)
+        # A parameter or buffer the graph reads directly: registered here too (the same object),
+        # so that moving or copying the chain moves it with the step that reads it.
+        owner, _, name = node.target.rpartition(".")
+        value = getattr(root.get_submodule(owner), name)
+        key = f"attr_{node.name}"
+        if isinstance(value, nn.Parameter):
+            self.register_parameter(key, value)
+        elif isinstance(value, torch.Tensor):
+            self.register_buffer(key, value)
+        else:
+            return value
+        return _Attr(key)
+
+    def forward(self, state: Any) -> Any:
+        env = dict(zip(self.inputs, state if isinstance(state, tuple) else (state,)))
+        args = _resolve(self.args, env, self)
+        kwargs = _resolve(self.kwargs, env, self)
+        if self.op == "call_module":
+            value = self.module(*args, **kwargs)
+        elif self.op == "call_function":
+            value = self.target(*args, **kwargs)
+        else:  # call_method
+            value = getattr(args[0], self.target)(*args[1:], **kwargs)
+        env[self.label] = value
+        if self.outputs is None:
+            return _resolve(self.result, env, self)
+        return tuple(env[name] for name in self.outputs)
+
+    def extra_repr(self) -> str:
+        target = self.target if isinstance(self.target, str) else self.target.__name__
+        return f"{self.label}: {self.op} {target}"
+
+
+class _Ref:
+    """A value of the graph, looked up by name in the live state."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Attr(_Ref):
+    """A parameter or buffer registered on the step under ``name``."""
+
+
+def _resolve(value: Any, env: dict[str, Any], step: nn.Module) -> Any:
+    if isinstance(value, _Attr):
+        return getattr(step, value.name)
+    if isinstance(value, _Ref):
+        return env[value.name]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_resolve(v, env, step) for v in value)
+    if isinstance(value, dict):
+        return {k: _resolve(v, env, step) for k, v in value.items()}
+    return value
+
+
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand, operator.ior,
+}
+
+
+def _mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | None:
+    """The input a node overwrites in place, if any (by the conventions torch code follows)."""
+    if node.op == "call_module":
+        inplace = bool(getattr(root.get_submodule(node.target), "inplace", False))
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        inplace = (
+            node.target in _INPLACE_OPERATORS
+            or bool(node.kwargs.get("inplace", False))
+            or (name.endswith("_") and not name.startswith("_"))
+        )
+    elif node.op == "call_method":
+        inplace = str(node.target).endswith("_") or bool(node.kwargs.get("inplace", False))
+    else:
+        inplace = False
+    first = node.args[0] if node.args else None
+    return first if inplace and isinstance(first, torch.fx.Node) else None
+
+
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer, also keeping whole every module without submodules (a primitive layer:
+    nothing to cut inside) and every normalisation and dropout layer: their behaviour depends on
+    ``training``, which must be read when the step runs, not frozen when the model is traced."""
+
+    def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+        if isinstance(m, nn.Sequential):
+            return False
+        primitive = next(m.children(), None) is None
+        mode_dependent = isinstance(m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd))
+        return primitive or mode_dependent or super().is_leaf_module(m, qualified_name)
+
+
+def as_graph_chain(model: nn.Module) -> nn.Sequential:
+    """``model`` as an ``nn.Sequential`` of :class:`GraphStep`, one per node of its torch.fx graph.
+
+    The steps share the model's modules, parameters and buffers: the chain computes the same
+    function with the same weights, and checkpointing any run of steps keeps gradients and
+    BatchNorm statistics those of the model. Raises :class:`NotAChainError` for models with
+    several inputs, and torch.fx's ``TraceError`` for code it cannot trace (data-dependent
+    control flow).
+    """
+    graph = _Tracer().trace(model)
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    # Optional arguments (attention masks and the like) keep their defaults.
+    required = [n for n in placeholders if not n.args]
+    if len(placeholders) == 0 or required[1:] or (required and required[0] is not placeholders[0]):
+        raise NotAChainError(
+            f"as_graph_chain: {type(model).__name__} takes {len(required)} required inputs; "
+            "only models called with a single input can be planned as a chain"
+        )
+    defaults = {n.name: n.args[0] for n in placeholders[1:]}
+    output = next(n for n in nodes if n.op == "output")
+    compute = [n for n in nodes if n.op in ("call_module", "call_function", "call_method")]
+    if not compute:
+        raise NotAChainError(f"as_graph_chain: {type(model).__name__} computes nothing")
+    position = {n.name: i for i, n in enumerate(compute)}
+    position[placeholders[0].name] = -1
+    last_use: dict[str, int] = {}
+    for i, node in enumerate(compute):
+        for arg in node.all_input_nodes:
+            last_use[arg.name] = i
+    for arg in output.all_input_nodes:
+        last_use[arg.name] = len(compute)
+
+    steps: list[nn.Module] = []
+    live = [placeholders[0].name]
+    for i, node in enumerate(compute):
+        produced = [node.name] if last_use.get(node.name, -1) > i else []
+        after = [name for name in live if last_use.get(name, -1) > i] + produced
+        is_last = i == len(compute) - 1
+        step = GraphStep(
+            node, model, list(live), None if is_last else after, output.args[0] if is_last else None
+        )
+        step.args, step.kwargs = _substitute((step.args, step.kwargs), defaults)
+        mutated = _mutated_argument(node, model)
+        if mutated is not None and mutated.name in position:
+            step.mutates_from = position[mutated.name]
+            step.inplace = step.mutates_from == i - 1
+        steps.append(step)
+        live = after
+    return nn.Sequential(*steps)
+
+
+def _substitute(value: Any, constants: dict[str, Any]) -> Any:
+    if isinstance(value, _Ref) and value.name in constants:
+        return constants[value.name]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_substitute(v, constants) for v in value)
+    if isinstance(value, dict):
+        return {k: _substitute(v, constants) for k, v in value.items()}
+    return value
