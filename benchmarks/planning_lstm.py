@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> None:
             def step(model, state):
                 loss(model(state)).backward()
 
-            measured = {name: revnets.measure_memory(step, m, state).peak_bytes
-                        for name, m in (("unplanned", chain), ("planned", planned))}
+            measured = {}
+            for name, m in (("unplanned", chain), ("planned", planned)):
+                m.zero_grad(set_to_none=True)  # as predicted: no gradients before the step
+                measured[name] = revnets.measure_memory(step, m, state).peak_bytes
             times = {"unplanned": [], "planned": []}
             for _ in range(args.repeats):
                 for name, m in (("unplanned", chain), ("planned", planned)):

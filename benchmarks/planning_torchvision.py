@@ -1,8 +1,10 @@
 """auto-planned checkpoints on torchvision models, beside Feng & Huang's published cuts.
 
-For each model (untrained weights; nothing is downloaded) the graph is turned into a chain of
-steps with `revnets.planning.as_chain`; Chen's sqrt(n) and budgeted plans are proposed and the one
-with the smallest activation peak (predicted on the meta device at a small batch) is kept. Its cut
+For each model (untrained weights; nothing is downloaded) the torch.fx graph is turned into a chain
+of its nodes passing the live values (`revnets.planning.as_graph_chain`, so cuts may fall inside
+blocks); the optimal plans of `optimal_plan` over a range of budgets and Chen's sqrt(n) and
+budgeted plans are proposed and the one with the smallest activation peak (predicted on the meta
+device at a small batch) is kept. Its cut
 of activation memory (peak above parameters and gradients, one forward + backward) is predicted
 at Feng & Huang's input shapes on the meta device, and its step-time overhead measured on this CPU
 at a small batch, interleaved with the unplanned model.
@@ -24,7 +26,7 @@ from torch import nn
 import revnets
 from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 from revnets.checkpoint import checkpoint_segments
-from revnets.planning import NotAChainError, as_chain, candidate_plans, profile_chain
+from revnets.planning import NotAChainError, as_graph_chain, candidate_plans, profile_chain
 
 MiB = 2**20
 # model, batch, image size, then Feng & Huang (CVPR 2021), published: regular MB, optimal MB,
@@ -80,12 +82,12 @@ def main(argv: list[str] | None = None) -> None:
                "published_overhead_pct": overhead}
         model = build(name)
         try:
-            chain = as_chain(model)
+            chain = as_graph_chain(model)
         except (NotAChainError, torch.fx.proxy.TraceError) as error:
             print(f"  {name}: {error}")
             rows.append({**row, "note": f"not planned: {str(error)[:120]}"})
             continue
-        meta_chain = as_chain(build(name).to("meta"))
+        meta_chain = as_graph_chain(build(name).to("meta"))
         profiles = profile_chain(list(meta_chain), torch.empty(args.search_batch, 3, size, size,
                                                                device="meta"))
         plans = candidate_plans(profiles)
@@ -121,8 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         "",
         "Activation memory = peak of one forward + backward above parameters and gradients, "
         "predicted on the meta device at Feng & Huang's input shapes (exact: the meter counts the "
-        "same tensors as on a real device). The plan is the lowest-memory one among Chen's sqrt(n) "
-        f"and budgeted plans on the model's chain of steps (chosen at batch {args.search_batch}). "
+        "same tensors as on a real device). The plan is the lowest-memory one among the optimal "
+        "one-level plans (dynamic programming over a range of budgets) and Chen's sqrt(n) and "
+        "budgeted plans on the chain of the model's graph nodes (chosen at batch "
+        f"{args.search_batch}). "
         f"Overhead: median of {args.repeats} interleaved steps at batch {args.time_batch} on this "
         "CPU. Feng & Huang (CVPR 2021) figures are **published** (CUDA allocator peak, their "
         "optimal checkpoints on the full graph).",
@@ -149,9 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         lines += ["", *[f"- {r['model']}: {r['note']}" for r in notes]]
     lines += [
         "",
-        "Chains are cut only between top-level steps (a torchvision Bottleneck, a dense block, a "
-        "transition), so the cut is bounded by the largest step; Feng & Huang cut inside them on "
-        "the full graph.",
+        "A chain step is one node of the torch.fx graph (convolution, BatchNorm, ReLU, "
+        "concatenation...); a checkpoint keeps every value live at its cut, so cuts fall inside "
+        "bottlenecks and dense blocks as in Feng & Huang. Plans are one-level (each node is "
+        "recomputed at most once); theirs are too.",
     ]
     write_markdown(RESULTS / f"{stem}.md", lines)
 
