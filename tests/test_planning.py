@@ -20,6 +20,7 @@ from revnets.planning import (
     forbidden_cuts,
     modelled_peak,
     optimal_plan,
+    nested_schedule,
     predict_training_peak,
     profile_chain,
     recompute_cost,
@@ -272,3 +273,47 @@ def test_recurrent_chain_with_tuple_state():
     loss(model(state)).backward()
     for a, p in zip(grads, cell.parameters()):
         assert torch.allclose(a, p.grad, rtol=1e-12, atol=1e-12)
+
+
+def tanh_chain(n, width=128):
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)))
+
+
+def activation_peak(model, x):
+    model.zero_grad(set_to_none=True)
+    return measure_memory(lambda m, x: m(x).sum().backward(), model, x).above_model_state_bytes
+
+
+def test_nested_schedules_go_below_one_level_plans():
+    model = tanh_chain(32).double()
+    x = torch.randn(64, 128, dtype=torch.float64)
+    profiles = profile_chain(list(model), x)
+    full = activation_peak(model, x)
+    costs = []
+    for share in (2.0, 0.5, 0.3, 0.2, 0.15):
+        schedule = nested_schedule(profiles, int(share * full))
+        one_level = optimal_plan(profiles, int(share * full))
+        if share <= 0.3:
+            assert one_level is None and schedule.depth() >= 2
+        costs.append(schedule.recompute_cost)
+        planned = schedule.apply(list(model))
+        assert activation_peak(planned, x) <= 1.1 * share * full
+        grads = torch.autograd.grad(planned(x).sum(), list(model.parameters()))
+        reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        assert all(torch.equal(g, r) for g, r in zip(grads, reference))
+    assert costs[0] == 0 and costs == sorted(costs)  # less memory, more recomputation
+
+
+def test_auto_checkpoint_nests_checkpoints_when_one_level_is_not_enough():
+    model = tanh_chain(32, width=64)
+    x = torch.randn(512, 64)  # activations outweigh weights and gradients
+    full = training_peak(model, x)
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(state + 0.25 * (full - state))
+    model.zero_grad(set_to_none=True)
+    planned = revnets.auto_checkpoint(model, x, budget)
+    nested = [m for m in planned.modules() if isinstance(m, revnets.Checkpointed)
+              and any(isinstance(c, revnets.Checkpointed) for c in m.module.modules())]
+    assert nested
+    assert training_peak(planned, x) <= budget

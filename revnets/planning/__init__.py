@@ -12,11 +12,13 @@ from revnets.planning.chain import (
 )
 from revnets.planning.chain_graph import NotAChainError, as_chain
 from revnets.planning.graph_chain import GraphStep, as_graph_chain
+from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, profile_chain
 
 __all__ = [
     "GraphStep",
     "LayerProfile",
+    "NestedSchedule",
     "NotAChainError",
     "PlanningError",
     "as_chain",
@@ -25,7 +27,9 @@ __all__ = [
     "budget_plan",
     "candidate_plans",
     "forbidden_cuts",
+    "group_chain",
     "modelled_peak",
+    "nested_schedule",
     "optimal_plan",
     "predict_training_peak",
     "profile_chain",

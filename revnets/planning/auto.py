@@ -15,11 +15,13 @@ from revnets.checkpoint import checkpoint_segments
 from revnets.memory import measure_memory
 from revnets.planning.chain import candidate_plans
 from revnets.planning.graph_chain import as_graph_chain
+from revnets.planning.nested import group_chain, nested_schedule
 from revnets.planning.profile import _device_type, _nbytes, profile_chain
 
 __all__ = ["PlanningError", "auto_checkpoint", "predict_training_peak"]
 
 MiB = 2**20
+NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 
 
 class PlanningError(ValueError):
@@ -136,7 +138,11 @@ def _choose_plan(model, example_input, budget, loss_fn, measure_time) -> nn.Modu
     if peak(high) > budget:
         smallest = min(range(len(plans)), key=peak)
         if peak(smallest) > budget:
-            raise PlanningError(_no_fit(budget, peak(smallest), f"segments {plans[smallest]}"))
+            # Below what one level of checkpoints reaches: checkpoints within recomputations.
+            return _nested_within(
+                model, meta_model, profiles, example_input, budget, loss_fn,
+                (peak(smallest), f"segments {plans[smallest]}"),
+            )
         high = smallest
     while high - low > 1:
         middle = (low + high) // 2
@@ -145,6 +151,42 @@ def _choose_plan(model, example_input, budget, loss_fn, measure_time) -> nn.Modu
         else:
             low = middle
     return checkpoint_segments(model, plans[high])
+
+
+def _nested_within(model, meta_model, profiles, example_input, budget, loss_fn, best_so_far):
+    layers, grouped = group_chain(list(model), profiles, NESTED_GROUPS)
+    meta_layers, _ = group_chain(list(meta_model), profiles, NESTED_GROUPS)
+    model_state = sum(
+        t.numel() * t.element_size() * (2 if getattr(t, "requires_grad", False) else 1)
+        for t in (*model.parameters(), *model.buffers())
+    )
+    smallest, how = best_so_far
+    # The schedule's memory model leaves out transients: shrink its budget until the exact
+    # prediction fits.
+    for share in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+        schedule = nested_schedule(grouped, int(share * (budget - model_state)))
+        if schedule is None:
+            break
+        peak = predict_training_peak(schedule.apply(meta_layers), example_input, loss_fn)
+        if peak <= budget:
+            return schedule.apply(layers)
+        if peak < smallest:
+            smallest, how = peak, f"nested checkpoints {schedule.tree}"
+    # Nothing fits: name the smallest budget, that of the most frugal schedule there is.
+    low, high = 0, max(smallest - model_state, 1)
+    frugal = None
+    while high - low > max(high // 64, 1):
+        middle = (low + high) // 2
+        schedule = nested_schedule(grouped, middle)
+        if schedule is None:
+            low = middle
+        else:
+            high, frugal = middle, schedule
+    if frugal is not None:
+        peak = predict_training_peak(frugal.apply(meta_layers), example_input, loss_fn)
+        if peak < smallest:
+            smallest, how = peak, f"nested checkpoints {frugal.tree}"
+    raise PlanningError(_no_fit(budget, smallest, how))
 
 
 def _input_state(chain: nn.Sequential, example_input: Any) -> dict[str, int]:

@@ -30,6 +30,8 @@ class LayerProfile:
     # The index of an earlier layer whose output this one overwrites in place (None: nothing);
     # no checkpoint may be cut in between.
     mutates_from: int | None = None
+    # What it saves beyond its own input and output (which are counted as outputs already).
+    saved_intermediate_bytes: int = 0
 
 
 def _nbytes(output: Any) -> int:
@@ -74,6 +76,8 @@ def profile_chain(
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 y = layer(x)
             seconds = min(seconds, time.perf_counter() - start)
+        ends = _storage_ids(x) | _storage_ids(y)
+        intermediate = sum(nbytes for key, nbytes in saved.items() if key not in ends)
         inplace = bool(getattr(layer, "inplace", False))
         profiles.append(
             LayerProfile(
@@ -85,10 +89,15 @@ def profile_chain(
                 inplace,
                 _named_bytes(y, getattr(layer, "state_names", None), index),
                 getattr(layer, "mutates_from", index - 1 if inplace else None),
+                intermediate,
             )
         )
         leaf = tree_map(_as_leaf, y)
     return profiles
+
+
+def _storage_ids(value: Any) -> set[int]:
+    return {id(t.untyped_storage()) for t in tree_flatten(value)[0] if isinstance(t, Tensor)}
 
 
 def _named_bytes(output: Any, names: Sequence[str] | None, index: int) -> dict[str, int]:
