@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--search-batch", type=int, default=2)
     parser.add_argument("--time-batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     rows = []
     for name, batch, size, regular_mb, optimal_mb, cut, overhead in MODELS:

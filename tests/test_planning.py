@@ -225,7 +225,7 @@ def test_models_nobody_here_wrote(name):
     budget = int(state + keep * (training_peak(model, x) - state))  # less activation memory
     model.zero_grad(set_to_none=True)
     planned = revnets.auto_checkpoint(model, x, budget)
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
     assert training_peak(planned, x) <= budget
     model.zero_grad(set_to_none=True)
     reference.load_state_dict(model.state_dict())
@@ -234,6 +234,9 @@ def test_models_nobody_here_wrote(name):
     assert max_grad_error(model, reference) <= 1e-5  # float32; recomputation repeats the same ops
     for a, b in zip(model.buffers(), reference.buffers()):
         assert torch.equal(a, b)
+    planned.eval(), reference.eval()
+    assert not model.training
+    assert torch.equal(planned(x), reference(x))  # evaluation runs the model itself
 
 
 class RNNStep(nn.Module):

@@ -1,6 +1,11 @@
 """Choosing what to store: profiles, checkpoint plans and automatic selection under a budget."""
 
-from revnets.planning.auto import PlanningError, auto_checkpoint, predict_training_peak
+from revnets.planning.auto import (
+    PlannedModel,
+    PlanningError,
+    auto_checkpoint,
+    predict_training_peak,
+)
 from revnets.planning.chain import (
     budget_plan,
     candidate_plans,
@@ -20,6 +25,7 @@ __all__ = [
     "LayerProfile",
     "NestedSchedule",
     "NotAChainError",
+    "PlannedModel",
     "PlanningError",
     "as_chain",
     "as_graph_chain",

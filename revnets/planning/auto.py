@@ -18,7 +18,7 @@ from revnets.planning.graph_chain import as_graph_chain
 from revnets.planning.nested import group_chain, nested_schedule
 from revnets.planning.profile import _device_type, _nbytes, profile_chain
 
-__all__ = ["PlanningError", "auto_checkpoint", "predict_training_peak"]
+__all__ = ["PlannedModel", "PlanningError", "auto_checkpoint", "predict_training_peak"]
 
 MiB = 2**20
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
@@ -80,22 +80,54 @@ def auto_checkpoint(
       sqrt(n) and budgeted plans, ordered by what they recompute (forward time measured layer
       by layer on ``example_input``'s device when ``measure_time``, else layers counted); the
       first whose exact peak, predicted on the meta device, fits (found by bisection: a few
-      predictions). Returned as a new ``nn.Sequential`` sharing the model's modules (same
-      weights, same outputs).
+      predictions). Below what one level of checkpoints reaches, nested checkpoints
+      (:func:`nested_schedule`). An ``nn.Sequential`` comes back as a new ``nn.Sequential``
+      over the same layers; any other model as a :class:`PlannedModel` that trains with the
+      plan and evaluates with the model itself (same weights, same outputs).
 
     Raises :class:`PlanningError` stating the smallest reachable budget when none fits.
     """
     if hasattr(model, "set_memory") and hasattr(model, "memory_strategies"):
         return _choose_strategy(model, example_input, budget, loss_fn)
-    if not isinstance(model, nn.Sequential):
-        try:
-            model = as_graph_chain(model)
-        except Exception as error:  # torch.fx raises many kinds on code it cannot trace
-            raise TypeError(
-                f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
-                f"single-input steps ({error}); express it as an nn.Sequential of its stages"
-            ) from error
-    return _choose_plan(model, example_input, budget, loss_fn, measure_time)
+    if isinstance(model, nn.Sequential):
+        return _choose_plan(model, example_input, budget, loss_fn, measure_time)
+    try:
+        chain = as_graph_chain(model)
+    except Exception as error:  # torch.fx raises many kinds on code it cannot trace
+        raise TypeError(
+            f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
+            f"single-input steps ({error}); express it as an nn.Sequential of its stages"
+        ) from error
+    planned = _choose_plan(chain, example_input, budget, loss_fn, measure_time)
+    return model if planned is chain else PlannedModel(model, planned)
+
+
+class PlannedModel(nn.Module):
+    """A traced model and its checkpoint plan, sharing every parameter and buffer.
+
+    Training steps (training mode, grad enabled) run the plan: the chain of graph nodes with
+    checkpointed segments. Everything else (evaluation, inference) runs the model itself, since
+    a trace may have frozen ``self.training`` checks of the mode it was traced in.
+    """
+
+    def __init__(self, model: nn.Module, plan: nn.Sequential) -> None:
+        super().__init__()
+        self.plan = plan
+        self._model = (model,)  # not registered again: its modules are the plan's
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model[0]
+
+    def train(self, mode: bool = True) -> PlannedModel:
+        super().train(mode)
+        self.model.train(mode)
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training and torch.is_grad_enabled():
+            return self.plan(*args, **kwargs)
+        return self.model(*args, **kwargs)
 
 
 def _choose_strategy(model, example_input, budget, loss_fn) -> nn.Module:

@@ -204,10 +204,10 @@ def candidate_plans(
     for k in range(steps + 1):
         budget = smallest * (total / smallest) ** (k / steps)
         proposals.append(budget_plan(profiles, int(budget)))
-    largest_state = max(sum(p.state.values()) for p in profiles)
+    low = max(max(sum(p.state.values()) for p in profiles), 1)
+    high = max(total, low)
     for k in range(steps + 1):
-        budget = largest_state * (total / largest_state) ** (k / steps) if total > largest_state else total
-        plan = optimal_plan(profiles, int(budget), input_state)
+        plan = optimal_plan(profiles, int(low * (high / low) ** (k / steps)), input_state)
         if plan is not None:
             proposals.append(plan)
     plans = {tuple(respect_inplace(p, profiles)) for p in proposals}

@@ -42,6 +42,7 @@ class GraphStep(nn.Module):
     ) -> None:
         super().__init__()
         self.op, self.target, self.label = node.op, node.target, node.name
+
         def reference(n: torch.fx.Node) -> Any:
             return self._reference(n, root)
 
@@ -150,7 +151,9 @@ class _Tracer(torch.fx.Tracer):
         if isinstance(m, nn.Sequential):
             return False
         primitive = next(m.children(), None) is None
-        mode_dependent = isinstance(m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd))
+        mode_dependent = isinstance(
+            m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
+        )
         return primitive or mode_dependent or super().is_leaf_module(m, qualified_name)
 
 
