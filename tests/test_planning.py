@@ -224,7 +224,9 @@ def test_models_nobody_here_wrote(name):
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights, grads
     budget = int(state + keep * (training_peak(model, x) - state))  # less activation memory
     model.zero_grad(set_to_none=True)
+    before = copy.deepcopy(model.state_dict())
     planned = revnets.auto_checkpoint(model, x, budget)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
     assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
     assert training_peak(planned, x) <= budget
     model.zero_grad(set_to_none=True)

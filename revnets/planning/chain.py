@@ -21,6 +21,7 @@ __all__ = [
     "Plan",
     "budget_plan",
     "candidate_plans",
+    "forbidden_cuts",
     "modelled_peak",
     "optimal_plan",
     "recompute_cost",

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from revnets.replay import forked_rng, frozen_running_stats
+
 __all__ = ["LayerProfile", "profile_chain"]
 
 
@@ -50,7 +52,16 @@ def profile_chain(
     each layer's costs. On the meta device only sizes are known; elsewhere times are measured too
     (the fastest of ``repeats`` runs of each layer). What passes between layers may be a tensor
     or a tuple of tensors (a recurrent state, or the live values of a graph chain).
+
+    The layers are left as they were: BatchNorm running statistics and the random number
+    generators are restored afterwards.
     """
+    tensors = [t for t in tree_flatten(example_input)[0] if isinstance(t, Tensor)]
+    with frozen_running_stats(list(layers)), forked_rng(tensors):
+        return _profile(layers, example_input, repeats)
+
+
+def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> list[LayerProfile]:
     # Parameters and buffers (BatchNorm's running statistics) are model state, not activations.
     params = {
         id(t.untyped_storage()) for layer in layers for t in (*layer.parameters(), *layer.buffers())
