@@ -107,7 +107,8 @@ class PlannedModel(nn.Module):
 
     Training steps (training mode, grad enabled) run the plan: the chain of graph nodes with
     checkpointed segments. Everything else (evaluation, inference) runs the model itself, since
-    a trace may have frozen ``self.training`` checks of the mode it was traced in.
+    a trace may have frozen ``self.training`` checks of the mode it was traced in. Save and load
+    weights through ``.model``, whose state_dict keys are the original ones.
     """
 
     def __init__(self, model: nn.Module, plan: nn.Sequential) -> None:
