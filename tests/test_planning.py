@@ -233,7 +233,7 @@ def test_models_nobody_here_wrote(name):
     reference.load_state_dict(model.state_dict())
     planned(x).sum().backward()
     reference(x).sum().backward()
-    assert max_grad_error(model, reference) <= 1e-5  # float32; recomputation repeats the same ops
+    assert max_grad_error(model, reference) <= 1e-6  # float32; recomputation repeats the same ops
     for a, b in zip(model.buffers(), reference.buffers()):
         assert torch.equal(a, b)
     planned.eval(), reference.eval()
@@ -339,6 +339,6 @@ def test_inception_v3_plan_keeps_gradients_and_statistics():
     for m in (planned, reference):
         torch.manual_seed(1)  # the same dropout mask for both; checkpoints replay it
         m(x).sum().backward()
-    assert max_grad_error(model, reference) <= 1e-5
+    assert max_grad_error(model, reference) <= 1e-6
     for a, b in zip(model.buffers(), reference.buffers()):
         assert torch.equal(a, b)
