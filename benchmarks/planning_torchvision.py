@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         "A chain step is one node of the torch.fx graph (convolution, BatchNorm, ReLU, "
         "concatenation...); a checkpoint keeps every value live at its cut, so cuts fall inside "
         "bottlenecks and dense blocks as in Feng & Huang. Plans are one-level (each node is "
-        "recomputed at most once); theirs are too.",
+        "recomputed at most once).",
     ]
     write_markdown(RESULTS / f"{stem}.md", lines)
 
