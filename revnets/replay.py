@@ -43,6 +43,8 @@ class AutocastState:
         if not torch.amp.is_autocast_available(self.device_type):
             return contextlib.nullcontext()
         if not self.enabled:
+            if not torch.is_autocast_enabled(self.device_type):
+                return contextlib.nullcontext()
             # Replay must also switch autocast *off* if backward happens to run inside one.
             return torch.autocast(self.device_type, enabled=False)
         return torch.autocast(
@@ -61,8 +63,11 @@ class RngState:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.cpu = torch.get_rng_state()
-        # Same helper torch.utils.checkpoint uses: the generators of every device the tensors are on.
-        self.devices, self.device_states = get_device_states(*tensors)
+        if all(t.device.type in ("cpu", "meta") for t in tensors):
+            self.devices, self.device_states = [], []  # the common case, without a pytree walk
+        else:
+            # torch.utils.checkpoint's helper: the generators of every device the tensors are on.
+            self.devices, self.device_states = get_device_states(*tensors)
 
     def unchanged(self) -> bool:
         """True if nothing was drawn since capture, so this state need not be kept.

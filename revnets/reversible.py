@@ -285,6 +285,14 @@ class ReversibleSequence(nn.Module):
                     "a non-invertible module before or after it (wrap it in revnets.Checkpointed "
                     "to save its memory)"
                 )
+            inner = {id(p) for transform in (block.f, block.g) for p in transform.parameters()}
+            stray = [name for name, p in block.named_parameters() if id(p) not in inner]
+            if stray:
+                raise ValueError(
+                    f"ReversibleSequence: block {i} has parameters outside f and g "
+                    f"({', '.join(stray)}); the reversible backward computes gradients for the "
+                    "parameters of f and g only. Move them into f or g"
+                )
         split_dims = {block.split_dim for block in blocks}
         if len(split_dims) > 1:
             raise ValueError(
@@ -308,16 +316,14 @@ class ReversibleSequence(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.blocks:
             return x
-        params = self.trainable_parameters()
-        reversible = (
-            self.memory_efficient
-            and self.training
-            and torch.is_grad_enabled()
-            and (x.requires_grad or bool(params))
-        )
-        if not reversible:
+        if not (self.memory_efficient and self.training and torch.is_grad_enabled()):
             return self.forward_plain(x)
-        return _ReversibleFunction.apply(x, self, *params)
+        # Looked up once per step: backward needs each block's own, and autograd needs them all.
+        transform_params = [(_trainable(block.f), _trainable(block.g)) for block in self.blocks]
+        params = list(dict.fromkeys(p for pair in transform_params for ps in pair for p in ps))
+        if not (x.requires_grad or params):
+            return self.forward_plain(x)
+        return _ReversibleFunction.apply(x, self, transform_params, *params)
 
     def forward_plain(self, x: Tensor) -> Tensor:
         """The blocks as ordinary modules (what autograd would store, it stores)."""
@@ -333,9 +339,6 @@ class ReversibleSequence(nn.Module):
         for block in reversed(self.blocks):
             y1, y2 = block.inverse_halves(y1, y2)
         return first.merge(y1, y2)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
 
     def extra_repr(self) -> str:
         return f"memory_efficient={self.memory_efficient}"
@@ -398,7 +401,13 @@ class _ReversibleFunction(torch.autograd.Function):
     """Forward: the blocks without a graph, output kept. Backward: reconstruct and backprop."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, sequence: ReversibleSequence, *params: Tensor) -> Tensor:
+    def forward(
+        ctx,
+        x: Tensor,
+        sequence: ReversibleSequence,
+        transform_params: list[tuple[list[Tensor], list[Tensor]]],
+        *params: Tensor,
+    ) -> Tensor:
         blocks = sequence.blocks
         preserve_rng = sequence.preserve_rng_state
         report = reconstruction.active_report()
@@ -442,6 +451,7 @@ class _ReversibleFunction(torch.autograd.Function):
         ctx.backward_done = False
         ctx.save_for_backward(*params)
         ctx.sequence = sequence
+        ctx.transform_params = transform_params
         ctx.rng_states = rng_states
         ctx.autocast = autocast
         ctx.report = report
@@ -485,7 +495,9 @@ class _ReversibleFunction(torch.autograd.Function):
                 else:
                     transforms = _Recomputation(blocks[i], ctx.rng_states[i], ctx.autocast)
                 need_input_grad = i > 0 or ctx.needs_input_grad[0]
-                grads = _reverse_block(blocks[i], carry, transforms, need_input_grad, owned)
+                grads = _reverse_block(
+                    blocks[i], carry, transforms, need_input_grad, owned, *ctx.transform_params[i]
+                )
                 del transforms
                 owned = ctx.true_inputs is None  # reconstructions are ours, unless compared
                 for p, grad in grads:
@@ -495,7 +507,7 @@ class _ReversibleFunction(torch.autograd.Function):
                     ctx.report.record(i, len(blocks), ctx.true_inputs[i], carry[0], carry[1])
 
         grad_x = blocks[0].merge(carry[2], carry[3]) if ctx.needs_input_grad[0] else None
-        return (grad_x, None, *param_grads)
+        return (grad_x, None, None, *param_grads)
 
 
 def _merged_shape(block: ReversibleBlock, half_shape: torch.Size) -> torch.Size:
@@ -585,16 +597,17 @@ def _reverse_block(
     transforms: _Recomputation | _StoredTransforms,
     need_input_grad: bool,
     owned: bool,
+    f_params: list[Tensor],
+    g_params: list[Tensor],
 ) -> list[tuple[Tensor, Tensor]]:
     """Reconstruct the block's input from its output and backpropagate through it.
 
     ``carry`` holds ``[y1, y2, dy1, dy2]`` and is overwritten with ``[x1, x2, dx1, dx2]``; working
     on the caller's list lets each tensor be freed the moment it is no longer needed. ``owned``
     says whether ``y1`` and ``y2`` may be overwritten. Returns the (parameter, gradient) pairs of
-    f and g.
+    f and g, whose trainable parameters are ``f_params`` and ``g_params``.
     """
     coupling = block.coupling
-    g_params, f_params = _trainable(block.g), _trainable(block.f)
 
     # Second half, y2 = combine(x2, g(y1)): one run of g gives both x2 and the gradients through g.
     y1 = transforms.g_input(carry[0])

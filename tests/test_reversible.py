@@ -306,6 +306,16 @@ def test_non_invertible_module_in_sequence_is_named():
         revnets.ReversibleSequence([make_stack(1)[0], nn.Conv2d(8, 8, 3)])
 
 
+def test_block_parameters_outside_f_and_g_are_refused():
+    class ScaledBlock(revnets.ReversibleBlock):
+        def __init__(self):
+            super().__init__(nn.Identity(), nn.Identity())
+            self.scale = nn.Parameter(torch.ones(1))
+
+    with pytest.raises(ValueError, match=r"block 0 has parameters outside f and g \(scale\)"):
+        revnets.ReversibleSequence([ScaledBlock()])
+
+
 def test_float16_without_cpu_kernel_is_named():
     class Zeta(nn.Module):
         def forward(self, x):
