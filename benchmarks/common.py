@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import csv
 import datetime
+import gc
 import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,3 +43,59 @@ def write_markdown(path: Path, lines: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path} (and its CSV files)")
+
+
+@dataclass
+class Timings:
+    """Per-step wall-clock seconds and minor page faults, one list per step name."""
+
+    seconds: dict[Hashable, list[float]]
+    page_faults: dict[Hashable, list[int]]
+
+
+def interleaved_times(
+    steps: dict[Hashable, Callable[[], object]], repeats: int, warmup: int = 1
+) -> Timings:
+    """Time each step ``repeats`` times, interleaved round by round.
+
+    Interleaving makes drifts in machine speed hit every step alike; the order is rotated each
+    round so that no step always runs right after the same other one; the garbage collector is
+    paused while timing (as ``timeit`` does). ``warmup`` untimed rounds come first. Page faults
+    are counted because on CPU they are part of the cost of allocating fresh activation memory,
+    and how many a step takes depends on what the C allocator kept from earlier steps.
+    """
+    keys = list(steps)
+    timings = Timings({key: [] for key in keys}, {key: [] for key in keys})
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for round_ in range(-warmup, repeats):
+            shift = round_ % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                start = time.perf_counter()
+                steps[key]()
+                elapsed = time.perf_counter() - start
+                if round_ >= 0:
+                    timings.seconds[key].append(elapsed)
+                    timings.page_faults[key].append(
+                        resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+                    )
+            gc.collect()
+    finally:
+        if collecting:
+            gc.enable()
+    return timings
+
+
+def ratio_summary(times: list[float], baseline: list[float]) -> dict[str, float]:
+    """Median step time, its ratio to the baseline's median, and min/median/max of the ratios
+    of steps timed in the same round."""
+    paired = [t / b for t, b in zip(times, baseline)]
+    return {
+        "median_step_s": round(statistics.median(times), 4),
+        "ratio": round(statistics.median(times) / statistics.median(baseline), 3),
+        "ratio_min": round(min(paired), 3),
+        "ratio_median": round(statistics.median(paired), 3),
+        "ratio_max": round(max(paired), 3),
+    }

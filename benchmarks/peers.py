@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
+import functools
 import sys
-import time
 import warnings
 
 import torch
@@ -25,7 +24,15 @@ import torch.utils.checkpoint
 from torch import nn
 
 import revnets
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
+from common import (
+    RESULTS,
+    interleaved_times,
+    provenance,
+    ratio_summary,
+    results_stem,
+    write_csv,
+    write_markdown,
+)
 from reversible_stack import unit
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # peers use deprecated torch.cuda.amp
@@ -102,6 +109,10 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, x, target) -> None:
     optimizer.step()
 
 
+def timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, target) -> None:
+    step(model, optimizer, fresh(x), target)
+
+
 def available(libraries: list[str]) -> list[str]:
     found = []
     for library in libraries:
@@ -174,21 +185,15 @@ def main(argv: list[str] | None = None) -> None:
 
     depth = args.depths[0]
     models = {library: build(library, depth) for library in libraries}
-    times: dict[str, list[float]] = {library: [] for library in libraries}
-    for model, optimizer in models.values():
-        step(model, optimizer, fresh(x), target)
-    for _ in range(args.repeats):
-        for library, (model, optimizer) in models.items():
-            batch = fresh(x)
-            start = time.perf_counter()
-            step(model, optimizer, batch, target)
-            times[library].append(time.perf_counter() - start)
-    base = statistics.median(times["none"])
+    timings = interleaved_times(
+        {library: functools.partial(timed_step, *models[library], x, target)
+         for library in libraries},
+        args.repeats,
+    )
     for row in rows:
-        t = times[row["library"]]
-        ratios = [a / b for a, b in zip(t, times["none"])]
-        row["step_ratio"] = round(statistics.median(t) / base, 3)
-        row["ratio_min"], row["ratio_max"] = round(min(ratios), 3), round(max(ratios), 3)
+        summary = ratio_summary(timings.seconds[row["library"]], timings.seconds["none"])
+        row["step_ratio"] = summary["ratio"]
+        row["ratio_min"], row["ratio_max"] = summary["ratio_min"], summary["ratio_max"]
         print(f"  speed {row['library']:<17} {row['step_ratio']:.3f}x", flush=True)
 
     stem = results_stem("peers")
@@ -208,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         f"The same f and g (conv3x3({HALF})-BatchNorm-ReLU), input {BATCH}x{2 * HALF}x{SIZE}x"
         f"{SIZE}, average pooling, linear head, cross-entropy, SGD. Memory: peak of a training "
         "step above parameters, gradients and optimizer state (live tensor storage). Time: median "
-        f"of {args.repeats} interleaved steps at depth {depth}, over `none` (ordinary autograd on "
+        f"of {args.repeats} interleaved steps at depth {depth} (order rotated each round, garbage "
+        "collector paused, after the memory runs), over `none` (ordinary autograd on "
         "the same blocks); min and max of the paired ratios. BN updates: `num_batches_tracked` "
         "after one training step (1 is correct). Gradient error: largest relative error against "
         "ordinary autograd after one step at depth 4. The input requires grad (as a stem's output "

@@ -12,19 +12,28 @@ forward, backward and an SGD step.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import revnets
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
+from common import (
+    RESULTS,
+    interleaved_times,
+    provenance,
+    ratio_summary,
+    results_stem,
+    write_csv,
+    write_markdown,
+)
 
 MiB = 2**20
 STORED = "reversible_store_last"  # ReversibleSequence(store_last_block=True)
+BLOCKS_FORWARD = "blocks_forward"  # the blocks' forward alone, without a graph
 
 
 def unit(channels: int) -> nn.Module:
@@ -111,35 +120,56 @@ def memory_table(depths, half, batch, size, strategies) -> list[dict]:
     return rows
 
 
-def speed_table(depth, half, batch, size, strategies, repeats) -> list[dict]:
+def speed_table(
+    depth, half, batch, size, strategies, repeats, trial, condition: str
+) -> list[dict]:
+    """Step-time ratios to `none` over all repetitions, and the best and worst median ratio over
+    consecutive trials of ``trial`` repetitions (each one a complete measurement on its own)."""
     setups = {s: make(depth, half, batch, size, s) for s in strategies}
     # The same weights for every strategy, so only the memory strategy differs.
     reference = setups["none"][0].state_dict()
     for model, *_ in setups.values():
         model.load_state_dict(reference)
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    for _ in range(repeats):  # interleaved, so drifts in machine speed hit all alike
-        for strategy, (model, optimizer, x, target) in setups.items():
-            start = time.perf_counter()
-            train_step(model, optimizer, x, target)
-            times[strategy].append(time.perf_counter() - start)
-    base = statistics.median(times["none"])
+    steps = {s: functools.partial(train_step, *setup) for s, setup in setups.items()}
+    # What recomputation costs at least: one more forward of the blocks, timed alongside.
+    forward_model, _, forward_x, _ = make(depth, half, batch, size, "none")
+    forward_model.load_state_dict(reference)
+    steps[BLOCKS_FORWARD] = functools.partial(
+        forward_without_graph, forward_model.blocks, forward_x
+    )
+    timings = interleaved_times(steps, repeats)
+    times = timings.seconds
+    forward_share = statistics.median(times[BLOCKS_FORWARD]) / statistics.median(times["none"])
+    recomputed_share = {"none": 0.0, "checkpoint": 1.0, "reversible": 1.0, STORED: 1 - 1 / depth}
+    trials = [slice(start, start + trial) for start in range(0, repeats - trial + 1, trial)]
     rows = []
     for strategy in strategies:
-        ratios = [t / b for t, b in zip(times[strategy], times["none"])]
+        trial_ratios = [
+            ratio_summary(times[strategy][t], times["none"][t])["ratio"] for t in trials
+        ]
         rows.append(
             {
+                "condition": condition,
                 "strategy": strategy,
-                "median_step_s": round(statistics.median(times[strategy]), 4),
-                "ratio_of_medians": round(statistics.median(times[strategy]) / base, 3),
-                "ratio_min": round(min(ratios), 3),
-                "ratio_median": round(statistics.median(ratios), 3),
-                "ratio_max": round(max(ratios), 3),
+                **ratio_summary(times[strategy], times["none"]),
+                "trials": len(trials),
+                "trial_ratio_best": min(trial_ratios),
+                "trial_ratio_worst": max(trial_ratios),
+                "page_faults_per_step": int(statistics.median(timings.page_faults[strategy])),
+                "recompute_floor": round(1 + recomputed_share[strategy] * forward_share, 3),
             }
         )
-        print(f"  speed   depth {depth}  {strategy:<10} {rows[-1]['ratio_of_medians']:.3f}x "
-              f"(pairwise min {rows[-1]['ratio_min']}, max {rows[-1]['ratio_max']})")
+        print(f"  speed   {condition:<6} {strategy:<22} {rows[-1]['ratio']:.3f}x (paired min "
+              f"{rows[-1]['ratio_min']}, max {rows[-1]['ratio_max']}; trials of {trial}: "
+              f"{min(trial_ratios):.3f}-{max(trial_ratios):.3f}; "
+              f"{rows[-1]['page_faults_per_step']} page faults per step; floor "
+              f"{rows[-1]['recompute_floor']})")
     return rows
+
+
+def forward_without_graph(blocks: nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        blocks(x)
 
 
 def gradient_error(depth: int, coupling: str, dtype: torch.dtype, half: int = 8) -> float:
@@ -202,16 +232,37 @@ def write_results(memory_rows, speed_rows, error_rows, config) -> None:
         "",
         f"## Step time at depth {config['speed_depth']}, ratio to `none`",
         "",
-        f"{config['repeats']} interleaved repetitions in one process. `ratio` is the median step "
-        "time over the median of `none`; min and max are over the paired repetitions.",
+        f"{config['repeats']} interleaved repetitions in one process (order rotated each round, "
+        "garbage collector paused, one warm-up round). `ratio` is the median step time over the "
+        "median of `none`; min and max are over the ratios of steps timed in the same round. The "
+        f"repetitions are also cut into {config['repeats'] // config['trial']} consecutive trials "
+        f"of {config['trial']}, each a complete measurement by the acceptance rule (median of at "
+        "least 9 interleaved repetitions): best and worst trial ratio. This VM's speed drifts by "
+        "10-20 % from step to step, which is what the spread shows.",
         "",
-        "| strategy | median step (s) | ratio | min | max |",
-        "|---|---|---|---|---|",
+        "The same measurement is made twice: `fresh`, first thing in the process, as in a "
+        "training run, and `warm`, after the memory table's multi-GiB steps have changed what the "
+        "C allocator (glibc) keeps. Ordinary autograd allocates its activations anew every step; "
+        "whether that costs page faults depends on the allocator's state (median count per step "
+        "in the column), and in our runs every strategy's steps were slower after the memory "
+        "runs. Both are shown; neither is picked.",
+        "",
+        "`recompute floor` is what the strategy must cost at least if everything but the "
+        "recomputation were free: 1 + (the share of blocks it recomputes) x (a forward of the "
+        "blocks without a graph, timed in the same rounds) / (an ordinary step). With f and g "
+        "recomputed once each per block, a ratio below the floor is only possible where ordinary "
+        "autograd pays for something the others do not, such as page faults (or by noise).",
+        "",
+        "| condition | strategy | median step (s) | ratio | min | max | best trial | worst trial "
+        "| page faults per step | recompute floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in speed_rows:
         lines.append(
-            f"| {r['strategy']} | {r['median_step_s']:.3f} | {r['ratio_of_medians']:.3f} | "
-            f"{r['ratio_min']:.3f} | {r['ratio_max']:.3f} |"
+            f"| {r['condition']} | {r['strategy']} | {r['median_step_s']:.3f} | {r['ratio']:.3f} | "
+            f"{r['ratio_min']:.3f} | {r['ratio_max']:.3f} | {r['trial_ratio_best']:.3f} | "
+            f"{r['trial_ratio_worst']:.3f} | {r['page_faults_per_step']} | "
+            f"{r['recompute_floor']:.3f} |"
         )
     lines += [
         "",
@@ -236,23 +287,30 @@ def write_results(memory_rows, speed_rows, error_rows, config) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small demo, prints only")
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=27)
+    parser.add_argument("--trial", type=int, default=9, help="repetitions per trial")
     args = parser.parse_args(argv)
 
     strategies = ["none", "checkpoint", "reversible", STORED]
     if args.quick:
-        config = dict(depths=[4, 16], half=16, batch=8, size=16, speed_depth=8, repeats=5)
+        config = dict(depths=[4, 16], half=16, batch=8, size=16, speed_depth=8, repeats=5,
+                      trial=5)
     else:
         config = dict(depths=[8, 16, 32, 64], half=64, batch=32, size=32, speed_depth=8,
-                      repeats=args.repeats)
+                      repeats=args.repeats, trial=args.trial)
     config.update(
         strategies=strategies,
         device="cpu",
     )
     shape = (config["half"], config["batch"], config["size"])
     print(f"reversible stack, half={shape[0]} channels, batch {shape[1]}, {shape[2]}x{shape[2]}")
+    speed_args = (config["speed_depth"], *shape, strategies, config["repeats"], config["trial"])
+    # Timed twice: first in a fresh process, as a training run would be, then after the memory
+    # runs have had the C allocator grow and keep a large heap (see write_results).
+    speed_rows = speed_table(*speed_args, condition="fresh")
     memory_rows = memory_table(config["depths"], *shape, strategies)
-    speed_rows = speed_table(config["speed_depth"], *shape, strategies, config["repeats"])
+    if not args.quick:
+        speed_rows += speed_table(*speed_args, condition="warm")
     error_rows = []
     cases = [(c, torch.float64, d) for c in ("additive", "affine") for d in (8,)]
     if not args.quick:
