@@ -15,23 +15,16 @@ measured at a small batch on this CPU and predicted at batch 128 on the meta dev
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
+import time
 
 import timm
 import torch
 import torch.nn.functional as F
 
 import revnets
-from common import (
-    RESULTS,
-    interleaved_times,
-    provenance,
-    results_stem,
-    write_csv,
-    write_markdown,
-)
+from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 
 MiB = 2**20
 
@@ -122,9 +115,14 @@ def twin_speed(batch: int, repeats: int) -> list[dict]:
             (revnet, "reversible"): setup(revnet, "reversible", batch),
             (revnet, "none"): setup(revnet, "none", batch),
         }
-        times = interleaved_times(
-            {key: functools.partial(train_step, *args) for key, args in setups.items()}, repeats
-        ).seconds
+        times = {key: [] for key in setups}
+        for args in setups.values():
+            train_step(*args)
+        for _ in range(repeats):
+            for key, args in setups.items():
+                start = time.perf_counter()
+                train_step(*args)
+                times[key].append(time.perf_counter() - start)
         base = statistics.median(times[(resnet, "none")])
         same_weights = statistics.median(times[(revnet, "none")])
         reversible = statistics.median(times[(revnet, "reversible")])
@@ -188,10 +186,12 @@ def deep_table(batch: int, predict_batch: int, repeats: int) -> list[dict]:
             }
         )
         print("  ", rows[-1])
-    times = interleaved_times(
-        {key: functools.partial(train_step, *args) for key, args in setups.items()}, repeats,
-        warmup=0,  # each has run a step for its memory measurement already
-    ).seconds
+    times = {key: [] for key in setups}
+    for _ in range(repeats):
+        for key, args in setups.items():
+            start = time.perf_counter()
+            train_step(*args)
+            times[key].append(time.perf_counter() - start)
     base_time = statistics.median(times[DEEP_ROWS[0]])
     base_peak = rows[0]["predicted_peak_mib"]
     for row, key in zip(rows, setups):
