@@ -15,16 +15,24 @@ measured at a small batch on this CPU and predicted at batch 128 on the meta dev
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 
 import timm
 import torch
 import torch.nn.functional as F
 
 import revnets
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
+from common import (
+    RESULTS,
+    interleaved_times,
+    provenance,
+    ratio_summary,
+    results_stem,
+    write_csv,
+    write_markdown,
+)
 
 MiB = 2**20
 
@@ -115,24 +123,22 @@ def twin_speed(batch: int, repeats: int) -> list[dict]:
             (revnet, "reversible"): setup(revnet, "reversible", batch),
             (revnet, "none"): setup(revnet, "none", batch),
         }
-        times = {key: [] for key in setups}
-        for args in setups.values():
-            train_step(*args)
-        for _ in range(repeats):
-            for key, args in setups.items():
-                start = time.perf_counter()
-                train_step(*args)
-                times[key].append(time.perf_counter() - start)
-        base = statistics.median(times[(resnet, "none")])
-        same_weights = statistics.median(times[(revnet, "none")])
-        reversible = statistics.median(times[(revnet, "reversible")])
+        times = interleaved_times(
+            {key: functools.partial(train_step, *args) for key, args in setups.items()}, repeats
+        ).seconds
+        to_resnet = ratio_summary(times[(revnet, "reversible")], times[(resnet, "none")])
+        to_same_weights = ratio_summary(times[(revnet, "reversible")], times[(revnet, "none")])
         rows.append({
             "resnet": resnet,
             "revnet": revnet,
-            "resnet_step_s": round(base, 3),
-            "revnet_step_s": round(reversible, 3),
-            "ratio_to_resnet": round(reversible / base, 3),
-            "ratio_to_same_weights_none": round(reversible / same_weights, 3),
+            "resnet_step_s": round(statistics.median(times[(resnet, "none")]), 3),
+            "revnet_step_s": to_resnet["median_step_s"],
+            "ratio_to_resnet": to_resnet["ratio"],
+            "ratio_to_resnet_min": to_resnet["ratio_min"],
+            "ratio_to_resnet_max": to_resnet["ratio_max"],
+            "ratio_to_same_weights_none": to_same_weights["ratio"],
+            "ratio_to_same_weights_none_min": to_same_weights["ratio_min"],
+            "ratio_to_same_weights_none_max": to_same_weights["ratio_max"],
         })
         print("  ", rows[-1], flush=True)
     return rows
@@ -186,17 +192,17 @@ def deep_table(batch: int, predict_batch: int, repeats: int) -> list[dict]:
             }
         )
         print("  ", rows[-1])
-    times = {key: [] for key in setups}
-    for _ in range(repeats):
-        for key, args in setups.items():
-            start = time.perf_counter()
-            train_step(*args)
-            times[key].append(time.perf_counter() - start)
-    base_time = statistics.median(times[DEEP_ROWS[0]])
+    times = interleaved_times(
+        {key: functools.partial(train_step, *args) for key, args in setups.items()}, repeats
+    ).seconds
+    base_time = times[DEEP_ROWS[0]]
     base_peak = rows[0]["predicted_peak_mib"]
     for row, key in zip(rows, setups):
-        row["step_s"] = round(statistics.median(times[key]), 3)
-        row["time_ratio"] = round(row["step_s"] / base_time, 3)
+        summary = ratio_summary(times[key], base_time)
+        row["step_s"] = summary["median_step_s"]
+        row["time_ratio"] = summary["ratio"]
+        row["time_ratio_min"] = summary["ratio_min"]
+        row["time_ratio_max"] = summary["ratio_max"]
         row["predicted_memory_ratio"] = round(base_peak / row["predicted_peak_mib"], 2)
     return rows
 
@@ -239,7 +245,9 @@ def write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args) -> None:
         "",
         f"## Step time against the ResNet twin, batch {args.batch}",
         "",
-        f"Median of {args.repeats} interleaved training steps on this CPU. The paper reports "
+        f"Median of {args.repeats} interleaved training steps on this CPU (order rotated each "
+        "round, garbage collector paused, one warm-up round); in brackets the smallest and "
+        "largest ratio of steps timed in the same round. The paper reports "
         "each RevNet update 1.5-2x as expensive as the ResNet's (**published**, depending on the "
         "implementation); MemCNN's published CIFAR-10 training times (GTX 1080) give 1.16x, 1.30x "
         "and 1.47x for 38/110/164.",
@@ -248,7 +256,9 @@ def write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args) -> None:
         "ratio to same weights with `none` |",
         "|---|---|---|---|---|---|",
         *[f"| {r['resnet']} | {r['revnet']} | {r['resnet_step_s']:.2f} | {r['revnet_step_s']:.2f} "
-          f"| {r['ratio_to_resnet']:.2f} | {r['ratio_to_same_weights_none']:.2f} |"
+          f"| {r['ratio_to_resnet']:.2f} ({r['ratio_to_resnet_min']:.2f}-"
+          f"{r['ratio_to_resnet_max']:.2f}) | {r['ratio_to_same_weights_none']:.2f} "
+          f"({r['ratio_to_same_weights_none_min']:.2f}-{r['ratio_to_same_weights_none_max']:.2f}) |"
           for r in twin_rows],
         "",
         f"## ImageNet models, batch {args.imagenet_batch}, 224x224 (predicted on the meta device)",
@@ -263,7 +273,8 @@ def write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args) -> None:
         "",
         f"Measured: a training step at batch {args.deep_batch}, 32x32, on this CPU (total peak, "
         f"and the part above model state); step time is the median of {args.repeats} "
-        "interleaved steps. Predicted: the same step at batch "
+        "interleaved steps, the time ratio with the smallest and largest ratio of steps timed in "
+        "the same round in brackets. Predicted: the same step at batch "
         f"{args.predict_batch} run on the meta device (total peak). Ratios are against "
         "ResNet-1001 with `none`. Chen et al. (2016, **published**, MXNet, ImageNet 1000-layer "
         "ResNet): 48 GB -> 7 GB (6.9x) for about 30 % more time.",
@@ -275,7 +286,8 @@ def write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args) -> None:
     for r in deep_rows:
         lines.append(
             f"| {r['model']} | {r['memory']} | {r['measured_peak_mib']:.1f} | "
-            f"{r['measured_above_state_mib']:.1f} | {r['step_s']:.2f} | {r['time_ratio']:.2f} | "
+            f"{r['measured_above_state_mib']:.1f} | {r['step_s']:.2f} | {r['time_ratio']:.2f} "
+            f"({r['time_ratio_min']:.2f}-{r['time_ratio_max']:.2f}) | "
             f"{r['predicted_peak_mib']:.1f} | {r['predicted_above_state_mib']:.1f} | "
             f"{r['predicted_memory_ratio']:.2f}x |"
         )
@@ -289,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deep-batch", type=int, default=4)
     parser.add_argument("--predict-batch", type=int, default=128)
     parser.add_argument("--imagenet-batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.deep_batch, args.predict_batch, args.repeats = 4, 1, 8, 1
