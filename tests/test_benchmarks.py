@@ -1,0 +1,40 @@
+"""The README's demo and the results scripts keep running: their quick modes, end to end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run_quick(script: str) -> str:
+    done = subprocess.run(
+        [sys.executable, script, "--quick"],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_reversible_stack_demo_compares_every_strategy():
+    out = run_quick("reversible_stack.py")
+    for strategy in ("none", "checkpoint", "reversible", "reversible_store_last"):
+        assert f"memory  depth  16  {strategy} " in out
+        assert f"speed   fresh  {strategy} " in out
+    # The float64 gradient check of both couplings, exact to round-off.
+    errors = [line for line in out.splitlines() if line.lstrip().startswith("grads")]
+    assert len(errors) == 2
+    for line in errors:
+        assert "float64" in line
+        assert float(line.split("relative error")[1].split()[0]) < 1e-10
+
+
+@pytest.mark.slow
+def test_zoo_memory_quick_run():
+    out = run_quick("zoo_memory.py")
+    assert "revnet992" in out and "'ratio_to_resnet'" in out
