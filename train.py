@@ -1,6 +1,6 @@
 """Train a ResNet or RevNet from the zoo.
 
-    python train.py                                   # small default: RevNet-38, synthetic data, CPU
+    python train.py                                   # small default: RevNet-38, synthetic, CPU
     python train.py model=revnet110 data=cifar10 optim.lr=0.05 trainer.max_steps=100
     python train.py experiment=revnet_cifar           # the RevNet paper's CIFAR recipe
     python train.py -m model=resnet32,revnet38        # a sweep

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         provenance("memory_vs_depth.py")
         + f" Predicted on the meta device at batch {args.batch}, 32x32 (the meter counts the "
-        f"same tensors as on CPU: checked at batch {args.check_batch} below). CIFAR RevNet, basic units, 32-32-64-128 "
+        f"same tensors as on CPU: checked at batch {args.check_batch} below). CIFAR RevNet, "
+        "basic units, 32-32-64-128 "
         "channels, n units per stage, depth = 12 n + 2; peak of one SGD step above parameters, "
         "gradients and optimizer state, MiB.",
         "",

@@ -1,4 +1,4 @@
-"""A chain that is not a CNN: Chen et al.'s LSTM unrolled over a long sequence, planned automatically.
+"""A chain that is not a CNN, planned automatically: Chen et al.'s LSTM over a long sequence.
 
 Four stacked LSTM cells, hidden size 1024, sequence length 1000, batch 64 (Chen et al. 2016)
 unrolled into a chain of 1000 time steps that pass the recurrent state along. ``auto_checkpoint``

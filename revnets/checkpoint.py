@@ -27,8 +27,11 @@ __all__ = [
 ]
 
 
-def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
-    """``module(*args, **kwargs)``, storing only the inputs; the internals are recomputed in backward.
+def checkpoint(
+    module: nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any
+) -> Any:
+    """``module(*args, **kwargs)``, storing only the inputs; the internals are recomputed in
+    backward.
 
     Non-reentrant :func:`torch.utils.checkpoint.checkpoint` with RNG replayed and the module's
     BatchNorm running statistics left alone during the recomputation.
@@ -78,7 +81,8 @@ class Checkpointed(nn.Module):
 
 
 def segment_bounds(n: int, segments: int | None = None) -> list[tuple[int, int]]:
-    """(start, stop) of ``segments`` near-equal runs covering ``range(n)``; default about sqrt(n)."""
+    """(start, stop) of ``segments`` near-equal runs covering ``range(n)``; default about
+    sqrt(n)."""
     if segments is None:
         segments = max(1, round(math.sqrt(n)))
     if not 1 <= segments <= max(n, 1):
@@ -124,7 +128,9 @@ def checkpoint_segments(
         if [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or (
             bounds[0][0], bounds[-1][1]
         ) != (0, len(layers)):
-            raise ValueError(f"checkpoint_segments: {bounds} do not cover 0..{len(layers)} in order")
+            raise ValueError(
+                f"checkpoint_segments: {bounds} do not cover 0..{len(layers)} in order"
+            )
     for a, b in bounds[1:-1]:
         if getattr(layers[a], "inplace", False):
             raise ValueError(

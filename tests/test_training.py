@@ -14,7 +14,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from revnets.training import DataNotFoundError, NonFiniteLossError, build_loaders, create_model, train
+from revnets.training import (
+    DataNotFoundError,
+    NonFiniteLossError,
+    build_loaders,
+    create_model,
+    train,
+)
 from revnets.training.loop import Trainer
 from revnets.training.optim import build_optimizer
 

@@ -26,7 +26,9 @@ def _bn_relu(channels: int) -> list[nn.Module]:
     return [nn.BatchNorm2d(channels), nn.ReLU(inplace=True)]
 
 
-def preact_basic(in_ch: int, out_ch: int, stride: int = 1, preactivate: bool = True) -> nn.Sequential:
+def preact_basic(
+    in_ch: int, out_ch: int, stride: int = 1, preactivate: bool = True
+) -> nn.Sequential:
     """[BN-ReLU] conv3x3(stride) BN-ReLU conv3x3."""
     layers = _bn_relu(in_ch) if preactivate else []
     layers += [
@@ -54,7 +56,8 @@ def preact_bottleneck(
 
 
 class PoolPadShortcut(nn.Module):
-    """Average pooling by ``stride`` and zero padding of the channels, split evenly on both sides."""
+    """Average pooling by ``stride`` and zero padding of the channels, split evenly on both
+    sides."""
 
     def __init__(self, in_ch: int, out_ch: int, stride: int) -> None:
         super().__init__()

@@ -67,7 +67,8 @@ class Stage(nn.Module):
             # Reversible blocks run here as ordinary modules, grouped with the other units.
             return run_checkpointed_segments([*self.units, *(self.reversible or ())], x)
         for unit in self.units:
-            x = checkpoint(unit, x) if self.memory == "reversible+checkpoint" and saving else unit(x)
+            checkpointed = self.memory == "reversible+checkpoint" and saving
+            x = checkpoint(unit, x) if checkpointed else unit(x)
         if self.reversible is not None:
             x = self.reversible(x)
         return x
@@ -115,7 +116,9 @@ class ResidualNet(nn.Module):
                 f"values), got {len(channels)}"
             )
         if global_pool != "avg":
-            raise ValueError(f"ResidualNet: only global_pool='avg' is supported, got {global_pool!r}")
+            raise ValueError(
+                f"ResidualNet: only global_pool='avg' is supported, got {global_pool!r}"
+            )
         self.reversible = reversible
         self.num_classes = num_classes
         self.drop_rate = drop_rate

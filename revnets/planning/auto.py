@@ -1,4 +1,5 @@
-"""``auto_checkpoint``: hand over a model and a memory budget, get back a model that trains within it."""
+"""``auto_checkpoint``: hand over a model and a memory budget, get back a model that trains
+within it."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def predict_training_peak(
 
 
 def _meta_like(value: Any) -> Any:
-    """Meta tensors shaped like ``value`` (a tensor or a tuple of tensors), keeping requires_grad."""
+    """Meta tensors shaped like ``value`` (a tensor or a tuple of tensors), keeping
+    requires_grad."""
     return tree_map(
         lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
         if isinstance(t, Tensor) else t,

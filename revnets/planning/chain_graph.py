@@ -30,7 +30,8 @@ class _Tracer(torch.fx.Tracer):
 
 
 class _Call(nn.Module):
-    """A function step of the chain (``torch.flatten(x, 1)``, ``F.relu``...), bound arguments kept."""
+    """A function step of the chain (``torch.flatten(x, 1)``, ``F.relu``...), bound arguments
+    kept."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, position: int) -> None:
         super().__init__()

@@ -1,4 +1,5 @@
-"""The training loop behind ``train.py``: data, model, optimisation, logging, checkpoints, resume."""
+"""The training loop behind ``train.py``: data, model, optimisation, logging, checkpoints,
+resume."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def resolve_device(choice: str, state: Distributed) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but no CUDA device is available; use auto or cpu")
+            raise RuntimeError(
+                "trainer.device=cuda but no CUDA device is available; use auto or cpu"
+            )
         return torch.device("cuda", state.local_rank)
     if choice == "cpu":
         return torch.device("cpu")

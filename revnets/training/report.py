@@ -1,4 +1,5 @@
-"""What the trainer reports at the end: memory against the non-reversible baseline, speed, quality."""
+"""What the trainer reports at the end: memory against the non-reversible baseline, speed,
+quality."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ class MemoryComparison:
         return self.baseline.peak_bytes / max(self.report.peak_bytes, 1)
 
 
-def predict_baseline(cfg: DictConfig, step: Callable[..., Any], batch_shape: torch.Size) -> MemoryReport:
+def predict_baseline(
+    cfg: DictConfig, step: Callable[..., Any], batch_shape: torch.Size
+) -> MemoryReport:
     """Peak memory of one step of the same model with every memory saving off, on meta tensors."""
     from revnets.training.loop import create_model  # the loop imports this module
     from revnets.training.optim import build_optimizer
