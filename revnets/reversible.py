@@ -72,7 +72,8 @@ class Coupling:
 
 
 class AdditiveCoupling(Coupling):
-    """``y = x + h``, the RevNet coupling: volume preserving and exactly invertible in exact arithmetic."""
+    """``y = x + h``, the RevNet coupling: volume preserving and exactly invertible in exact
+    arithmetic."""
 
     is_additive = True
 
@@ -256,6 +257,11 @@ class ReversibleSequence(nn.Module):
             of recomputing it first thing in backward (``checkpoint_sequential`` leaves its last
             segment unrecomputed for the same reason). Saves 1/depth of the recomputation for one
             block's activations, whatever the depth.
+        keep_input_every: keep the true input of every k-th block (blocks 0, k, 2k, ...) and
+            start backward's reconstruction afresh from it, so that no block input is more than
+            k - 1 inverse steps from a true one. Bounds the round-off drift of very deep float32
+            or bfloat16 runs (see :func:`revnets.check_reconstruction`) for depth / k stored
+            inputs; ``None`` (the default) keeps none, and memory stays flat in depth.
 
     The reversible path is taken in training mode with grad enabled. In eval mode or under
     ``torch.no_grad`` the blocks run as plain modules, with no overhead.
@@ -274,8 +280,18 @@ class ReversibleSequence(nn.Module):
         memory_efficient: bool = True,
         preserve_rng_state: bool = True,
         store_last_block: bool = False,
+        keep_input_every: int | None = None,
     ) -> None:
         super().__init__()
+        if keep_input_every is not None and (
+            isinstance(keep_input_every, bool)
+            or not isinstance(keep_input_every, int)
+            or keep_input_every < 1
+        ):
+            raise ValueError(
+                "ReversibleSequence: keep_input_every must be a positive integer or None, got "
+                f"{keep_input_every!r}"
+            )
         blocks = list(blocks)
         for i, block in enumerate(blocks):
             if not isinstance(block, ReversibleBlock):
@@ -303,6 +319,7 @@ class ReversibleSequence(nn.Module):
         self.memory_efficient = memory_efficient
         self.preserve_rng_state = preserve_rng_state
         self.store_last_block = store_last_block
+        self.keep_input_every = keep_input_every
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -341,7 +358,12 @@ class ReversibleSequence(nn.Module):
         return first.merge(y1, y2)
 
     def extra_repr(self) -> str:
-        return f"memory_efficient={self.memory_efficient}"
+        extra = f"memory_efficient={self.memory_efficient}"
+        if self.store_last_block:
+            extra += ", store_last_block=True"
+        if self.keep_input_every is not None:
+            extra += f", keep_input_every={self.keep_input_every}"
+        return extra
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -397,6 +419,13 @@ def _uncombine(coupling: Coupling, y: Tensor, h: Tensor, in_place: bool) -> Tens
     return coupling.uncombine(y, h)
 
 
+def _first_half(
+    coupling: Coupling, y1: Tensor, h_f: Tensor, owned: bool, autocast: AutocastState
+) -> Tensor:
+    with torch.no_grad(), autocast():
+        return _uncombine(coupling, y1, h_f, owned)
+
+
 class _ReversibleFunction(torch.autograd.Function):
     """Forward: the blocks without a graph, output kept. Backward: reconstruct and backprop."""
 
@@ -412,6 +441,8 @@ class _ReversibleFunction(torch.autograd.Function):
         preserve_rng = sequence.preserve_rng_state
         report = reconstruction.active_report()
         true_inputs = [] if report is not None else None
+        every = sequence.keep_input_every
+        kept_inputs: dict[int, tuple[Tensor, Tensor]] = {}
         rng_states: list[tuple[RngState | None, RngState | None]] = []
         autocast = AutocastState.capture(x.device.type)
         stored = None
@@ -424,6 +455,9 @@ class _ReversibleFunction(torch.autograd.Function):
             if sequence.store_last_block and i == len(blocks) - 1:
                 stored = _StoredTransforms(block, x1, x2, autocast)
                 break
+            if every is not None and i % every == 0:
+                kept_inputs[i] = (x1, x2)
+                owned = False  # this block must leave them intact
             rng_f = RngState((x2,)) if preserve_rng else None
             y1 = _combine(block.coupling, x1, block.transform("f", x2), owned)
             if rng_f is not None and rng_f.unchanged():
@@ -456,6 +490,7 @@ class _ReversibleFunction(torch.autograd.Function):
         ctx.autocast = autocast
         ctx.report = report
         ctx.true_inputs = true_inputs
+        ctx.kept_inputs = kept_inputs
         return y
 
     @staticmethod
@@ -493,7 +528,9 @@ class _ReversibleFunction(torch.autograd.Function):
                 if stored is not None:
                     transforms, stored = stored, None
                 else:
-                    transforms = _Recomputation(blocks[i], ctx.rng_states[i], ctx.autocast)
+                    transforms = _Recomputation(
+                        blocks[i], ctx.rng_states[i], ctx.autocast, ctx.kept_inputs.pop(i, None)
+                    )
                 need_input_grad = i > 0 or ctx.needs_input_grad[0]
                 grads = _reverse_block(
                     blocks[i], carry, transforms, need_input_grad, owned, *ctx.transform_params[i]
@@ -524,17 +561,27 @@ class _Recomputation:
         block: ReversibleBlock,
         rng: tuple[RngState | None, RngState | None],
         autocast: AutocastState,
+        kept_input: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         self.block = block
         self.rng = dict(zip("fg", rng))
         self.autocast = autocast
+        self.kept_input = kept_input
 
     def g_input(self, y1: Tensor) -> Tensor:
         return y1.detach().requires_grad_()
 
     def f_input(self, y2: Tensor, h_g: Tensor, owned: bool) -> Tensor:
+        if self.kept_input is not None:
+            return self.kept_input[1].detach().requires_grad_()
         with torch.no_grad(), self.autocast():
             return _uncombine(self.block.coupling, y2, h_g, owned).requires_grad_()
+
+    def first_half(self, y1: Tensor, h_f: Tensor, owned: bool) -> Tensor:
+        """x1, reconstructed from y1 and f(x2), or the kept true one."""
+        if self.kept_input is not None:
+            return self.kept_input[0].detach()
+        return _first_half(self.block.coupling, y1, h_f, owned, self.autocast)
 
     def transform(self, name: str, half: Tensor) -> Tensor:
         rng = self.rng[name]
@@ -554,7 +601,7 @@ class _StoredTransforms:
     def __init__(
         self, block: ReversibleBlock, x1: Tensor, x2: Tensor, autocast: AutocastState
     ) -> None:
-        coupling = block.coupling
+        coupling = self.coupling = block.coupling
         self.autocast = autocast
         self.x2 = x2.detach().requires_grad_()
         with torch.enable_grad():
@@ -582,6 +629,9 @@ class _StoredTransforms:
 
     def f_input(self, y2: Tensor | None, h_g: Tensor, owned: bool) -> Tensor:
         return self.x2
+
+    def first_half(self, y1: Tensor, h_f: Tensor, owned: bool) -> Tensor:
+        return _first_half(self.coupling, y1, h_f, owned, self.autocast)
 
     def transform(self, name: str, half: Tensor) -> Tensor:
         if name == "f":
@@ -633,8 +683,7 @@ def _reverse_block(
 
     # First half, y1 = combine(x1, f(x2)): one run of f gives both x1 and the gradients through f.
     h = transforms.transform("f", x2)
-    with torch.no_grad(), transforms.autocast():
-        x1 = _uncombine(coupling, carry[0], h, owned)
+    x1 = transforms.first_half(carry[0], h, owned)
     carry[0] = None  # y1
     if coupling.is_additive:
         root = _GradRoot(h)
