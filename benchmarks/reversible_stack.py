@@ -199,7 +199,8 @@ def gradient_errors(
     The reference is ordinary autograd on the same weights in float64. In float64 that is the
     exactness check; in lower precision ordinary autograd is measured against it too, so that
     the error reconstruction adds is told apart from the round-off every backprop has.
-    ``keep_input_every`` is passed on to the reversible sequence.
+    ``keep_input_every`` is passed on to the reversible sequence. ``torch.bfloat16`` means
+    float32 weights under ``torch.autocast("cpu", torch.bfloat16)``, as mixed precision runs.
     """
     torch.manual_seed(depth)
     reference = Stack(depth, half, coupling).double()
@@ -208,19 +209,21 @@ def gradient_errors(
     target = torch.randint(0, 10, (4,))
     exact = _gradients(reference, x, target)
     errors = {}
+    autocast = dtype == torch.bfloat16
+    weights = torch.float32 if autocast else dtype
     for strategy in ("none", "reversible"):
-        model = Stack(depth, half, coupling).to(dtype)
+        model = Stack(depth, half, coupling).to(weights)
         model.load_state_dict(reference.state_dict())
         model.set_strategy(strategy)
         model.blocks.keep_input_every = keep_input_every
         if strategy == "none" and dtype == torch.float64:
             continue  # it is the reference
-        with revnets.check_reconstruction() as drift:
-            errors[strategy] = _relative_errors(_gradients(model, x.to(dtype), target), exact)
+        with revnets.check_reconstruction() as drift, torch.autocast("cpu", enabled=autocast):
+            errors[strategy] = _relative_errors(_gradients(model, x.to(weights), target), exact)
     reversible = errors["reversible"]
     return {
         "coupling": coupling,
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": "bfloat16 autocast" if autocast else str(dtype).replace("torch.", ""),
         "depth": depth,
         "keep_input_every": keep_input_every or "",
         "reversible_max": max(reversible),
@@ -372,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.quick:
         cases += [("additive", torch.float32, d, None) for d in (1, 4, 16, 64, 256)]
         cases += [("additive", torch.float32, 256, k) for k in (64, 16)]
+        cases += [("additive", torch.bfloat16, d, None) for d in (4, 16, 64, 256)]
+        cases += [("additive", torch.bfloat16, 256, 16)]
         cases += [("affine", torch.float32, d, None) for d in (4, 16, 64)]
     for coupling, dtype, depth, every in cases:
         row = gradient_errors(depth, coupling, dtype, every)
