@@ -18,8 +18,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 from revnets.training import train
+
+from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 RUNS = [("resnet32", "default"), ("revnet38", "default"), ("revnet38", "none")]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import revnets
 from revnets.models import ResidualNet
+
 from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 
 MiB = 2**20

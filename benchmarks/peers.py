@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import revnets
+
 from common import (
     RESULTS,
     interleaved_times,

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor, nn
 
 import revnets
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 from revnets.planning import predict_training_peak
+
+from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 
 MiB = 2**20
 

@@ -24,9 +24,10 @@ import torchvision
 from torch import nn
 
 import revnets
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 from revnets.checkpoint import checkpoint_segments
 from revnets.planning import NotAChainError, as_graph_chain, candidate_plans, profile_chain
+
+from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 
 MiB = 2**20
 # model, batch, image size, then Feng & Huang (CVPR 2021), published: regular MB, optimal MB,

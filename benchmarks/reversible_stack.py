@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import revnets
+
 from common import (
     RESULTS,
     interleaved_times,

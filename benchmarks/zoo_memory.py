@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import revnets
+
 from common import (
     RESULTS,
     interleaved_times,

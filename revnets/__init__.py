@@ -1,9 +1,9 @@
 """revnets: reversible networks and checkpointing for models that do not fit in memory."""
 
-from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets import models  # registers the zoo with timm
-from revnets.models import MEMORY_STRATEGIES, ResidualNet
+from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets.memory import MemoryReport, MemoryTracker, measure_memory, predict_memory
+from revnets.models import MEMORY_STRATEGIES, ResidualNet
 from revnets.planning import PlanningError, auto_checkpoint
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
 from revnets.reversible import (

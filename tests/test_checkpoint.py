@@ -1,9 +1,10 @@
 import torch
-from conftest import conv_unit, max_grad_error, rel_error, twin
 from torch import nn
 
 import revnets
 from revnets.memory import measure_memory
+
+from conftest import conv_unit, max_grad_error, rel_error, twin
 
 
 def unit_chain(n: int, channels: int = 4, dropout: float = 0.0) -> nn.Sequential:

@@ -3,10 +3,11 @@ import copy
 import pytest
 import timm
 import torch
-from conftest import rel_error
 
 import revnets
 from revnets.models.residual import ResidualNet
+
+from conftest import rel_error
 
 # Parameter counts of the official RevNet code (../shared/references.md).
 PARAMETERS = {

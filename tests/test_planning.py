@@ -4,9 +4,8 @@ import itertools
 import pytest
 import timm
 import torch
-import torchvision
-from conftest import conv_unit, max_grad_error
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 from torchvision.models.resnet import Bottleneck
 
@@ -19,13 +18,15 @@ from revnets.planning import (
     candidate_plans,
     forbidden_cuts,
     modelled_peak,
-    optimal_plan,
     nested_schedule,
+    optimal_plan,
     predict_training_peak,
     profile_chain,
     recompute_cost,
     sqrt_plan,
 )
+
+from conftest import conv_unit, max_grad_error
 
 
 def chain(units: int = 4, channels: int = 8) -> nn.Sequential:

@@ -1,10 +1,11 @@
 import pytest
 import torch
-from conftest import make_stack, max_grad_error, rel_error, twin
 from torch import nn
 
 import revnets
 from revnets.memory import measure_memory
+
+from conftest import make_stack, max_grad_error, rel_error, twin
 
 COUPLINGS = ["additive", "affine"]
 
