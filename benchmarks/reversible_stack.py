@@ -33,7 +33,7 @@ from common import (
 )
 
 MiB = 2**20
-STORED = "reversible_store_last"  # ReversibleSequence(store_last_block=True)
+STORED = "reversible_store_last"  # ReversibleSequence(store_last_blocks=1); "..._3": 3 blocks
 BLOCKS_FORWARD = "blocks_forward"  # the blocks' forward alone, without a graph
 
 
@@ -65,7 +65,7 @@ class Stack(nn.Module):
     def set_strategy(self, strategy: str) -> None:
         self.strategy = strategy
         self.blocks.memory_efficient = strategy.startswith("reversible")
-        self.blocks.store_last_block = strategy == STORED
+        self.blocks.store_last_blocks = stored_blocks(strategy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.strategy == "checkpoint":
@@ -75,6 +75,14 @@ class Stack(nn.Module):
         else:
             x = self.blocks(x)
         return self.head(x.mean((2, 3)))
+
+
+def stored_blocks(strategy: str) -> int:
+    """How many of the last blocks keep their graphs: ``reversible_store_last_3`` -> 3."""
+    if not strategy.startswith(STORED):
+        return 0
+    count = strategy.removeprefix(STORED).removeprefix("_")
+    return int(count) if count else 1
 
 
 def _transform(half: int, width: int, coupling: str) -> nn.Module:
@@ -116,7 +124,7 @@ def memory_table(depths, half, batch, size, strategies) -> list[dict]:
                     "peak_total_mib": round(report.peak_bytes / MiB, 1),
                 }
             )
-            print(f"  memory  depth {depth:3d}  {strategy:<10} "
+            print(f"  memory  depth {depth:3d}  {strategy:<23} "
                   f"{rows[-1]['peak_above_model_state_mib']:8.1f} MiB above model state")
     return rows
 
@@ -141,7 +149,11 @@ def speed_table(
     timings = interleaved_times(steps, repeats)
     times = timings.seconds
     forward_share = statistics.median(times[BLOCKS_FORWARD]) / statistics.median(times["none"])
-    recomputed_share = {"none": 0.0, "checkpoint": 1.0, "reversible": 1.0, STORED: 1 - 1 / depth}
+    recomputed_share = {
+        s: max(0.0, 1 - stored_blocks(s) / depth) if s.startswith("reversible") else 0.0
+        for s in strategies
+    }
+    recomputed_share["checkpoint"] = 1.0
     trials = [slice(start, start + trial) for start in range(0, repeats - trial + 1, trial)]
     rows = []
     for strategy in strategies:
@@ -160,7 +172,7 @@ def speed_table(
                 "recompute_floor": round(1 + recomputed_share[strategy] * forward_share, 3),
             }
         )
-        print(f"  speed   {condition:<6} {strategy:<22} {rows[-1]['ratio']:.3f}x (paired min "
+        print(f"  speed   {condition:<6} {strategy:<23} {rows[-1]['ratio']:.3f}x (paired min "
               f"{rows[-1]['ratio_min']}, max {rows[-1]['ratio_max']}; trials of {trial}: "
               f"{min(trial_ratios):.3f}-{max(trial_ratios):.3f}; "
               f"{rows[-1]['page_faults_per_step']} page faults per step; floor "
@@ -250,8 +262,10 @@ def write_results(memory_rows, speed_rows, error_rows, config) -> None:
         "SGD (momentum 0.9). `none` is ordinary autograd on the same blocks; `checkpoint` is "
         "`revnets.Checkpointed` (non-reentrant torch.utils.checkpoint) around every block; "
         f"`reversible` is `ReversibleSequence` as is, `{STORED}` the same with "
-        "`store_last_block=True` (the last block's graph kept from the forward pass instead of "
-        "recomputed first thing in backward).",
+        "`store_last_blocks=1` (the last block's graph kept from the forward pass instead of "
+        f"recomputed first thing in backward), `{STORED}_k` with `store_last_blocks=k` (the "
+        "last k blocks' graphs kept: less recomputation for k - 1 more blocks' activations, "
+        "still flat in depth).",
         "",
         "## Peak memory of a training step above parameters, gradients and optimizer state (MiB)",
         "",
@@ -351,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trial", type=int, default=9, help="repetitions per trial")
     args = parser.parse_args(argv)
 
-    strategies = ["none", "checkpoint", "reversible", STORED]
+    strategies = ["none", "checkpoint", "reversible", STORED, f"{STORED}_2", f"{STORED}_3"]
     if args.quick:
         config = dict(depths=[4, 16], half=16, batch=8, size=16, speed_depth=8, repeats=5,
                       trial=5)

@@ -253,10 +253,13 @@ class ReversibleSequence(nn.Module):
             match and the baseline its memory is compared with.
         preserve_rng_state: replay the random number generators so that dropout and any other
             randomness in f and g draw the same numbers in the backward recomputation.
-        store_last_block: keep the autograd graph of the last block from the forward pass instead
-            of recomputing it first thing in backward (``checkpoint_sequential`` leaves its last
-            segment unrecomputed for the same reason). Saves 1/depth of the recomputation for one
-            block's activations, whatever the depth.
+        store_last_blocks: how many of the last blocks keep their autograd graphs from the
+            forward pass instead of being recomputed in backward (``checkpoint_sequential``
+            leaves its last segment unrecomputed for the same reason). The last block's graph
+            would be rebuilt first thing in backward anyway, so it adds to the peak only where
+            that falls in the forward pass. Each further one saves 1/depth of the
+            recomputation for one more block's activations, whatever the depth: a dial from
+            speed to memory that keeps memory flat in depth.
         keep_input_every: keep the true input of every k-th block (blocks 0, k, 2k, ...) and
             start backward's reconstruction afresh from it, so that no block input is more than
             k - 1 inverse steps from a true one. Bounds the round-off drift of very deep float32
@@ -279,10 +282,15 @@ class ReversibleSequence(nn.Module):
         blocks: Iterable[ReversibleBlock],
         memory_efficient: bool = True,
         preserve_rng_state: bool = True,
-        store_last_block: bool = False,
+        store_last_blocks: int = 0,
         keep_input_every: int | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(store_last_blocks, int) or store_last_blocks < 0:
+            raise ValueError(
+                "ReversibleSequence: store_last_blocks must be a non-negative integer, got "
+                f"{store_last_blocks!r}"
+            )
         if keep_input_every is not None and (
             isinstance(keep_input_every, bool)
             or not isinstance(keep_input_every, int)
@@ -318,7 +326,7 @@ class ReversibleSequence(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.memory_efficient = memory_efficient
         self.preserve_rng_state = preserve_rng_state
-        self.store_last_block = store_last_block
+        self.store_last_blocks = int(store_last_blocks)
         self.keep_input_every = keep_input_every
 
     def __len__(self) -> int:
@@ -359,8 +367,8 @@ class ReversibleSequence(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f"memory_efficient={self.memory_efficient}"
-        if self.store_last_block:
-            extra += ", store_last_block=True"
+        if self.store_last_blocks:
+            extra += f", store_last_blocks={self.store_last_blocks}"
         if self.keep_input_every is not None:
             extra += f", keep_input_every={self.keep_input_every}"
         return extra
@@ -445,16 +453,18 @@ class _ReversibleFunction(torch.autograd.Function):
         kept_inputs: dict[int, tuple[Tensor, Tensor]] = {}
         rng_states: list[tuple[RngState | None, RngState | None]] = []
         autocast = AutocastState.capture(x.device.type)
-        stored = None
+        first_stored = len(blocks) - sequence.store_last_blocks
+        stored: list[_StoredTransforms] = []
 
         x1, x2 = blocks[0].split(x)
         owned = False  # the halves are views of the caller's input until the first block has run
         for i, block in enumerate(blocks):
             if true_inputs is not None:
                 true_inputs.append((x1, x2))
-            if sequence.store_last_block and i == len(blocks) - 1:
-                stored = _StoredTransforms(block, x1, x2, autocast)
-                break
+            if i >= first_stored:
+                stored.append(_StoredTransforms(block, x1, x2, autocast, i == len(blocks) - 1))
+                x1, x2 = stored[-1].y1.detach(), stored[-1].y2
+                continue
             if every is not None and i % every == 0:
                 kept_inputs[i] = (x1, x2)
                 owned = False  # this block must leave them intact
@@ -469,17 +479,17 @@ class _ReversibleFunction(torch.autograd.Function):
             rng_states.append((rng_f, rng_g))
             x1, x2 = y1, y2
             owned = true_inputs is None  # kept true inputs must not be overwritten
-        if stored is None:
+        if not stored:
             y = blocks[0].merge(x1, x2)
         else:
-            y, stored.output = stored.output, None
+            y, stored[-1].output = stored[-1].output, None
         del x1, x2
 
         # The output is held directly rather than saved, so that backward can let it go as soon
         # as the top block is reconstructed (a saved tensor would live until backward returns).
         # The version counter still catches in-place changes between forward and backward.
         # A stored last block needs no output: its inputs are kept with its graph.
-        ctx.output = y.detach() if stored is None else None
+        ctx.output = y.detach() if not stored else None
         ctx.output_version = y._version
         ctx.stored = stored
         ctx.backward_done = False
@@ -504,7 +514,7 @@ class _ReversibleFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         y, ctx.output = ctx.output, None
-        stored, ctx.stored = ctx.stored, None
+        stored, ctx.stored = ctx.stored, []
         if y is not None and y._version != ctx.output_version:
             raise RuntimeError(
                 "ReversibleSequence: its output was modified in place after the forward pass; the "
@@ -516,17 +526,17 @@ class _ReversibleFunction(torch.autograd.Function):
 
         # [y1, y2, dy1, dy2] of the block being reversed; _reverse_block swaps in its input's.
         # A stored block knows its input already, and needs neither y2 nor a recomputation.
-        outputs = blocks[0].split(y) if stored is None else (stored.y1.detach(), None)
+        outputs = blocks[0].split(y) if not stored else (stored[-1].y1.detach(), None)
         carry = [*outputs, *blocks[0].split(grad_y)]
         del y, outputs, grad_y
         # The output belongs to the caller; a stored block's halves are the engine's own.
-        owned = stored is not None and ctx.true_inputs is None
+        owned = bool(stored) and ctx.true_inputs is None
         replays_rng = any(s is not None for pair in ctx.rng_states for s in pair)
         rng_guard = forked_rng(carry[:1]) if replays_rng else contextlib.nullcontext()
         with rng_guard, frozen_running_stats(ctx.sequence):
             for i in reversed(range(len(blocks))):
-                if stored is not None:
-                    transforms, stored = stored, None
+                if stored:
+                    transforms = stored.pop()
                 else:
                     transforms = _Recomputation(
                         blocks[i], ctx.rng_states[i], ctx.autocast, ctx.kept_inputs.pop(i, None)
@@ -592,14 +602,14 @@ class _Recomputation:
 
 
 class _StoredTransforms:
-    """The last block's f and g run with grad enabled in the forward pass, their graphs kept.
+    """One of the last blocks, f and g run with grad enabled in the forward pass, graphs kept.
 
     Backward then starts from these instead of recomputing them: the same leaves and outputs a
     :class:`_Recomputation` would produce, so the same code backpropagates through both.
     """
 
     def __init__(
-        self, block: ReversibleBlock, x1: Tensor, x2: Tensor, autocast: AutocastState
+        self, block: ReversibleBlock, x1: Tensor, x2: Tensor, autocast: AutocastState, last: bool
     ) -> None:
         coupling = self.coupling = block.coupling
         self.autocast = autocast
@@ -609,8 +619,12 @@ class _StoredTransforms:
         self.y1 = coupling.combine(x1, self.h_f.detach()).requires_grad_()
         with torch.enable_grad():
             self.h_g = block.transform("g", self.y1)
-        # y2 goes straight into the sequence's output: it is not needed again, and building it
-        # apart and concatenating would hold it twice at the moment of peak forward memory.
+        self.y2 = self.output = None
+        if not last:
+            self.y2 = coupling.combine(x2, self.h_g.detach())  # the next block's x2 leaf
+            return
+        # The last y2 goes straight into the sequence's output: it is not needed again, and
+        # building it apart and concatenating would hold it twice at the moment of peak memory.
         y2_dtype = torch.result_type(x2, self.h_g)
         self.output = torch.empty(
             _merged_shape(block, x1.shape),
@@ -631,7 +645,8 @@ class _StoredTransforms:
         return self.x2
 
     def first_half(self, y1: Tensor, h_f: Tensor, owned: bool) -> Tensor:
-        return _first_half(self.coupling, y1, h_f, owned, self.autocast)
+        # From the kept y1, exact, rather than from the (maybe reconstructed) one passed down.
+        return _first_half(self.coupling, self.y1.detach(), h_f, owned, self.autocast)
 
     def transform(self, name: str, half: Tensor) -> Tensor:
         if name == "f":

@@ -23,7 +23,8 @@ def run_quick(script: str) -> str:
 
 def test_reversible_stack_demo_compares_every_strategy():
     out = run_quick("reversible_stack.py")
-    for strategy in ("none", "checkpoint", "reversible", "reversible_store_last"):
+    strategies = ("none", "checkpoint", "reversible", "reversible_store_last")
+    for strategy in (*strategies, "reversible_store_last_3"):
         assert f"memory  depth  16  {strategy} " in out
         assert f"speed   fresh  {strategy} " in out
     # The float64 gradient check of both couplings, exact to round-off.

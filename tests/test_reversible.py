@@ -10,14 +10,17 @@ from conftest import make_stack, max_grad_error, rel_error, twin
 COUPLINGS = ["additive", "affine"]
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["recompute_all", "store_last_block"])
-def store_last_block(request, monkeypatch):
-    """Every test here runs twice: with all blocks recomputed in backward, and with the last
-    block's graph kept from the forward pass instead."""
+@pytest.fixture(
+    autouse=True, params=[0, 1, 2], ids=["recompute_all", "store_last_block", "store_last_2"]
+)
+def store_last_blocks(request, monkeypatch):
+    """Every test here runs three times: with all blocks recomputed in backward, with the last
+    block's graph kept from the forward pass instead, and with the last two blocks' graphs kept
+    (a mix of stored and recomputed blocks in the deeper stacks, all stored in depth-2 ones)."""
     init = revnets.ReversibleSequence.__init__
 
     def init_with_mode(self, blocks, *args, **kwargs):
-        kwargs.setdefault("store_last_block", request.param)
+        kwargs.setdefault("store_last_blocks", request.param)
         init(self, blocks, *args, **kwargs)
 
     monkeypatch.setattr(revnets.ReversibleSequence, "__init__", init_with_mode)
@@ -72,7 +75,7 @@ def test_user_coupling_protocol():
 
 @pytest.mark.parametrize("coupling", COUPLINGS)
 def test_each_transform_runs_once_in_forward_and_at_most_once_in_backward(
-    coupling, store_last_block
+    coupling, store_last_blocks
 ):
     model = make_stack(4, coupling=coupling)
     calls = {}
@@ -84,7 +87,7 @@ def test_each_transform_runs_once_in_forward_and_at_most_once_in_backward(
             )
     run(model, torch.randn(2, 8, 4, 4, requires_grad=True))
     for (i, name), count in calls.items():
-        expected = 1 if store_last_block and i == len(model) - 1 else 2
+        expected = 1 if i >= len(model) - store_last_blocks else 2
         assert count == expected, (i, name)
 
 
@@ -327,6 +330,41 @@ def test_kept_inputs_cost_one_input_each():
     assert activation_peak(16) - activation_peak(8) == 2 * input_bytes
 
 
+def test_stored_blocks_trade_memory_for_recomputation():
+    def step(model, x):
+        model(x).square().mean().backward()
+
+    def activation_peak(depth, stored):
+        model = make_stack(depth, half=8)
+        model.store_last_blocks = stored
+        x = torch.randn(4, 16, 16, 16, requires_grad=True)
+        return measure_memory(step, model, x).above_model_state_bytes
+
+    peaks = [activation_peak(8, stored) for stored in range(4)]
+    # The last block's graph costs nothing where the peak falls in backward (the benchmark
+    # stack), but here it falls at the loss, where the kept graph is still live.
+    assert peaks[0] <= peaks[1] < peaks[2] < peaks[3]
+    assert peaks[3] - peaks[2] == peaks[2] - peaks[1]  # one block's graph each
+    assert activation_peak(16, 3) == peaks[3]  # still flat in depth
+
+
+def test_more_stored_blocks_than_blocks_is_ordinary_backprop():
+    model = make_stack(3).double()
+    model.store_last_blocks = 5
+    plain = twin(model)
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    run(model, x), run(plain, x_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+@pytest.mark.parametrize("stored", [-1, 1.5, "2"])
+def test_bad_store_last_blocks_is_named(stored):
+    with pytest.raises(ValueError, match="store_last_blocks must be a non-negative integer"):
+        revnets.ReversibleSequence(make_stack(2).blocks, store_last_blocks=stored)
+
+
 @pytest.mark.parametrize("every", [0, -2, 1.5, True])
 def test_bad_keep_input_every_is_named(every):
     with pytest.raises(ValueError, match="keep_input_every must be a positive integer"):
@@ -389,13 +427,13 @@ def test_second_backward_is_refused_clearly():
         loss.backward()
 
 
-def test_output_modified_in_place_is_refused(store_last_block):
+def test_output_modified_in_place_is_refused(store_last_blocks):
     model = make_stack(2)
     out = model(torch.randn(1, 8, 4, 4, requires_grad=True))
     loss = out.sum()
     with torch.no_grad():
         out.mul_(2)
-    if store_last_block:  # nothing is reconstructed from the output: harmless
+    if store_last_blocks:  # nothing is reconstructed from the output: harmless
         loss.backward()
         return
     with pytest.raises(RuntimeError, match="modified in place after the forward pass"):
