@@ -274,7 +274,14 @@ class ReversibleSequence(nn.Module):
         included). Only the sequence's output is kept, and it is released during backward, so a
         second backward through the same forward (``retain_graph=True``) raises an error: run
         the forward again. Modifying the parameters or the output in place between forward and
-        backward is an error too, as it would make the reconstruction wrong.
+        backward is an error too, as it would make the reconstruction wrong, and so is double
+        backward (``create_graph=True``).
+
+        The whole sequence is one autograd Function, so its blocks' parameter gradients reach
+        autograd together when its backward ends. After ``zero_grad(set_to_none=True)`` (the
+        default) they become the ``.grad`` tensors at no extra cost; when accumulating into
+        existing ``.grad`` tensors, a copy of the sequence's parameter gradients is briefly
+        alive as well.
     """
 
     def __init__(
@@ -505,6 +512,16 @@ class _ReversibleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
+        if torch.is_grad_enabled():
+            # The engine enables grad here only for create_graph=True. The gradients below come
+            # from torch.autograd.grad without a graph of their own, so derivatives of them
+            # would silently miss every term through the blocks.
+            raise RuntimeError(
+                "ReversibleSequence: double backward (create_graph=True, as for gradient "
+                "penalties or Hessian-vector products) is not supported: its backward "
+                "reconstructs and differentiates without recording a graph. Use "
+                "memory_efficient=False for this model."
+            )
         params = ctx.saved_tensors
         if ctx.backward_done:
             raise RuntimeError(

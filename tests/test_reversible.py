@@ -348,6 +348,30 @@ def test_stored_blocks_trade_memory_for_recomputation():
     assert activation_peak(16, 3) == peaks[3]  # still flat in depth
 
 
+def test_parameter_gradients_cost_nothing_after_zero_grad_and_one_copy_when_accumulating(
+    store_last_blocks,
+):
+    if store_last_blocks:
+        pytest.skip("with stored blocks this stack's peak falls at the loss, before any gradient")
+
+    def step(model, x, set_to_none):
+        model.zero_grad(set_to_none=set_to_none)
+        model(x).square().mean().backward()
+
+    def activation_peak(depth, set_to_none):
+        model = make_stack(depth, half=8)
+        x = torch.randn(4, 16, 16, 16, requires_grad=True)
+        step(model, x, True)  # .grad tensors exist from here on
+        return measure_memory(step, model, x, set_to_none).above_model_state_bytes
+
+    assert activation_peak(64, True) == activation_peak(4, True)
+    # Accumulating, the peak falls in backward at both depths, with the gradients of the blocks
+    # done so far held alongside it: 48 blocks' worth more at depth 64.
+    block_gradient_bytes = 4 * sum(p.numel() for p in make_stack(1, half=8).parameters())
+    extra = activation_peak(64, False) - activation_peak(16, False)
+    assert 48 * block_gradient_bytes <= extra <= 49 * block_gradient_bytes
+
+
 def test_more_stored_blocks_than_blocks_is_ordinary_backprop():
     model = make_stack(3).double()
     model.store_last_blocks = 5
@@ -425,6 +449,30 @@ def test_second_backward_is_refused_clearly():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="a second time is not supported"):
         loss.backward()
+
+
+def test_compiled_model_matches_ordinary_backprop():
+    model = make_stack(3).double()
+    plain = twin(model)
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    run(torch.compile(model), x), run(plain, x_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name  # statistics updated once
+
+
+def test_double_backward_is_refused_clearly():
+    model = make_stack(2)
+    x = torch.randn(1, 8, 4, 4, requires_grad=True)
+    head = nn.Linear(8, 1)
+    # The gradient of the output depends on the head's weight, not on the output: without the
+    # check, differentiating the input gradient would quietly give the head a gradient and the
+    # blocks none of theirs.
+    loss = head(model(x).mean((2, 3))).sum()
+    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True"):
+        torch.autograd.grad(loss, x, create_graph=True)
 
 
 def test_output_modified_in_place_is_refused(store_last_blocks):
