@@ -199,7 +199,8 @@ class ReversibleBlock(nn.Module):
     def transform(self, name: str, half: Tensor) -> Tensor:
         """Run ``f`` or ``g`` (by ``name``) on a half, checking what reversibility relies on."""
         fn = self.f if name == "f" else self.g
-        version = half._version
+        # Inference tensors keep no version counter: an in-place change goes unseen there.
+        version = None if half.is_inference() else half._version
         try:
             h = fn(half)
         except (RuntimeError, NotImplementedError) as error:
@@ -213,7 +214,7 @@ class ReversibleBlock(nn.Module):
                     "dtype=torch.bfloat16)) or float32"
                 ) from error
             raise
-        if half._version != version:
+        if version is not None and half._version != version:
             raise self._modified_input_error(name, fn)
         if not isinstance(h, Tensor):
             raise TypeError(

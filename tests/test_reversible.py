@@ -166,6 +166,8 @@ def test_eval_and_no_grad_run_plain_forward():
     with torch.no_grad():
         reference = model.forward_plain(x)
         assert torch.equal(model(x), reference)
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference)
     model.eval()
     out = model(x)
     assert out.grad_fn is not None and "Reversible" not in out.grad_fn.name()
