@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.utils.checkpoint
 from torch import nn
 
-from revnets.replay import frozen_running_stats
+from revnets.replay import ForwardWeights, frozen_running_stats
 
 __all__ = [
     "Checkpointed",
@@ -34,12 +34,21 @@ def checkpoint(
     backward.
 
     Non-reentrant :func:`torch.utils.checkpoint.checkpoint` with RNG replayed and the module's
-    BatchNorm running statistics left alone during the recomputation.
+    BatchNorm running statistics left alone during the recomputation, which is refused if the
+    module's weights were swapped after the forward (``torch.func.functional_call``).
     """
+    if torch.compiler.is_compiling():
+        # Dynamo turns the region into part of the graph, whose compiled backward recomputes
+        # from the graph rather than by rerunning Python: statistics are not updated twice and
+        # the weights are the graph's own. It also accepts no custom context_fn.
+        return torch.utils.checkpoint.checkpoint(
+            module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
+        )
+    weights = ForwardWeights(module)
 
     def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
         # The first context wraps the original forward, the second the recomputation.
-        return contextlib.nullcontext(), frozen_running_stats(module)
+        return contextlib.nullcontext(), _recomputation(weights)
 
     return torch.utils.checkpoint.checkpoint(
         module,
@@ -49,6 +58,16 @@ def checkpoint(
         context_fn=contexts,
         **kwargs,
     )
+
+
+@contextlib.contextmanager
+def _recomputation(weights: ForwardWeights) -> Iterator[None]:
+    weights.check(
+        f"checkpointed {type(weights.module).__name__}",
+        "Call the module without checkpointing there.",
+    )
+    with frozen_running_stats(weights.module):
+        yield
 
 
 class Checkpointed(nn.Module):

@@ -1,9 +1,10 @@
-"""Replaying a forward computation exactly during backward: RNG, autocast and BatchNorm statistics.
+"""Replaying a forward computation exactly during backward: RNG, autocast, BatchNorm statistics
+and the weights themselves.
 
 Both memory strategies in revnets (reconstruction in :mod:`revnets.reversible` and recomputation in
 :mod:`revnets.checkpoint`) run user code a second time in backward. That second run must see the
-same random numbers and the same autocast state as the first, and must not touch running
-statistics a second time. Everything needed for that lives here.
+same random numbers, the same autocast state and the same parameters as the first, and must not
+touch running statistics a second time. Everything needed for that lives here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-__all__ = ["AutocastState", "RngState", "forked_rng", "frozen_running_stats"]
+__all__ = ["AutocastState", "ForwardWeights", "RngState", "forked_rng", "frozen_running_stats"]
 
 
 @dataclass(frozen=True)
@@ -122,3 +123,36 @@ def frozen_running_stats(modules: nn.Module | Sequence[nn.Module]) -> Iterator[N
             for m, momentum, count in frozen:
                 m.momentum = momentum
                 m.num_batches_tracked.copy_(count)
+
+
+class ForwardWeights:
+    """The parameters and buffers a module's forward pass ran with.
+
+    A recomputation in backward reads them from the module again. Anything that swaps them in only
+    for the forward call, as ``torch.func.functional_call`` does, would make it differentiate other
+    weights than the forward used: a wrong gradient with no error. :meth:`check` turns that into
+    an error naming the tensor.
+    """
+
+    __slots__ = ("module", "tensors")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.tensors = _named_tensors(module)
+
+    def check(self, owner: str, remedy: str) -> None:
+        """Raise if ``module`` no longer holds the very tensors it held at construction."""
+        now = _named_tensors(self.module)
+        for name in [*self.tensors, *now]:
+            if now.get(name) is not self.tensors.get(name):
+                raise RuntimeError(
+                    f"{owner}: {name} is not the tensor the forward pass used, so recomputing in "
+                    "backward would differentiate other weights than the forward used. Something "
+                    "swapped the module's parameters or buffers between forward and backward "
+                    "(torch.func.functional_call and other stateless calls swap them for the "
+                    f"forward call only). {remedy}"
+                )
+
+
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}

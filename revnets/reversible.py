@@ -28,7 +28,13 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from revnets import reconstruction
-from revnets.replay import AutocastState, RngState, forked_rng, frozen_running_stats
+from revnets.replay import (
+    AutocastState,
+    ForwardWeights,
+    RngState,
+    forked_rng,
+    frozen_running_stats,
+)
 
 __all__ = [
     "AdditiveCoupling",
@@ -509,6 +515,7 @@ class _ReversibleFunction(torch.autograd.Function):
         ctx.report = report
         ctx.true_inputs = true_inputs
         ctx.kept_inputs = kept_inputs
+        ctx.weights = ForwardWeights(sequence)
         return y
 
     @staticmethod
@@ -531,6 +538,9 @@ class _ReversibleFunction(torch.autograd.Function):
                 "to save memory). Run the forward again, or use memory_efficient=False."
             )
         ctx.backward_done = True
+        ctx.weights.check(
+            "ReversibleSequence", "Run it with memory_efficient=False there (ordinary autograd)."
+        )
         y, ctx.output = ctx.output, None
         stored, ctx.stored = ctx.stored, []
         if y is not None and y._version != ctx.output_version:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 
@@ -29,6 +30,31 @@ def test_checkpointed_matches_plain_gradients_statistics_and_dropout():
         if name.endswith("num_batches_tracked"):
             assert a.item() == 3
         assert torch.allclose(a, b, rtol=0, atol=1e-12), name
+
+
+def test_compiled_checkpointed_matches_plain():
+    model = nn.Sequential(revnets.Checkpointed(conv_unit(4)), conv_unit(4)).double()
+    plain = twin(model)
+    compiled = torch.compile(model)
+    for step in range(2):
+        x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+        assert torch.allclose(compiled(x), plain(x), rtol=0, atol=1e-12)
+        compiled(x).square().sum().backward()
+        plain(x).square().sum().backward()
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name  # updated once per forward
+
+
+def test_checkpointed_refuses_weights_swapped_for_the_forward_only():
+    """torch.utils.checkpoint alone recomputes with the module's own weights here: wrong
+    gradients, no error."""
+    model = revnets.Checkpointed(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    weights = {name: p.detach() * 1.5 for name, p in model.named_parameters()}
+    weights["module.2.weight"].requires_grad_()
+    out = torch.func.functional_call(model, weights, (torch.randn(3, 4),))
+    with pytest.raises(RuntimeError, match=r"checkpointed Sequential: 0.weight is not the tensor"):
+        out.square().sum().backward()
 
 
 def test_checkpointed_momentum_none_statistics():

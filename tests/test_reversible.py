@@ -490,6 +490,18 @@ def test_output_modified_in_place_is_refused(store_last_blocks):
         loss.backward()
 
 
+def test_weights_swapped_for_the_forward_only_are_refused():
+    """torch.func.functional_call puts other weights in for the forward call only; recomputing
+    with the module's own would silently differentiate the wrong weights."""
+    model = make_stack(2)
+    weights = {name: p.detach() * 2 for name, p in model.named_parameters()}
+    weights["blocks.1.g.0.weight"].requires_grad_()
+    out = torch.func.functional_call(model, weights, (torch.randn(1, 8, 4, 4),))
+    with pytest.raises(RuntimeError, match=r"ReversibleSequence: blocks.0.f.0.weight is not the "
+                                           r"tensor the forward pass used.*functional_call"):
+        out.sum().backward()
+
+
 def test_parameters_modified_between_forward_and_backward_is_refused():
     model = make_stack(2)
     loss = model(torch.randn(1, 8, 4, 4, requires_grad=True)).sum()
