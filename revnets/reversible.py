@@ -464,7 +464,7 @@ class _ReversibleFunction(torch.autograd.Function):
         report = reconstruction.active_report()
         true_inputs = [] if report is not None else None
         every = sequence.keep_input_every
-        kept_inputs: dict[int, tuple[Tensor, Tensor]] = {}
+        kept_inputs: dict[int, tuple[Tensor, Tensor, int, int]] = {}
         rng_states: list[tuple[RngState | None, RngState | None]] = []
         autocast = AutocastState.capture(x.device.type)
         first_stored = len(blocks) - sequence.store_last_blocks
@@ -480,7 +480,7 @@ class _ReversibleFunction(torch.autograd.Function):
                 x1, x2 = stored[-1].y1.detach(), stored[-1].y2
                 continue
             if every is not None and i % every == 0:
-                kept_inputs[i] = (x1, x2)
+                kept_inputs[i] = (x1, x2, x1._version, x2._version)
                 owned = False  # this block must leave them intact
             rng_f = RngState((x2,)) if preserve_rng else None
             y1 = _combine(block.coupling, x1, block.transform("f", x2), owned)
@@ -567,7 +567,7 @@ class _ReversibleFunction(torch.autograd.Function):
                     transforms = stored.pop()
                 else:
                     transforms = _Recomputation(
-                        blocks[i], ctx.rng_states[i], ctx.autocast, ctx.kept_inputs.pop(i, None)
+                        blocks[i], ctx.rng_states[i], ctx.autocast, _kept_input(ctx, i)
                     )
                 need_input_grad = i > 0 or ctx.needs_input_grad[0]
                 grads = _reverse_block(
@@ -583,6 +583,22 @@ class _ReversibleFunction(torch.autograd.Function):
 
         grad_x = blocks[0].merge(carry[2], carry[3]) if ctx.needs_input_grad[0] else None
         return (grad_x, None, None, *param_grads)
+
+
+def _kept_input(ctx, i: int) -> tuple[Tensor, Tensor] | None:
+    """Block ``i``'s true input if ``keep_input_every`` kept it, checked to be unmodified."""
+    kept = ctx.kept_inputs.pop(i, None)
+    if kept is None:
+        return None
+    x1, x2, version1, version2 = kept
+    if (x1._version, x2._version) != (version1, version2):
+        # Block 0's is the caller's input; ordinary autograd would refuse the same change.
+        raise RuntimeError(
+            f"ReversibleSequence: the input of block {i}, kept by keep_input_every, was modified "
+            "in place after the forward pass; backward would start from the changed values. "
+            "Clone the input before modifying it."
+        )
+    return x1, x2
 
 
 def _merged_shape(block: ReversibleBlock, half_shape: torch.Size) -> torch.Size:

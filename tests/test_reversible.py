@@ -502,6 +502,16 @@ def test_weights_swapped_for_the_forward_only_are_refused():
         out.sum().backward()
 
 
+def test_kept_input_modified_in_place_is_refused():
+    model = make_stack(4)
+    model.keep_input_every = 2
+    x = torch.randn(1, 8, 4, 4)
+    out = model(x)
+    x.mul_(2)  # the caller's input, which block 0 kept
+    with pytest.raises(RuntimeError, match="input of block 0, kept by keep_input_every, was modif"):
+        out.sum().backward()
+
+
 def test_parameters_modified_between_forward_and_backward_is_refused():
     model = make_stack(2)
     loss = model(torch.randn(1, 8, 4, 4, requires_grad=True)).sum()
