@@ -128,6 +128,23 @@ def test_eval_forward_same_for_all_strategies():
     assert outputs[0].shape == (2, 10)
 
 
+@pytest.mark.parametrize(
+    "name, size, reductions", [("revnet38", 32, [1, 1, 2, 4]), ("revnet104", 64, [2, 4, 8, 16, 32])]
+)
+def test_timm_features_only(name, size, reductions):
+    """timm's backbone interface (detection and segmentation heads take these)."""
+    model = timm.create_model(name, features_only=True)
+    features = model(torch.randn(2, 3, size, size))
+    assert [f.shape[1] for f in features] == model.feature_info.channels()
+    assert [size // f.shape[-1] for f in features] == reductions == model.feature_info.reduction()
+    # The stages still train reversibly behind the feature taps.
+    assert features[2].grad_fn.name() == "_ReversibleFunctionBackward"
+    picked = timm.create_model(name, features_only=True, out_indices=(1, 2))
+    assert [f.shape[1] for f in picked(torch.randn(2, 3, size, size))] == [
+        model.feature_info.channels()[i] for i in (1, 2)
+    ]
+
+
 def test_timm_feature_interface():
     model = timm.create_model("revnet38", num_classes=100)
     x = torch.randn(2, 3, 32, 32)

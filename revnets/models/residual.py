@@ -128,6 +128,10 @@ class ResidualNet(nn.Module):
         strides = [1] + [2] * (len(units) - 1)
         stages = []
         in_ch = channels[0]
+        # timm's feature taps (features_only=True): the stem's activation, then every stage.
+        reduction = 1 if stem == "cifar" else 2
+        self.feature_info = [dict(num_chs=in_ch, reduction=reduction, module="stem.2")]
+        reduction *= 1 if stem == "cifar" else 2  # the ImageNet stem's max pooling
         for index, (count, width, stride) in enumerate(zip(units, channels[1:], strides)):
             out_ch = width * expansion
             plain, blocks = [], []
@@ -141,6 +145,10 @@ class ResidualNet(nn.Module):
                 raise AssertionError("only the first unit of a stage can be non-invertible")
             stages.append(Stage(plain, blocks))
             in_ch = out_ch
+            reduction *= stride
+            self.feature_info.append(
+                dict(num_chs=out_ch, reduction=reduction, module=f"stages.{index}")
+            )
         self.stages = nn.Sequential(*stages)
         self.final_act = _Activation(in_ch)
         self.num_features = self.head_hidden_size = in_ch
@@ -253,7 +261,15 @@ def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ResidualNe
             f"no pretrained weights are published for {variant}: create it with "
             "pretrained=False and train it (python train.py model=...)"
         )
-    return build_model_with_cfg(ResidualNet, variant, pretrained, **kwargs)
+    # By default every tap: the stem and each stage (timm assumes five, CIFAR nets have four).
+    taps = tuple(range(len(kwargs["units"]) + 1))
+    return build_model_with_cfg(
+        ResidualNet,
+        variant,
+        pretrained,
+        feature_cfg=dict(flatten_sequential=True, out_indices=taps),
+        **kwargs,
+    )
 
 
 def _cifar_cfg(**kwargs: Any) -> dict[str, Any]:
