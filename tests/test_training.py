@@ -113,57 +113,110 @@ def test_missing_data_is_a_message_not_a_traceback(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def write_cifar10(root: Path, per_batch: int = 20) -> dict:
-    """A small CIFAR-10 in its real on-disk format: pickled dicts of uint8 rows, labels, meta."""
-    folder = root / "cifar-10-batches-py"
+def write_cifar(root: Path, name: str = "cifar10", per_file: int = 20) -> dict:
+    """A small CIFAR-10 or CIFAR-100 in its real on-disk format: pickled dicts of uint8 rows,
+    labels and meta, as the python version of the data sets ships them."""
+    classes = 10 if name == "cifar10" else 100
+    folder = root / ("cifar-10-batches-py" if name == "cifar10" else "cifar-100-python")
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
     digests = {}
 
-    def dump(name, obj):
-        with open(folder / name, "wb") as file:
+    def dump(file_name, obj):
+        with open(folder / file_name, "wb") as file:
             pickle.dump(obj, file)
-        digests[name] = hashlib.md5((folder / name).read_bytes()).hexdigest()
+        digests[file_name] = hashlib.md5((folder / file_name).read_bytes()).hexdigest()
 
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        labels = rng.integers(0, 10, per_batch).tolist()
-        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+    if name == "cifar10":
+        files = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        label_key, meta = "labels", ("batches.meta", "label_names")
+    else:
+        files, label_key, meta = ["train", "test"], "fine_labels", ("meta", "fine_label_names")
+    for file_name in files:
+        labels = rng.integers(0, classes, per_file).tolist()
+        data = rng.integers(0, 256, (per_file, 3072), dtype=np.uint8)
         data[:, 0] = labels  # so the test can check that images and labels stay paired
         # Keys as Python 2 wrote them (str); torchvision unpickles with encoding="latin1".
-        dump(name, {"batch_label": name, "labels": labels, "data": data})
-    dump("batches.meta", {"label_names": [f"class{i}" for i in range(10)]})
+        dump(file_name, {"batch_label": file_name, label_key: labels, "data": data})
+    dump(meta[0], {meta[1]: [f"class{i}" for i in range(classes)]})
     return digests
 
 
-@pytest.fixture
-def cifar10(tmp_path, monkeypatch):
-    from torchvision.datasets import CIFAR10
+@pytest.fixture(params=["cifar10", "cifar100"])
+def cifar(request, tmp_path, monkeypatch):
+    from torchvision.datasets import CIFAR10, CIFAR100
 
+    name = request.param
     root = tmp_path / "data"
-    digests = write_cifar10(root)
+    digests = write_cifar(root, name)
     # torchvision checks the published md5 sums; point it at those of the small files.
-    monkeypatch.setattr(CIFAR10, "train_list", [[f"data_batch_{i}", digests[f"data_batch_{i}"]]
-                                                for i in range(1, 6)])
-    monkeypatch.setattr(CIFAR10, "test_list", [["test_batch", digests["test_batch"]]])
-    monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": digests["batches.meta"]})
-    return root
+    cls = CIFAR10 if name == "cifar10" else CIFAR100
+    train_files = [f for f in digests if f.startswith("data_batch") or f == "train"]
+    test_files = ["test_batch" if name == "cifar10" else "test"]
+    meta_file = "batches.meta" if name == "cifar10" else "meta"
+    monkeypatch.setattr(cls, "train_list", [[f, digests[f]] for f in train_files])
+    monkeypatch.setattr(cls, "test_list", [[f, digests[f]] for f in test_files])
+    monkeypatch.setattr(cls, "meta", {**cls.meta, "md5": digests[meta_file]})
+    return name, root, 20 * len(train_files)
 
 
-def test_cifar10_loader_reads_the_real_format(cifar10):
-    cfg = config("data=cifar10", f"data.root={cifar10}", "data.num_workers=0",
+def test_cifar_loader_reads_the_real_format(cifar):
+    name, root, train_size = cifar
+    cfg = config(f"data={name}", f"data.root={root}", "data.num_workers=0",
                  "data.batch_size=10", "data.augment=false")
     loaders = build_loaders(cfg.data, seed=0)
-    assert len(loaders.train.dataset) == 100 and len(loaders.val.dataset) == 20
+    assert len(loaders.train.dataset) == train_size and len(loaders.val.dataset) == 20
+    assert cfg.data.num_classes == len(loaders.train.dataset.classes)
     x, y = next(iter(loaders.train))
     assert x.shape == (10, 3, 32, 32) and x.dtype == torch.float32
     # Pixel (0, 0, 0) was written as the label, then normalised by the CIFAR mean and std.
     assert torch.allclose(x[:, 0, 0, 0] * 0.2470 + 0.4914, y.float() / 255, atol=1e-4)
 
 
-def test_training_on_cifar10_files(cifar10, tmp_path):
-    cfg = config("data=cifar10", f"data.root={cifar10}", "data.num_workers=0",
+def test_training_on_cifar_files(cifar, tmp_path):
+    name, root, _ = cifar
+    cfg = config(f"data={name}", f"data.root={root}", "data.num_workers=0",
                  "data.batch_size=10", "trainer.max_steps=2", "trainer.memory_report=false")
     assert train(cfg, tmp_path / "run")["step"] == 2
+
+
+def write_imagenet(root: Path, classes=("n01440764", "n01443537", "n01484850")) -> None:
+    """A small ImageNet as ImageFolder reads it: <root>/{train,val}/<wnid>/<name>.JPEG, JPEG
+    files of assorted sizes, each a flat grey whose level encodes the class."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 4), ("val", 2)):
+        for index, wnid in enumerate(classes):
+            (root / split / wnid).mkdir(parents=True)
+            for k in range(count):
+                height, width = rng.integers(40, 90, 2)
+                pixels = np.full((height, width, 3), 40 + 60 * index, dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / wnid / f"{wnid}_{k}.JPEG", quality=95)
+
+
+def test_imagenet_loader_reads_an_image_folder(tmp_path):
+    write_imagenet(tmp_path / "imagenet")
+    cfg = config("data=imagenet", f"data.root={tmp_path / 'imagenet'}", "data.num_workers=0",
+                 "data.batch_size=6", "data.image_size=32")
+    loaders = build_loaders(cfg.data, seed=0)
+    assert len(loaders.train.dataset) == 12 and len(loaders.val.dataset) == 6
+    assert loaders.train.dataset.classes == ["n01440764", "n01443537", "n01484850"]
+    x, y = next(iter(loaders.val))
+    assert x.shape == (6, 3, 32, 32)
+    # The grey level, de-normalised, gives the class back: images and labels stay paired.
+    level = (x[:, 0].mean((1, 2)) * 0.229 + 0.485) * 255
+    assert torch.allclose((level - 40) / 60, y.float(), atol=0.05)
+
+
+def test_imagenet_training_and_too_many_classes(tmp_path):
+    write_imagenet(tmp_path / "imagenet")
+    common = ["data=imagenet", f"data.root={tmp_path / 'imagenet'}", "data.num_workers=0",
+              "data.batch_size=6", "data.image_size=32", "model=resnet32",
+              "trainer.max_steps=2", "trainer.memory_report=false"]
+    assert train(config(*common, "data.num_classes=3"), tmp_path / "run")["step"] == 2
+    with pytest.raises(ValueError, match=r"has 3 classes but data.num_classes=2"):
+        train(config(*common, "data.num_classes=2"), tmp_path / "run2")
 
 
 def test_sigterm_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch):

@@ -109,7 +109,14 @@ def _imagenet(cfg: Any, train: bool) -> Dataset:
     else:
         steps = [T.Resize(int(size / 0.875)), T.CenterCrop(size)]
     transform = T.Compose([*steps, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    return datasets.ImageFolder(str(folder), transform=transform)
+    dataset = datasets.ImageFolder(str(folder), transform=transform)
+    if len(dataset.classes) > cfg.num_classes:
+        # Labels past the classifier's outputs would fail deep inside the loss instead.
+        raise ValueError(
+            f"{folder.resolve()} has {len(dataset.classes)} classes but "
+            f"data.num_classes={cfg.num_classes}; set data.num_classes={len(dataset.classes)}"
+        )
+    return dataset
 
 
 def build_datasets(cfg: Any, seed: int) -> tuple[Dataset, Dataset]:
