@@ -13,14 +13,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from revnets.training import DataNotFoundError, NonFiniteLossError, train
+from revnets.training import DataMismatchError, DataNotFoundError, NonFiniteLossError, train
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     try:
         result = train(cfg, HydraConfig.get().runtime.output_dir)
-    except (DataNotFoundError, NonFiniteLossError) as error:
+    except (DataNotFoundError, DataMismatchError, NonFiniteLossError) as error:
         raise SystemExit(f"error: {error}") from None
     return result.get("val_accuracy")  # what a Hydra sweeper would optimise
 

@@ -15,6 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from revnets.training import (
+    DataMismatchError,
     DataNotFoundError,
     NonFiniteLossError,
     build_loaders,
@@ -215,8 +216,12 @@ def test_imagenet_training_and_too_many_classes(tmp_path):
               "data.batch_size=6", "data.image_size=32", "model=resnet32",
               "trainer.max_steps=2", "trainer.memory_report=false"]
     assert train(config(*common, "data.num_classes=3"), tmp_path / "run")["step"] == 2
-    with pytest.raises(ValueError, match=r"has 3 classes but data.num_classes=2"):
+    with pytest.raises(DataMismatchError, match=r"has 3 classes but data.num_classes=2"):
         train(config(*common, "data.num_classes=2"), tmp_path / "run2")
+    (tmp_path / "cli").mkdir()
+    done = run_train_py(*common, "data.num_classes=2", cwd=tmp_path / "cli")
+    assert done.returncode != 0 and "set data.num_classes=3" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_sigterm_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path, monkeypatch):

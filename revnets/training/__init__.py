@@ -1,9 +1,10 @@
 """Training: the loop behind train.py, with its data, optimisation and checkpointing."""
 
-from revnets.training.data import DataNotFoundError, build_loaders
+from revnets.training.data import DataMismatchError, DataNotFoundError, build_loaders
 from revnets.training.loop import NonFiniteLossError, Trainer, create_model, train
 
 __all__ = [
+    "DataMismatchError",
     "DataNotFoundError",
     "NonFiniteLossError",
     "Trainer",

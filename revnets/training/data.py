@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
-__all__ = ["DataNotFoundError", "Loaders", "ResumableSampler", "build_loaders"]
+__all__ = ["DataMismatchError", "DataNotFoundError", "Loaders", "ResumableSampler", "build_loaders"]
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -23,6 +23,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 class DataNotFoundError(RuntimeError):
     """The data set is not where the configuration says; the message says how to get it."""
+
+
+class DataMismatchError(ValueError):
+    """The data set on disk contradicts the configuration; the message names the setting."""
 
 
 @dataclass
@@ -112,7 +116,7 @@ def _imagenet(cfg: Any, train: bool) -> Dataset:
     dataset = datasets.ImageFolder(str(folder), transform=transform)
     if len(dataset.classes) > cfg.num_classes:
         # Labels past the classifier's outputs would fail deep inside the loss instead.
-        raise ValueError(
+        raise DataMismatchError(
             f"{folder.resolve()} has {len(dataset.classes)} classes but "
             f"data.num_classes={cfg.num_classes}; set data.num_classes={len(dataset.classes)}"
         )
