@@ -176,9 +176,11 @@ def test_cifar_loader_reads_the_real_format(cifar):
 
 def test_training_on_cifar_files(cifar, tmp_path):
     name, root, _ = cifar
-    cfg = config(f"data={name}", f"data.root={root}", "data.num_workers=0",
-                 "data.batch_size=10", "trainer.max_steps=2", "trainer.memory_report=false")
-    assert train(cfg, tmp_path / "run")["step"] == 2
+    common = [f"data={name}", f"data.root={root}", "data.num_workers=0", "data.batch_size=10",
+              "trainer.max_steps=2", "trainer.memory_report=false"]
+    assert train(config(*common), tmp_path / "run")["step"] == 2
+    with pytest.raises(DataMismatchError, match=r"classes but data.num_classes=5; set data.num_c"):
+        train(config(*common, "data.num_classes=5"), tmp_path / "run2")
 
 
 def write_imagenet(root: Path, classes=("n01440764", "n01443537", "n01484850")) -> None:

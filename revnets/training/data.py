@@ -113,12 +113,16 @@ def _imagenet(cfg: Any, train: bool) -> Dataset:
     else:
         steps = [T.Resize(int(size / 0.875)), T.CenterCrop(size)]
     transform = T.Compose([*steps, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    dataset = datasets.ImageFolder(str(folder), transform=transform)
+    return datasets.ImageFolder(str(folder), transform=transform)
+
+
+def _checked_classes(dataset: Dataset, cfg: Any) -> Dataset:
+    # Labels past the classifier's outputs would fail deep inside the loss instead.
     if len(dataset.classes) > cfg.num_classes:
-        # Labels past the classifier's outputs would fail deep inside the loss instead.
         raise DataMismatchError(
-            f"{folder.resolve()} has {len(dataset.classes)} classes but "
-            f"data.num_classes={cfg.num_classes}; set data.num_classes={len(dataset.classes)}"
+            f"{cfg.name} in {Path(cfg.root).expanduser().resolve()} has {len(dataset.classes)} "
+            f"classes but data.num_classes={cfg.num_classes}; set "
+            f"data.num_classes={len(dataset.classes)}"
         )
     return dataset
 
@@ -130,9 +134,9 @@ def build_datasets(cfg: Any, seed: int) -> tuple[Dataset, Dataset]:
             synthetic(cfg.val_size, cfg.num_classes, cfg.image_size, seed, split=1),
         )
     if cfg.name in ("cifar10", "cifar100"):
-        return _cifar(cfg, train=True), _cifar(cfg, train=False)
+        return _checked_classes(_cifar(cfg, train=True), cfg), _cifar(cfg, train=False)
     if cfg.name == "imagenet":
-        return _imagenet(cfg, train=True), _imagenet(cfg, train=False)
+        return _checked_classes(_imagenet(cfg, train=True), cfg), _imagenet(cfg, train=False)
     raise ValueError(
         f"unknown data set {cfg.name!r}; valid: 'synthetic', 'cifar10', 'cifar100', 'imagenet'"
     )
