@@ -17,11 +17,12 @@ from revnets.memory import measure_memory
 from revnets.planning.chain import candidate_plans
 from revnets.planning.graph_chain import as_graph_chain
 from revnets.planning.nested import group_chain, nested_schedule
-from revnets.planning.profile import _device_type, _nbytes, profile_chain
+from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
 
 __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint", "predict_training_peak"]
 
 MiB = 2**20
+LossFn = Callable[[Tensor], Tensor]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 
 
@@ -34,7 +35,7 @@ def _default_loss(output: Tensor) -> Tensor:
 
 
 def predict_training_peak(
-    model: nn.Module, example_input: Tensor, loss_fn: Callable[[Tensor], Tensor] = _default_loss
+    model: nn.Module, example_input: Tensor, loss_fn: LossFn = _default_loss
 ) -> int:
     """Peak bytes of forward + backward (parameters, gradients and activations), predicted on the
     meta device: nothing is computed and ``model`` is left alone."""
@@ -65,7 +66,7 @@ def auto_checkpoint(
     model: nn.Module,
     example_input: Tensor,
     budget: int,
-    loss_fn: Callable[[Tensor], Tensor] = _default_loss,
+    loss_fn: LossFn = _default_loss,
     measure_time: bool = True,
 ) -> nn.Module:
     """Return ``model`` set up to train within ``budget`` bytes, recomputing as little as possible.
@@ -133,7 +134,9 @@ class PlannedModel(nn.Module):
         return self.model(*args, **kwargs)
 
 
-def _choose_strategy(model, example_input, budget, loss_fn) -> nn.Module:
+def _choose_strategy(
+    model: nn.Module, example_input: Tensor, budget: int, loss_fn: LossFn
+) -> nn.Module:
     order = [s for s in ("none", "reversible", "checkpoint", "reversible+checkpoint")
              if s in model.memory_strategies]
     original = model.memory
@@ -148,7 +151,13 @@ def _choose_strategy(model, example_input, budget, loss_fn) -> nn.Module:
     raise PlanningError(_no_fit(budget, peaks[best], f"memory strategy {best!r}"))
 
 
-def _choose_plan(model, example_input, budget, loss_fn, measure_time) -> nn.Module:
+def _choose_plan(
+    model: nn.Sequential,
+    example_input: Tensor,
+    budget: int,
+    loss_fn: LossFn,
+    measure_time: bool,
+) -> nn.Module:
     meta_model = copy.deepcopy(model).to("meta")
     meta_input = _meta_like(example_input)
     profiles = profile_chain(list(meta_model), meta_input)
@@ -188,7 +197,15 @@ def _choose_plan(model, example_input, budget, loss_fn, measure_time) -> nn.Modu
     return checkpoint_segments(model, plans[high])
 
 
-def _nested_within(model, meta_model, profiles, example_input, budget, loss_fn, best_so_far):
+def _nested_within(
+    model: nn.Sequential,
+    meta_model: nn.Sequential,
+    profiles: list[LayerProfile],
+    example_input: Tensor,
+    budget: int,
+    loss_fn: LossFn,
+    best_so_far: tuple[int, str],
+) -> nn.Module:
     layers, grouped = group_chain(list(model), profiles, NESTED_GROUPS)
     meta_layers, _ = group_chain(list(meta_model), profiles, NESTED_GROUPS)
     model_state = sum(

@@ -157,7 +157,9 @@ class Trainer:
         return SummaryWriter(self.output_dir / "tensorboard")
 
     # -- one step --------------------------------------------------------------------------------
-    def train_step(self, net: nn.Module, optimizer: torch.optim.Optimizer, x, y):
+    def train_step(
+        self, net: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over ``trainer.accumulate`` micro-batches, then one update."""
         optimizer.zero_grad(set_to_none=True)
         parts = self.cfg.trainer.accumulate
@@ -183,14 +185,20 @@ class Trainer:
         self.scaler.update()
         return total_loss, correct
 
-    def _measured_step(self, x, y):
+    def _measured_step(
+        self, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first step of the run, measured; the baseline is predicted on the meta device."""
         report = measure_memory(self.train_step, self.net, self.optimizer, x, y)
         baseline = predict_baseline(self.cfg, self.train_step_meta, x.shape)
         self.memory = MemoryComparison(report, baseline)
         return report.result
 
-    def train_step_meta(self, model, optimizer, x, y):
+    def train_step_meta(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        """One plain step (no accumulation, autocast or loss scaling), run on the meta device
+        to predict the baseline's memory."""
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
@@ -276,7 +284,9 @@ class Trainer:
         self.dist.barrier()
 
     # -- logging ---------------------------------------------------------------------------------
-    def _log_step(self, loss, correct, batch: int, begin: float) -> None:
+    def _log_step(
+        self, loss: torch.Tensor, correct: torch.Tensor, batch: int, begin: float
+    ) -> None:
         elapsed = time.perf_counter() - begin
         if self.dist.enabled:  # report the global batch, not this process's share
             totals = torch.stack([loss.float() * batch, correct.float()]).to(self.device)
