@@ -12,12 +12,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-__all__ = ["AutocastState", "ForwardWeights", "RngState", "forked_rng", "frozen_running_stats"]
+__all__ = [
+    "AutocastState",
+    "ForwardWeights",
+    "RngState",
+    "forked_rng",
+    "frozen_running_stats",
+    "state_tensors",
+]
 
 
 @dataclass(frozen=True)
@@ -138,21 +146,46 @@ class ForwardWeights:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.tensors = _named_tensors(module)
+        self.tensors = state_tensors(module)
 
     def check(self, owner: str, remedy: str) -> None:
         """Raise if ``module`` no longer holds the very tensors it held at construction."""
-        now = _named_tensors(self.module)
-        for name in [*self.tensors, *now]:
-            if now.get(name) is not self.tensors.get(name):
-                raise RuntimeError(
-                    f"{owner}: {name} is not the tensor the forward pass used, so recomputing in "
-                    "backward would differentiate other weights than the forward used. Something "
-                    "swapped the module's parameters or buffers between forward and backward "
-                    "(torch.func.functional_call and other stateless calls swap them for the "
-                    f"forward call only). {remedy}"
-                )
+        now = state_tensors(self.module)
+        if len(now) == len(self.tensors) and all(a is b for a, b in zip(now, self.tensors)):
+            return
+        names = state_tensors(self.module, names=True)
+        changed = next(
+            (name for name, a, b in zip(names, now, self.tensors) if a is not b),
+            "the set of parameters and buffers",
+        )
+        raise RuntimeError(
+            f"{owner}: {changed} is not the tensor the forward pass used, so recomputing in "
+            "backward would differentiate other weights than the forward used. Something "
+            "swapped the module's parameters or buffers between forward and backward "
+            "(torch.func.functional_call and other stateless calls swap them for the forward "
+            f"call only). {remedy}"
+        )
 
 
-def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+def state_tensors(
+    module: nn.Module, buffers: bool = True, names: bool = False
+) -> list[Any]:
+    """Every parameter (and buffer) slot of ``module`` and its submodules, depth first in a fixed
+    order, ``None`` slots included; their dotted names instead if ``names``.
+
+    Walks the modules' own dictionaries: ``named_parameters`` and ``parameters`` build every name
+    on the way, which costs more than a small block's arithmetic when it runs every step.
+    """
+    found: list[Any] = []
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        tables = (m._parameters, m._buffers) if buffers else (m._parameters,)
+        for table in tables:
+            found += [prefix + key for key in table] if names else table.values()
+        stack += [
+            (f"{prefix}{key}." if names else "", child)
+            for key, child in reversed(m._modules.items())
+            if child is not None
+        ]
+    return found

@@ -34,6 +34,7 @@ from revnets.replay import (
     RngState,
     forked_rng,
     frozen_running_stats,
+    state_tensors,
 )
 
 __all__ = [
@@ -389,7 +390,8 @@ class ReversibleSequence(nn.Module):
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad]
+    slots = state_tensors(module, buffers=False)
+    return list(dict.fromkeys(p for p in slots if p is not None and p.requires_grad))
 
 
 class _GradRoot:
