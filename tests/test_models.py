@@ -145,6 +145,23 @@ def test_timm_features_only(name, size, reductions):
     ]
 
 
+def test_timm_forward_intermediates_and_getter():
+    model = timm.create_model("revnet38").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        final, taps = model.forward_intermediates(x)
+        assert torch.equal(final, model.forward_features(x))
+        assert [t.shape[1] for t in taps] == [f["num_chs"] for f in model.feature_info]
+        last_two = model.forward_intermediates(x, indices=2, norm=True, intermediates_only=True)
+        assert torch.equal(last_two[0], taps[2]) and torch.equal(last_two[1], final)
+    getter = timm.create_model("revnet38", features_only=True, feature_cls="getter",
+                               out_indices=(1, 2))
+    assert len(getter.model.stages) == 2  # pruned behind the last tap
+    features = getter(x)
+    assert [f.shape[1] for f in features] == [32, 64]
+    assert features[1].grad_fn.name() == "_ReversibleFunctionBackward"
+
+
 def test_timm_feature_interface():
     model = timm.create_model("revnet38", num_classes=100)
     x = torch.randn(2, 3, 32, 32)

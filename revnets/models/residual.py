@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
 from revnets.checkpoint import checkpoint, run_checkpointed_segments
@@ -246,6 +247,53 @@ class ResidualNet(nn.Module):
         x = self._maybe_checkpoint(self.stem, x)
         x = self.stages(x)
         return self._maybe_checkpoint(self.final_act, x)
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | Sequence[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """timm's intermediate features: the taps of ``feature_info`` (the stem, then each stage),
+        all of them by default, the last ``indices`` if an int, else those listed. ``norm``
+        applies the final BatchNorm-ReLU to the last stage's tap."""
+        if output_fmt != "NCHW":
+            raise ValueError(
+                f"ResidualNet: only output_fmt='NCHW' is supported, got {output_fmt!r}"
+            )
+        take, max_index = feature_take_indices(len(self.feature_info), indices)
+        intermediates = []
+        x = self._maybe_checkpoint(self.stem, x)
+        if 0 in take:
+            intermediates.append(x)
+        stages = self.stages[:max_index] if stop_early else self.stages
+        last = len(self.stages)
+        for index, stage in enumerate(stages, start=1):
+            x = stage(x)
+            if index == last and norm:
+                x = self._maybe_checkpoint(self.final_act, x)
+            if index in take:
+                intermediates.append(x)
+        if intermediates_only:
+            return intermediates
+        if len(stages) == last and not norm:
+            x = self._maybe_checkpoint(self.final_act, x)
+        return x, intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drop what no requested tap needs (timm's feature_cls='getter' calls this)."""
+        take, max_index = feature_take_indices(len(self.feature_info), indices)
+        self.stages = self.stages[:max_index]
+        if prune_norm or max_index < len(self.feature_info) - 1:
+            self.final_act = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0)
+        return take
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         x = self.head_drop(x.mean((2, 3)))
