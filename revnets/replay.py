@@ -155,11 +155,15 @@ class ForwardWeights:
             return
         names = state_tensors(self.module, names=True)
         changed = next(
-            (name for name, a, b in zip(names, now, self.tensors) if a is not b),
-            "the set of parameters and buffers",
+            (
+                f"{name} is not the tensor the forward pass used"
+                for name, a, b in zip(names, now, self.tensors)
+                if a is not b
+            ),
+            "its parameters and buffers are not those the forward pass used",
         )
         raise RuntimeError(
-            f"{owner}: {changed} is not the tensor the forward pass used, so recomputing in "
+            f"{owner}: {changed}, so recomputing in "
             "backward would differentiate other weights than the forward used. Something "
             "swapped the module's parameters or buffers between forward and backward "
             "(torch.func.functional_call and other stateless calls swap them for the forward "

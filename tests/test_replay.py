@@ -1,6 +1,7 @@
+import pytest
 from torch import nn
 
-from revnets.replay import state_tensors
+from revnets.replay import ForwardWeights, state_tensors
 
 
 def test_state_tensors_walk_like_named_parameters_and_buffers():
@@ -19,3 +20,17 @@ def test_state_tensors_walk_like_named_parameters_and_buffers():
     assert state_tensors(model, buffers=False, names=True) == [
         n for n in names if n in dict(model.named_parameters()) or n == "0.bias"
     ]
+
+
+def test_forward_weights_name_what_changed():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    weights = ForwardWeights(model)
+    weights.check("owner", "remedy")  # nothing changed
+    original = model[1].bias
+    model[1].bias = nn.Parameter(original.detach().clone())
+    with pytest.raises(RuntimeError, match=r"owner: 1.bias is not the tensor the forward pass"):
+        weights.check("owner", "remedy")
+    model[1].bias = original
+    model.append(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="owner: its parameters and buffers are not those"):
+        weights.check("owner", "remedy")
