@@ -453,6 +453,23 @@ def test_second_backward_is_refused_clearly():
         loss.backward()
 
 
+def test_nested_sequences_match_ordinary_backprop():
+    """A reversible sequence as f and g of an outer one: the inner ones run plainly in the outer
+    forward (no grad) and reversibly in its recomputation."""
+    model = revnets.ReversibleSequence(
+        revnets.ReversibleBlock(make_stack(2, half=2), make_stack(2, half=2)) for _ in range(3)
+    ).double()
+    plain = twin(model)
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    out, out_plain = run(model, x), run(plain, x_plain)
+    assert torch.equal(out, out_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name  # statistics updated once
+
+
 def test_compiled_model_matches_ordinary_backprop():
     model = make_stack(3).double()
     plain = twin(model)
