@@ -251,18 +251,23 @@ def test_caller_tensors_untouched():
     assert out._version == out_version and torch.equal(out.detach(), out_copy)
 
 
+def square_mean_step(model, x):
+    model(x).square().mean().backward()
+
+
+def stack_peak(depth: int, **settings) -> int:
+    """Activation peak of a training step of a stack with 8-channel halves, ``settings`` (such as
+    ``store_last_blocks``) set on the sequence."""
+    model = make_stack(depth, half=8)
+    for name, value in settings.items():
+        setattr(model, name, value)
+    x = torch.randn(4, 16, 16, 16, requires_grad=True)
+    return measure_memory(square_mean_step, model, x).above_model_state_bytes
+
+
 def test_memory_flat_in_depth():
-    def step(model, x):
-        model(x).square().mean().backward()
-
-    def activation_peak(depth, memory_efficient):
-        model = make_stack(depth, half=8)
-        model.memory_efficient = memory_efficient
-        x = torch.randn(4, 16, 16, 16, requires_grad=True)
-        return measure_memory(step, model, x).above_model_state_bytes
-
-    assert activation_peak(16, True) == activation_peak(4, True)
-    assert activation_peak(16, False) > 3 * activation_peak(4, False)
+    assert stack_peak(16) == stack_peak(4)
+    assert stack_peak(16, memory_efficient=False) > 3 * stack_peak(4, memory_efficient=False)
 
 
 def test_reconstruction_check_reports_every_block():
@@ -317,14 +322,8 @@ def test_kept_inputs_bound_the_drift():
 
 
 def test_kept_inputs_cost_one_input_each():
-    def step(model, x):
-        model(x).square().mean().backward()
-
     def activation_peak(depth):
-        model = make_stack(depth, half=8)
-        model.keep_input_every = 4
-        x = torch.randn(4, 16, 16, 16, requires_grad=True)
-        return measure_memory(step, model, x).above_model_state_bytes
+        return stack_peak(depth, keep_input_every=4)
 
     input_bytes = 4 * 16 * 16 * 16 * 4
     # Blocks 0 and 4 keep their inputs at depth 8, blocks 0, 4, 8 and 12 at depth 16; block 0's
@@ -333,14 +332,8 @@ def test_kept_inputs_cost_one_input_each():
 
 
 def test_stored_blocks_trade_memory_for_recomputation():
-    def step(model, x):
-        model(x).square().mean().backward()
-
     def activation_peak(depth, stored):
-        model = make_stack(depth, half=8)
-        model.store_last_blocks = stored
-        x = torch.randn(4, 16, 16, 16, requires_grad=True)
-        return measure_memory(step, model, x).above_model_state_bytes
+        return stack_peak(depth, store_last_blocks=stored)
 
     peaks = [activation_peak(8, stored) for stored in range(4)]
     # The last block's graph costs nothing where the peak falls in backward (the benchmark
@@ -358,7 +351,7 @@ def test_parameter_gradients_cost_nothing_after_zero_grad_and_one_copy_when_accu
 
     def step(model, x, set_to_none):
         model.zero_grad(set_to_none=set_to_none)
-        model(x).square().mean().backward()
+        square_mean_step(model, x)
 
     def activation_peak(depth, set_to_none):
         model = make_stack(depth, half=8)
