@@ -16,7 +16,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
-from revnets.replay import ForwardWeights, frozen_running_stats
+from revnets.replay import ModuleState, RngState, module_generators, recomputing
 
 __all__ = [
     "Checkpointed",
@@ -33,9 +33,11 @@ def checkpoint(
     """``module(*args, **kwargs)``, storing only the inputs; the internals are recomputed in
     backward.
 
-    Non-reentrant :func:`torch.utils.checkpoint.checkpoint` with RNG replayed and the module's
-    BatchNorm running statistics left alone during the recomputation, which is refused if the
-    module's weights were swapped after the forward (``torch.func.functional_call``).
+    Non-reentrant :func:`torch.utils.checkpoint.checkpoint`, whose recomputation also replays
+    Python's ``random`` and the ``torch.Generator`` objects the module keeps, reads the buffers
+    as the forward found them and updates them once (BatchNorm statistics, spectral norm, moving
+    averages), fires forward hooks once, and is refused if the module's weights were swapped or
+    modified in place after the forward (``torch.func.functional_call``, an optimizer step).
     """
     if torch.compiler.is_compiling():
         # Dynamo turns the region into part of the graph, whose compiled backward recomputes
@@ -44,30 +46,55 @@ def checkpoint(
         return torch.utils.checkpoint.checkpoint(
             module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
         )
-    weights = ForwardWeights(module)
-
-    def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
-        # The first context wraps the original forward, the second the recomputation.
-        return contextlib.nullcontext(), _recomputation(weights)
-
+    replay = _Replay(module, preserve_rng_state)
     return torch.utils.checkpoint.checkpoint(
         module,
         *args,
         use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
-        context_fn=contexts,
+        context_fn=replay.contexts,
         **kwargs,
     )
 
 
-@contextlib.contextmanager
-def _recomputation(weights: ForwardWeights) -> Iterator[None]:
-    weights.check(
-        f"checkpointed {type(weights.module).__name__}",
-        "Call the module without checkpointing there.",
-    )
-    with frozen_running_stats(weights.module):
+class _Replay:
+    """What the recomputation of one checkpointed call must see again, captured by its forward.
+
+    torch.utils.checkpoint replays the CPU and accelerator generators itself."""
+
+    def __init__(self, module: nn.Module, preserve_rng_state: bool) -> None:
+        self.module = module
+        self.preserve_rng_state = preserve_rng_state
+        self.state: ModuleState | None = None
+        self.rng: RngState | None = None
+
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
+        # The first context wraps the original forward, the second the recomputation.
+        return self._forward(), self._recomputation()
+
+    @contextlib.contextmanager
+    def _forward(self) -> Iterator[None]:
+        self.state = ModuleState(self.module)
+        if self.preserve_rng_state:
+            self.rng = RngState(torch.device("cpu"), module_generators([self.module]))
         yield
+        self.state.forward_done()
+
+    @contextlib.contextmanager
+    def _recomputation(self) -> Iterator[None]:
+        self.state.check(
+            f"checkpointed {type(self.module).__name__}",
+            "Call the module without checkpointing there.",
+        )
+        current = RngState(torch.device("cpu"), self.rng.generators) if self.rng else None
+        if self.rng is not None:
+            self.rng.restore()
+        try:
+            with self.state.replayed(), recomputing([self.module]):
+                yield
+        finally:
+            if current is not None:
+                current.restore()
 
 
 class Checkpointed(nn.Module):

@@ -1,29 +1,36 @@
-"""Replaying a forward computation exactly during backward: RNG, autocast, BatchNorm statistics
-and the weights themselves.
+"""Replaying a forward computation exactly during backward: random numbers, autocast, module state
+(parameters and every buffer) and hooks.
 
 Both memory strategies in revnets (reconstruction in :mod:`revnets.reversible` and recomputation in
-:mod:`revnets.checkpoint`) run user code a second time in backward. That second run must see the
-same random numbers, the same autocast state and the same parameters as the first, and must not
-touch running statistics a second time. Everything needed for that lives here.
+:mod:`revnets.checkpoint`) run user code a second time in backward. That second run must draw the
+same random numbers, run under the same autocast state, read the same parameters and buffers as the
+first, must not update any buffer a second time, and must not fire observers a second time.
+Everything needed for that lives here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import random
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import get_device_states, set_device_states
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "AutocastState",
-    "ForwardWeights",
+    "ModuleState",
+    "RandomDraws",
     "RngState",
     "forked_rng",
     "frozen_running_stats",
+    "is_recomputing",
+    "recomputing",
+    "silenced_tensor_hooks",
     "state_tensors",
 ]
 
@@ -61,114 +68,124 @@ class AutocastState:
         )
 
 
-class RngState:
-    """CPU and accelerator generator states taken before a piece of user code runs.
+# -- random numbers --------------------------------------------------------------------------------
 
-    Cheap enough to take around every f and g: a transform that draws no random numbers leaves
-    the generators untouched, and then nothing needs to be kept (see :meth:`unchanged`).
+
+def _accelerator(device: torch.device) -> Any | None:
+    """The torch device module (``torch.cuda``, ``torch.xpu``, ...) whose generator ``device``
+    draws from, or None for the CPU and meta devices."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return torch.get_device_module(device.type)
+
+
+def module_generators(modules: Iterable[nn.Module]) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects held as attributes of ``modules`` (and their submodules),
+    which user code may draw from instead of the default generators."""
+    found: dict[int, torch.Generator] = {}
+    for root in modules:
+        for m in root.modules():
+            for value in vars(m).values():
+                if isinstance(value, torch.Generator):
+                    found[id(value)] = value
+    return list(found.values())
+
+
+class RngState:
+    """Every generator a piece of user code may draw from, as it was at one moment: the CPU
+    generator, the accelerator's generator of ``device``, Python's ``random`` module, and the
+    explicit ``torch.Generator`` objects passed in (those that modules keep as attributes).
+
+    ``torch.random.fork_rng`` inside user code draws from the state it finds and puts it back:
+    restoring that state replays it too. A generator reached any other way (a global, a closure)
+    cannot be seen, and is not replayed.
     """
 
-    __slots__ = ("cpu", "devices", "device_states")
+    __slots__ = ("cpu", "device", "device_state", "python", "generators", "generator_states")
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, device: torch.device, generators: Sequence[torch.Generator] = ()) -> None:
         self.cpu = torch.get_rng_state()
-        if all(t.device.type in ("cpu", "meta") for t in tensors):
-            self.devices, self.device_states = [], []  # the common case, without a pytree walk
-        else:
-            # torch.utils.checkpoint's helper: the generators of every device the tensors are on.
-            self.devices, self.device_states = get_device_states(*tensors)
+        accelerator = _accelerator(device)
+        self.device = device
+        self.device_state = (
+            accelerator.get_rng_state(device) if accelerator is not None else None
+        )
+        self.python = random.getstate()
+        self.generators = generators
+        self.generator_states = [g.get_state() for g in generators]
 
-    def unchanged(self) -> bool:
-        """True if nothing was drawn since capture, so this state need not be kept.
-
-        Only the CPU generator is compared; accelerator states are a few bytes each and are
-        always kept.
-        """
-        return not self.devices and torch.equal(self.cpu, torch.get_rng_state())
+    def same_as(self, other: RngState) -> bool:
+        """True if no generator moved between ``other`` and this state."""
+        return (
+            torch.equal(self.cpu, other.cpu)
+            and (self.device_state is None or torch.equal(self.device_state, other.device_state))
+            and self.python == other.python
+            and all(torch.equal(a, b) for a, b in zip(self.generator_states, other.generator_states))
+        )
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
-        if self.devices:
-            set_device_states(self.devices, self.device_states)
+        if self.device_state is not None:
+            _accelerator(self.device).set_rng_state(self.device_state, self.device)
+        random.setstate(self.python)
+        for generator, state in zip(self.generators, self.generator_states):
+            generator.set_state(state)
+
+
+class _SeededOps(TorchDispatchMode):
+    """Notes whether any operator that draws random numbers ran (on the meta device nothing is
+    drawn, so the generators cannot tell)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+class RandomDraws:
+    """Watches one run of user code: :meth:`finish` returns the state the generators had before it
+    if it drew random numbers (the state to restore for an exact replay), else None, so that code
+    which draws nothing costs nothing to keep.
+
+    On the meta device, where nothing is drawn, the operators are watched instead and a
+    placeholder of the CPU state's size stands in for the state, so that a prediction of memory
+    on the meta device counts what a CPU run keeps.
+    """
+
+    __slots__ = ("before", "watcher")
+
+    def __init__(self, device: torch.device, generators: Sequence[torch.Generator] = ()) -> None:
+        self.before = RngState(device, generators)
+        self.watcher = None
+        if device.type == "meta":
+            self.watcher = _SeededOps()
+            self.watcher.__enter__()
+
+    def finish(self) -> RngState | Tensor | None:
+        if self.watcher is not None:
+            self.watcher.__exit__(None, None, None)
+            if not self.watcher.seen:
+                return None
+            return torch.empty(self.before.cpu.numel(), dtype=torch.uint8, device="meta")
+        after = RngState(self.before.device, self.before.generators)
+        return None if after.same_as(self.before) else self.before
 
 
 @contextlib.contextmanager
-def forked_rng(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+def forked_rng(device: torch.device, generators: Sequence[torch.Generator] = ()) -> Iterator[None]:
     """Run a replay without disturbing the caller's generators (they are restored on exit)."""
-    state = RngState(tensors)
+    state = RngState(device, generators)
     try:
         yield
     finally:
         state.restore()
 
 
-@contextlib.contextmanager
-def frozen_running_stats(modules: nn.Module | Sequence[nn.Module]) -> Iterator[None]:
-    """Within this context, BatchNorm layers in training mode normalise with batch statistics as
-    usual but leave ``running_mean``, ``running_var`` and ``num_batches_tracked`` as they were.
-
-    The forward pass already updated them once; a recomputation must not update them again.
-    Layers in eval mode are untouched (they use the running statistics, which is what the forward
-    pass used too).
-    """
-    if isinstance(modules, nn.Module):
-        modules = [modules]
-    frozen = [
-        (m, m.momentum, m.num_batches_tracked.clone())
-        for root in modules
-        for m in root.modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
-    ]
-    for m, _, _ in frozen:
-        # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0, exactly.
-        # Everything else stays as in the original forward, down to which tensors autograd saves
-        # (torch.utils.checkpoint checks that the recomputation saves the same ones).
-        m.momentum = 0.0
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, momentum, count in frozen:
-                m.momentum = momentum
-                m.num_batches_tracked.copy_(count)
-
-
-class ForwardWeights:
-    """The parameters and buffers a module's forward pass ran with.
-
-    A recomputation in backward reads them from the module again. Anything that swaps them in only
-    for the forward call, as ``torch.func.functional_call`` does, would make it differentiate other
-    weights than the forward used: a wrong gradient with no error. :meth:`check` turns that into
-    an error naming the tensor.
-    """
-
-    __slots__ = ("module", "tensors")
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.tensors = state_tensors(module)
-
-    def check(self, owner: str, remedy: str) -> None:
-        """Raise if ``module`` no longer holds the very tensors it held at construction."""
-        now = state_tensors(self.module)
-        if len(now) == len(self.tensors) and all(a is b for a, b in zip(now, self.tensors)):
-            return
-        names = state_tensors(self.module, names=True)
-        changed = next(
-            (
-                f"{name} is not the tensor the forward pass used"
-                for name, a, b in zip(names, now, self.tensors)
-                if a is not b
-            ),
-            "its parameters and buffers are not those the forward pass used",
-        )
-        raise RuntimeError(
-            f"{owner}: {changed}, so recomputing in "
-            "backward would differentiate other weights than the forward used. Something "
-            "swapped the module's parameters or buffers between forward and backward "
-            "(torch.func.functional_call and other stateless calls swap them for the forward "
-            f"call only). {remedy}"
-        )
+# -- module state ----------------------------------------------------------------------------------
 
 
 def state_tensors(
@@ -193,3 +210,242 @@ def state_tensors(
             if child is not None
         ]
     return found
+
+
+def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._NormBase]:
+    return [
+        m
+        for root in modules
+        for m in root.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def frozen_running_stats(modules: nn.Module | Sequence[nn.Module]) -> Iterator[None]:
+    """Within this context, BatchNorm layers in training mode normalise with batch statistics as
+    usual but leave ``running_mean``, ``running_var`` and ``num_batches_tracked`` as they were.
+
+    The forward pass already updated them once; a recomputation must not update them again.
+    Layers in eval mode are untouched (they use the running statistics, which is what the forward
+    pass used too).
+    """
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    frozen = [(m, m.momentum, m.num_batches_tracked.clone()) for m in _tracked_norms(modules)]
+    for m, _, _ in frozen:
+        # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0, exactly.
+        # Everything else stays as in the original forward, down to which tensors autograd saves
+        # (torch.utils.checkpoint checks that the recomputation saves the same ones).
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, momentum, count in frozen:
+                m.momentum = momentum
+                m.num_batches_tracked.copy_(count)
+
+
+class ModuleState:
+    """The parameters and buffers one forward pass of ``module`` ran with, for replaying it.
+
+    Create it just before the forward and call :meth:`forward_done` just after. The replay
+    (:meth:`replayed`) then reads what the forward read:
+
+    - buffers the forward modified in place (spectral norm's power iteration, an exponential
+      moving average, running statistics kept by hand) are set back to the values the forward
+      found, and afterwards to their current values, so that they are updated once;
+    - BatchNorm's running statistics (in training mode, where the output does not depend on them)
+      are left alone by the replay, which costs no copy;
+    - anything else the forward read, parameters included, must be what it was at the end of the
+      forward: a tensor modified in place or swapped for another in between (an optimizer step,
+      ``torch.func.functional_call``) is refused by name, as ordinary autograd refuses a saved
+      tensor that was modified.
+
+    Before the forward, every buffer but BatchNorm's running statistics is copied (usually none).
+    """
+
+    __slots__ = ("module", "norms", "pre", "tensors", "versions", "changed")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.norms = _tracked_norms([module])
+        skip = {id(b) for m in self.norms for b in m._buffers.values()}
+        self.pre = [
+            (b, b.clone(), b._version)
+            for b in state_tensors(module, buffers=True)
+            if b is not None and not isinstance(b, nn.Parameter) and id(b) not in skip
+        ]
+        self.tensors: list[Any] = []
+        self.versions: list[int | None] = []
+        self.changed: list[tuple[Tensor, Tensor]] = []
+
+    def forward_done(self) -> None:
+        self.changed = [(b, value) for b, value, version in self.pre if b._version != version]
+        self.pre = []
+        changed = {id(b) for b, _ in self.changed}
+        norm_buffers = {id(b) for m in self.norms for b in m._buffers.values()}
+        self.tensors = state_tensors(self.module)
+        self.versions = [
+            None if t is None or id(t) in changed or id(t) in norm_buffers else _version(t)
+            for t in self.tensors
+        ]
+
+    def check(self, owner: str, remedy: str, prefix: str = "") -> None:
+        """Raise if a tensor the forward read was swapped or modified in place since; ``prefix``
+        is the module's dotted name, for the message."""
+        now = state_tensors(self.module)
+        same = len(now) == len(self.tensors) and all(a is b for a, b in zip(now, self.tensors))
+        if same and all(
+            v is None or _version(t) == v for t, v in zip(self.tensors, self.versions)
+        ):
+            return
+        names = [prefix + name for name in state_tensors(self.module, names=True)]
+        if not same:
+            problem = next(
+                (
+                    f"{name} is not the tensor the forward pass used"
+                    for name, a, b in zip(names, now, self.tensors)
+                    if a is not b
+                ),
+                "its parameters and buffers are not those the forward pass used",
+            )
+            raise RuntimeError(
+                f"{owner}: {problem}, so recomputing in backward would differentiate other "
+                "weights than the forward used. Something swapped the module's parameters or "
+                "buffers between forward and backward (torch.func.functional_call and other "
+                f"stateless calls swap them for the forward call only). {remedy}"
+            )
+        name = next(
+            n for n, t, v in zip(names, self.tensors, self.versions)
+            if v is not None and _version(t) != v
+        )
+        raise RuntimeError(
+            f"{owner}: {name} was modified in place between the forward pass and backward "
+            "(an optimizer step, a manual update, a frozen weight or an eval-mode statistic "
+            "changed by hand), so the recomputation would not see what the forward saw. "
+            "Ordinary autograd refuses the same for the tensors it saves. Run backward before "
+            "changing it, or change it out of place. " + remedy
+        )
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        current = [(b, b.clone()) for b, _ in self.changed]
+        with torch.no_grad():
+            for b, value in self.changed:
+                b.copy_(value)
+        try:
+            with frozen_running_stats(self.norms):
+                yield
+        finally:
+            with torch.no_grad():
+                for b, value in current:
+                    b.copy_(value)
+
+
+def _version(t: Tensor) -> int | None:
+    # Inference tensors keep no version counter.
+    return None if t.is_inference() else t._version
+
+
+# -- hooks -----------------------------------------------------------------------------------------
+
+
+class _Recomputing(threading.local):
+    depth = 0  # a class default: every thread starts outside any replay
+
+
+_RECOMPUTING = _Recomputing()
+
+
+def is_recomputing() -> bool:
+    """True while revnets runs user code a second time in backward (a reversible block's f and g,
+    or a checkpointed module). Forward pre-hooks run in both passes (they may compute weights, as
+    weight_norm, spectral_norm and pruning do); one that observes should return early here."""
+    return _RECOMPUTING.depth > 0
+
+
+@contextlib.contextmanager
+def recomputing(modules: Sequence[nn.Module] = ()) -> Iterator[None]:
+    """Mark a replay for :func:`is_recomputing`, with the forward hooks of ``modules`` (and the
+    global ones) silenced: they fired in the forward pass, and ordinary autograd fires them once.
+    """
+    _RECOMPUTING.depth += 1
+    silenced = [
+        (m, m._forward_hooks) for root in modules for m in root.modules() if m._forward_hooks
+    ]
+    global_hooks = nn.modules.module._global_forward_hooks
+    saved_global = dict(global_hooks)
+    for m, _ in silenced:
+        m._forward_hooks = type(m._forward_hooks)()
+    global_hooks.clear()
+    try:
+        yield
+    finally:
+        global_hooks.update(saved_global)
+        for m, hooks in silenced:
+            m._forward_hooks = hooks
+        _RECOMPUTING.depth -= 1
+
+
+@contextlib.contextmanager
+def silenced_tensor_hooks(tensors: Iterable[Tensor]) -> Iterator[None]:
+    """Keep the ``register_hook`` hooks of leaf ``tensors`` from firing on the partial gradients
+    that an internal ``torch.autograd.grad`` computes for them: they fire once, on the total that
+    reaches the tensor through the autograd graph, as under ordinary autograd."""
+    silenced = []
+    for t in tensors:
+        hooks = t._backward_hooks
+        if hooks:
+            silenced.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in silenced:
+            hooks.update(saved)
+
+
+def has_forward_hooks(modules: Iterable[nn.Module]) -> bool:
+    """True if a forward hook or pre-hook is registered on any of ``modules`` (or globally)."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+@contextlib.contextmanager
+def refusing_replaced_outputs(modules: Iterable[nn.Module], owner: str) -> Iterator[None]:
+    """Within this context, a forward hook on any of ``modules`` that returns a replacement for
+    the module's output raises: the replay runs without forward hooks (they fire once, in the
+    forward pass), so it would compute something else than the forward did."""
+    wrapped = []
+    for m in modules:
+        if not m._forward_hooks:
+            continue
+        hooks = m._forward_hooks
+        replacement = type(hooks)()
+        for key, hook in hooks.items():
+            replacement[key] = _observer_only(hook, m, owner)
+        m._forward_hooks = replacement
+        wrapped.append((m, hooks))
+    try:
+        yield
+    finally:
+        for m, hooks in wrapped:
+            m._forward_hooks = hooks
+
+
+def _observer_only(hook: Any, module: nn.Module, owner: str) -> Any:
+    def observe(*args: Any) -> Any:
+        result = hook(*args)
+        if result is not None and result is not args[-1]:
+            raise RuntimeError(
+                f"{owner}: a forward hook on {type(module).__name__} returned a replacement for "
+                "its output. Forward hooks fire once, in the forward pass, and the recomputation "
+                "in backward runs without them, so it would compute something else. Put what the "
+                "hook computes into the module itself, or run with memory_efficient=False."
+            )
+        return result
+
+    return observe

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,10 +31,15 @@ from torch.autograd.graph import get_gradient_edge
 from revnets import reconstruction
 from revnets.replay import (
     AutocastState,
-    ForwardWeights,
+    ModuleState,
+    RandomDraws,
     RngState,
     forked_rng,
-    frozen_running_stats,
+    has_forward_hooks,
+    module_generators,
+    recomputing,
+    refusing_replaced_outputs,
+    silenced_tensor_hooks,
     state_tensors,
 )
 
@@ -153,6 +159,10 @@ class ReversibleBlock(nn.Module):
 
     Calling the block runs it with ordinary autograd. Memory is saved by running blocks inside a
     :class:`ReversibleSequence`. ``block.inverse(y)`` reconstructs the input of ``block(y)``.
+
+    Extra arguments are *context*, passed unchanged to every call of f and g after the half:
+    ``block(x, t)`` computes ``f(x2, t)`` and ``g(y1, t)`` (a time or class embedding for FiLM,
+    the encoder output for cross-attention). Tensors among them get exact gradients.
     """
 
     def __init__(
@@ -187,29 +197,29 @@ class ReversibleBlock(nn.Module):
     def merge(self, a: Tensor, b: Tensor) -> Tensor:
         return torch.cat((a, b), dim=self.split_dim)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.merge(*self.forward_halves(*self.split(x)))
+    def forward(self, x: Tensor, *context: Any) -> Tensor:
+        return self.merge(*self.forward_halves(*self.split(x), *context))
 
-    def inverse(self, y: Tensor) -> Tensor:
-        return self.merge(*self.inverse_halves(*self.split(y)))
+    def inverse(self, y: Tensor, *context: Any) -> Tensor:
+        return self.merge(*self.inverse_halves(*self.split(y), *context))
 
-    def forward_halves(self, x1: Tensor, x2: Tensor) -> tuple[Tensor, Tensor]:
-        y1 = self.coupling.combine(x1, self.transform("f", x2))
-        y2 = self.coupling.combine(x2, self.transform("g", y1))
+    def forward_halves(self, x1: Tensor, x2: Tensor, *context: Any) -> tuple[Tensor, Tensor]:
+        y1 = self.coupling.combine(x1, self.transform("f", x2, *context))
+        y2 = self.coupling.combine(x2, self.transform("g", y1, *context))
         return y1, y2
 
-    def inverse_halves(self, y1: Tensor, y2: Tensor) -> tuple[Tensor, Tensor]:
-        x2 = self.coupling.uncombine(y2, self.transform("g", y1))
-        x1 = self.coupling.uncombine(y1, self.transform("f", x2))
+    def inverse_halves(self, y1: Tensor, y2: Tensor, *context: Any) -> tuple[Tensor, Tensor]:
+        x2 = self.coupling.uncombine(y2, self.transform("g", y1, *context))
+        x1 = self.coupling.uncombine(y1, self.transform("f", x2, *context))
         return x1, x2
 
-    def transform(self, name: str, half: Tensor) -> Tensor:
+    def transform(self, name: str, half: Tensor, *context: Any) -> Tensor:
         """Run ``f`` or ``g`` (by ``name``) on a half, checking what reversibility relies on."""
         fn = self.f if name == "f" else self.g
         # Inference tensors keep no version counter: an in-place change goes unseen there.
         version = None if half.is_inference() else half._version
         try:
-            h = fn(half)
+            h = fn(half, *context)
         except (RuntimeError, NotImplementedError) as error:
             message = str(error)
             if half.is_leaf and half.requires_grad and "in-place operation" in message:
@@ -274,22 +284,28 @@ class ReversibleSequence(nn.Module):
             or bfloat16 runs (see :func:`revnets.check_reconstruction`) for depth / k stored
             inputs; ``None`` (the default) keeps none, and memory stays flat in depth.
 
+    ``sequence(x, *context)`` passes the context arguments to every f and g after their half
+    (``f(x2, *context)``), as conditioning (FiLM, time embeddings, cross-attention memory); tensors
+    among them get exact gradients, summed over the blocks.
+
     The reversible path is taken in training mode with grad enabled. In eval mode or under
     ``torch.no_grad`` the blocks run as plain modules, with no overhead.
 
     .. note::
-        Gradients flow to the input and to the parameters of f and g (shared parameters
-        included). Only the sequence's output is kept, and it is released during backward, so a
-        second backward through the same forward (``retain_graph=True``) raises an error: run
-        the forward again. Modifying the parameters or the output in place between forward and
-        backward is an error too, as it would make the reconstruction wrong, and so is double
-        backward (``create_graph=True``).
+        Gradients flow to the input, the context and the parameters of f and g (shared
+        parameters included). A tensor that f or g read any other way (an attribute, a closure, a
+        parameter kept in a plain list) and that requires grad is refused in backward by name:
+        pass it as context. Only the sequence's output is kept, and it is released during
+        backward, so a second backward through the same forward (``retain_graph=True``) raises
+        an error: run the forward again. Modifying parameters, buffers the forward read, the
+        context or the output in place between forward and backward is an error too, as it would
+        make the reconstruction wrong, and so is double backward (``create_graph=True``).
 
         The whole sequence is one autograd Function, so its blocks' parameter gradients reach
-        autograd together when its backward ends. After ``zero_grad(set_to_none=True)`` (the
-        default) they become the ``.grad`` tensors at no extra cost; when accumulating into
-        existing ``.grad`` tensors, a copy of the sequence's parameter gradients is briefly
-        alive as well.
+        autograd together when its backward ends (tensor hooks on parameters fire once, on the
+        total). After ``zero_grad(set_to_none=True)`` (the default) they become the ``.grad``
+        tensors at no extra cost; when accumulating into existing ``.grad`` tensors, a copy of
+        the sequence's parameter gradients is briefly alive as well.
     """
 
     def __init__(
@@ -353,31 +369,39 @@ class ReversibleSequence(nn.Module):
     def __getitem__(self, index: int) -> ReversibleBlock:
         return self.blocks[index]
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *context: Any) -> Tensor:
         if not self.blocks:
             return x
         if not (self.memory_efficient and self.training and torch.is_grad_enabled()):
-            return self.forward_plain(x)
+            return self.forward_plain(x, *context)
         # Looked up once per step: backward needs each block's own, and autograd needs them all.
-        transform_params = [(_trainable(block.f), _trainable(block.g)) for block in self.blocks]
-        params = list(dict.fromkeys(p for pair in transform_params for ps in pair for p in ps))
-        if not (x.requires_grad or params):
-            return self.forward_plain(x)
-        return _ReversibleFunction.apply(x, self, transform_params, *params)
+        plans = [_BlockPlan(block) for block in self.blocks]
+        if any(plan.lazy for plan in plans):
+            # Lazy modules create their parameters in their first call, which must therefore be
+            # an ordinary one: the engine hands autograd the parameters before running anything.
+            return self.forward_plain(x, *context)
+        params = list(dict.fromkeys(p for plan in plans for p in plan.params))
+        needs_grad = x.requires_grad or params or any(_requires_grad(c) for c in context)
+        if not needs_grad:
+            return self.forward_plain(x, *context)
+        return _ReversibleFunction.apply(x, self, plans, len(context), *context, *params)
 
-    def forward_plain(self, x: Tensor) -> Tensor:
+    def forward_plain(self, x: Tensor, *context: Any) -> Tensor:
         """The blocks as ordinary modules (what autograd would store, it stores)."""
         first = self.blocks[0]
         x1, x2 = first.split(x)
         for block in self.blocks:
-            x1, x2 = block.forward_halves(x1, x2)
+            if block._forward_hooks or block._forward_pre_hooks:
+                x1, x2 = first.split(block(first.merge(x1, x2), *context))
+            else:
+                x1, x2 = block.forward_halves(x1, x2, *context)
         return first.merge(x1, x2)
 
-    def inverse(self, y: Tensor) -> Tensor:
+    def inverse(self, y: Tensor, *context: Any) -> Tensor:
         first = self.blocks[0]
         y1, y2 = first.split(y)
         for block in reversed(self.blocks):
-            y1, y2 = block.inverse_halves(y1, y2)
+            y1, y2 = block.inverse_halves(y1, y2, *context)
         return first.merge(y1, y2)
 
     def extra_repr(self) -> str:
@@ -389,8 +413,31 @@ class ReversibleSequence(nn.Module):
         return extra
 
 
-def _trainable(module: nn.Module) -> list[nn.Parameter]:
-    slots = state_tensors(module, buffers=False)
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
+
+
+class _BlockPlan:
+    """What the engine needs to know of one block for one step, looked up once per step."""
+
+    __slots__ = ("block", "f_params", "g_params", "params", "generators", "hooked", "lazy")
+
+    def __init__(self, block: ReversibleBlock) -> None:
+        self.block = block
+        f_slots = state_tensors(block.f, buffers=False)
+        g_slots = state_tensors(block.g, buffers=False)
+        self.lazy = any(isinstance(p, nn.UninitializedParameter) for p in (*f_slots, *g_slots))
+        self.f_params = _trainable(f_slots)
+        self.g_params = _trainable(g_slots)
+        self.params = list(dict.fromkeys((*self.f_params, *self.g_params)))
+        modules = list(block.modules())
+        self.generators = module_generators([block])
+        # Hooks see the activations of an ordinary forward: intact and, like under autograd,
+        # carrying a graph (which leads to an error rather than to a silently missing gradient).
+        self.hooked = has_forward_hooks(modules)
+
+
+def _trainable(slots: list[Any]) -> list[nn.Parameter]:
     return list(dict.fromkeys(p for p in slots if p is not None and p.requires_grad))
 
 
@@ -414,7 +461,8 @@ class _GradRoot:
         if grad_output.dtype != self.dtype:
             # Plain autograd casts an incoming gradient to its producer's dtype (autocast outputs).
             grad_output = grad_output.to(self.dtype)
-        return list(torch.autograd.grad(self.edge, inputs, grad_output, allow_unused=True))
+        with silenced_tensor_hooks(inputs):
+            return list(torch.autograd.grad(self.edge, inputs, grad_output, allow_unused=True))
 
 
 def _add(a: Tensor, b: Tensor | None, *live: Tensor | None) -> Tensor:
@@ -450,6 +498,42 @@ def _first_half(
         return _uncombine(coupling, y1, h_f, owned)
 
 
+class _NoGradientThroughForward(torch.autograd.Function):
+    """Marks where the graph of a hooked block's forward pass begins; backpropagating into it
+    means a loss used an activation that the reversible engine does not differentiate."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, where: str) -> Tensor:
+        ctx.where = where
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        raise RuntimeError(
+            f"ReversibleSequence: a loss used an activation from inside {ctx.where} (captured by "
+            "a forward hook, for example for an auxiliary loss). The reversible engine does not "
+            "store or differentiate activations inside its blocks, so that term would get no "
+            "gradient. Compute it from the sequence's output or its context, or run this "
+            "sequence with memory_efficient=False."
+        )
+
+
+class _Context:
+    """The context arguments of one forward, with the leaves that backward differentiates."""
+
+    __slots__ = ("values", "leaves")
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self.values = tuple(values)
+        self.leaves = [v.detach().requires_grad_() for v in values if _requires_grad(v)]
+
+    def args(self) -> tuple[Any, ...]:
+        """The context as f and g receive it in a recomputation: grad-requiring tensors
+        replaced by their leaves."""
+        leaves = iter(self.leaves)
+        return tuple(next(leaves) if _requires_grad(v) else v for v in self.values)
+
+
 class _ReversibleFunction(torch.autograd.Function):
     """Forward: the blocks without a graph, output kept. Backward: reconstruct and backprop."""
 
@@ -458,66 +542,100 @@ class _ReversibleFunction(torch.autograd.Function):
         ctx,
         x: Tensor,
         sequence: ReversibleSequence,
-        transform_params: list[tuple[list[Tensor], list[Tensor]]],
-        *params: Tensor,
+        plans: list[_BlockPlan],
+        num_context: int,
+        *context_and_params: Any,
     ) -> Tensor:
+        context = context_and_params[:num_context]
         blocks = sequence.blocks
         preserve_rng = sequence.preserve_rng_state
         report = reconstruction.active_report()
         true_inputs = [] if report is not None else None
         every = sequence.keep_input_every
         kept_inputs: dict[int, tuple[Tensor, Tensor, int, int]] = {}
-        rng_states: list[tuple[RngState | None, RngState | None]] = []
+        rng_states: list[Any] = []  # per recomputed transform, in forward order
+        states: list[tuple[ModuleState, ModuleState]] = []
         autocast = AutocastState.capture(x.device.type)
         first_stored = len(blocks) - sequence.store_last_blocks
         stored: list[_StoredTransforms] = []
+        generators = list({id(g): g for p in plans for g in p.generators}.values())
+        end_rng = None
 
         x1, x2 = blocks[0].split(x)
         owned = False  # the halves are views of the caller's input until the first block has run
-        for i, block in enumerate(blocks):
+        for i, (block, plan) in enumerate(zip(blocks, plans)):
             if true_inputs is not None:
                 true_inputs.append((x1, x2))
             if i >= first_stored:
-                stored.append(_StoredTransforms(block, x1, x2, autocast, i == len(blocks) - 1))
+                if preserve_rng and end_rng is None:
+                    end_rng = RngState(x.device, generators)
+                if not stored:
+                    stored_context = _Context(context)
+                stored.append(
+                    _StoredTransforms(block, x1, x2, stored_context, autocast, i == len(blocks) - 1)
+                )
                 x1, x2 = stored[-1].y1.detach(), stored[-1].y2
                 continue
             if every is not None and i % every == 0:
                 kept_inputs[i] = (x1, x2, x1._version, x2._version)
                 owned = False  # this block must leave them intact
-            rng_f = RngState((x2,)) if preserve_rng else None
-            y1 = _combine(block.coupling, x1, block.transform("f", x2), owned)
-            if rng_f is not None and rng_f.unchanged():
-                rng_f = None  # f drew no random numbers: nothing to replay
-            rng_g = RngState((y1,)) if preserve_rng else None
-            y2 = _combine(block.coupling, x2, block.transform("g", y1), owned)
-            if rng_g is not None and rng_g.unchanged():
-                rng_g = None
-            rng_states.append((rng_f, rng_g))
+            if plan.hooked:
+                x1, x2 = _hooked_block_forward(block, x1, x2, context, i, rng_states, states,
+                                               preserve_rng, generators)
+                owned = False  # what the hooks saw stays intact
+                continue
+            state_f = ModuleState(block.f)
+            draws = RandomDraws(x.device, generators) if preserve_rng else None
+            y1 = _combine(block.coupling, x1, block.transform("f", x2, *context), owned)
+            rng_states.append(draws.finish() if draws is not None else None)
+            state_f.forward_done()
+            state_g = ModuleState(block.g)
+            draws = RandomDraws(x.device, generators) if preserve_rng else None
+            y2 = _combine(block.coupling, x2, block.transform("g", y1, *context), owned)
+            rng_states.append(draws.finish() if draws is not None else None)
+            state_g.forward_done()
+            states.append((state_f, state_g))
             x1, x2 = y1, y2
             owned = true_inputs is None  # kept true inputs must not be overwritten
+        if preserve_rng and end_rng is None:
+            end_rng = RngState(x.device, generators)
         if not stored:
             y = blocks[0].merge(x1, x2)
         else:
             y, stored[-1].output = stored[-1].output, None
         del x1, x2
 
-        # The output is held directly rather than saved, so that backward can let it go as soon
-        # as the top block is reconstructed (a saved tensor would live until backward returns).
-        # The version counter still catches in-place changes between forward and backward.
+        # Under saved-tensor hooks (save_on_cpu, a surrounding checkpoint) what backward needs is
+        # handed to them. Otherwise the output is held directly rather than saved, so that
+        # backward can let it go as soon as the top block is reconstructed (a saved tensor would
+        # live until backward returns); its version counter still catches in-place changes.
         # A stored last block needs no output: its inputs are kept with its graph.
-        ctx.output = y.detach() if not stored else None
+        context_tensors = [c for c in context if isinstance(c, Tensor)]
+        kept = [t for i in sorted(kept_inputs) for t in kept_inputs[i][:2]]
+        ctx.hooked_saving = _saved_tensor_hooks_active()
+        if ctx.hooked_saving:
+            output = [y] if not stored else []
+            ctx.save_for_backward(*context_tensors, *output, *kept)
+            ctx.output = None
+        else:
+            ctx.save_for_backward(*context_tensors)
+            ctx.output = y.detach() if not stored else None
+        ctx.num_context_tensors = len(context_tensors)
         ctx.output_version = y._version
+        ctx.context = context
         ctx.stored = stored
         ctx.backward_done = False
-        ctx.save_for_backward(*params)
         ctx.sequence = sequence
-        ctx.transform_params = transform_params
+        ctx.plans = plans
         ctx.rng_states = rng_states
+        ctx.end_rng = end_rng
+        ctx.generators = generators
+        ctx.states = states
         ctx.autocast = autocast
         ctx.report = report
         ctx.true_inputs = true_inputs
         ctx.kept_inputs = kept_inputs
-        ctx.weights = ForwardWeights(sequence)
+        ctx.params = context_and_params[num_context:]
         return y
 
     @staticmethod
@@ -532,7 +650,6 @@ class _ReversibleFunction(torch.autograd.Function):
                 "reconstructs and differentiates without recording a graph. Use "
                 "memory_efficient=False for this model."
             )
-        params = ctx.saved_tensors
         if ctx.backward_done:
             raise RuntimeError(
                 "ReversibleSequence: backward through the same forward a second time is not "
@@ -540,40 +657,69 @@ class _ReversibleFunction(torch.autograd.Function):
                 "to save memory). Run the forward again, or use memory_efficient=False."
             )
         ctx.backward_done = True
-        ctx.weights.check(
-            "ReversibleSequence", "Run it with memory_efficient=False there (ordinary autograd)."
+        saved = list(ctx.saved_tensors)
+        context_tensors = iter(saved[: ctx.num_context_tensors])
+        saved = saved[ctx.num_context_tensors :]
+        context = _Context(
+            [next(context_tensors) if isinstance(c, Tensor) else c for c in ctx.context]
         )
-        y, ctx.output = ctx.output, None
+        ctx.context = None
         stored, ctx.stored = ctx.stored, []
-        if y is not None and y._version != ctx.output_version:
-            raise RuntimeError(
-                "ReversibleSequence: its output was modified in place after the forward pass; the "
-                "inputs reconstructed from it would be wrong. Clone the output before modifying it."
-            )
+        if ctx.hooked_saving:
+            y = saved.pop(0) if not stored else None
+            for i in sorted(ctx.kept_inputs):
+                x1, x2 = saved.pop(0), saved.pop(0)
+                ctx.kept_inputs[i] = (x1, x2, x1._version, x2._version)
+        else:
+            y, ctx.output = ctx.output, None
+            if y is not None and y._version != ctx.output_version:
+                raise RuntimeError(
+                    "ReversibleSequence: its output was modified in place after the forward "
+                    "pass; the inputs reconstructed from it would be wrong. Clone the output "
+                    "before modifying it."
+                )
+        del saved
         blocks = ctx.sequence.blocks
-        position = {id(p): i for i, p in enumerate(params)}
-        param_grads: list[Tensor | None] = [None] * len(params)
+        plans = ctx.plans
+        position = {id(p): i for i, p in enumerate(ctx.params)}
+        param_grads: list[Tensor | None] = [None] * len(ctx.params)
+        context_grads: list[Tensor | None] = [None] * len(context.leaves)
 
         # [y1, y2, dy1, dy2] of the block being reversed; _reverse_block swaps in its input's.
         # A stored block knows its input already, and needs neither y2 nor a recomputation.
         outputs = blocks[0].split(y) if not stored else (stored[-1].y1.detach(), None)
         carry = [*outputs, *blocks[0].split(grad_y)]
+        device = grad_y.device
         del y, outputs, grad_y
         # The output belongs to the caller; a stored block's halves are the engine's own.
         owned = bool(stored) and ctx.true_inputs is None
-        replays_rng = any(s is not None for pair in ctx.rng_states for s in pair)
-        rng_guard = forked_rng(carry[:1]) if replays_rng else contextlib.nullcontext()
-        with rng_guard, frozen_running_stats(ctx.sequence):
+        replay_rng = ctx.end_rng is not None and device.type != "meta"
+        rng_guard = forked_rng(device, ctx.generators) if replay_rng else contextlib.nullcontext()
+        rng_next = ctx.end_rng  # the generators' state after the transform being replayed
+        with rng_guard, recomputing(blocks):
             for i in reversed(range(len(blocks))):
                 if stored:
                     transforms = stored.pop()
                 else:
+                    state_f, state_g = ctx.states.pop()
+                    rng_g, rng_f = ctx.rng_states.pop(), ctx.rng_states.pop()
+                    # A transform that drew nothing left the generators as it found them: its
+                    # state is the next one's (fork_rng inside it draws from that state too).
+                    rng_g = rng_g if rng_g is not None else rng_next
+                    rng_f = rng_f if rng_f is not None else rng_g
+                    rng_next = rng_f
                     transforms = _Recomputation(
-                        blocks[i], ctx.rng_states[i], ctx.autocast, _kept_input(ctx, i)
+                        blocks[i],
+                        i,
+                        (rng_f, rng_g) if replay_rng else (None, None),
+                        (state_f, state_g),
+                        ctx.autocast,
+                        _kept_input(ctx, i),
                     )
                 need_input_grad = i > 0 or ctx.needs_input_grad[0]
                 grads = _reverse_block(
-                    blocks[i], carry, transforms, need_input_grad, owned, *ctx.transform_params[i]
+                    blocks[i], carry, transforms, need_input_grad, owned, plans[i], context,
+                    context_grads,
                 )
                 del transforms
                 owned = ctx.true_inputs is None  # reconstructions are ours, unless compared
@@ -584,7 +730,70 @@ class _ReversibleFunction(torch.autograd.Function):
                     ctx.report.record(i, len(blocks), ctx.true_inputs[i], carry[0], carry[1])
 
         grad_x = blocks[0].merge(carry[2], carry[3]) if ctx.needs_input_grad[0] else None
-        return (grad_x, None, None, *param_grads)
+        grads_by_leaf = iter(context_grads)
+        grad_context = [
+            next(grads_by_leaf) if _requires_grad(c) else None for c in context.values
+        ]
+        return (grad_x, None, None, None, *grad_context, *param_grads)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    if torch.compiler.is_compiling():
+        return False  # the compiled graph saves what it needs itself
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _hooked_block_forward(
+    block: ReversibleBlock,
+    x1: Tensor,
+    x2: Tensor,
+    context: tuple[Any, ...],
+    index: int,
+    rng_states: list[Any],
+    states: list[tuple[ModuleState, ModuleState]],
+    preserve_rng: bool,
+    generators: list[torch.Generator],
+) -> tuple[Tensor, Tensor]:
+    """The forward of a block with forward hooks on it or inside f and g: an ordinary forward
+    (with a graph, not in place) that the hooks observe, its outputs then detached for the
+    engine. The graph begins at a node that refuses to be backpropagated into."""
+    where = f"block {index} of a ReversibleSequence"
+    modules = list(block.modules())
+    with torch.enable_grad(), refusing_replaced_outputs(modules, where):
+        x1 = _NoGradientThroughForward.apply(x1, where)
+        x2 = _NoGradientThroughForward.apply(x2, where)
+        pre_hooked = bool(block._forward_pre_hooks or block._forward_hooks)
+        if pre_hooked:
+            merged = block.merge(x1, x2)
+            merged_version = merged._version
+            for hook in block._forward_pre_hooks.values():
+                if hook(block, (merged, *context)) is not None or merged._version != merged_version:
+                    raise RuntimeError(
+                        f"{where}: a forward pre-hook on the block replaced or modified its input; "
+                        "the block could not be inverted. Register it on the sequence instead."
+                    )
+        state_f = ModuleState(block.f)
+        draws = RandomDraws(x2.device, generators) if preserve_rng else None
+        y1 = block.coupling.combine(x1, block.transform("f", x2, *context))
+        rng_states.append(draws.finish() if draws is not None else None)
+        state_f.forward_done()
+        state_g = ModuleState(block.g)
+        draws = RandomDraws(x2.device, generators) if preserve_rng else None
+        y2 = block.coupling.combine(x2, block.transform("g", y1, *context))
+        rng_states.append(draws.finish() if draws is not None else None)
+        state_g.forward_done()
+        states.append((state_f, state_g))
+        if pre_hooked:
+            output = block.merge(y1, y2)
+            for hook in block._forward_hooks.values():
+                result = hook(block, (merged, *context), output)
+                if result is not None and result is not output:
+                    raise RuntimeError(
+                        f"{where}: a forward hook on the block returned a replacement for its "
+                        "output; the sequence could not be inverted. Register it on the sequence "
+                        "instead."
+                    )
+    return y1.detach(), y2.detach()
 
 
 def _kept_input(ctx, i: int) -> tuple[Tensor, Tensor] | None:
@@ -603,24 +812,39 @@ def _kept_input(ctx, i: int) -> tuple[Tensor, Tensor] | None:
     return x1, x2
 
 
-def _merged_shape(block: ReversibleBlock, half_shape: torch.Size) -> torch.Size:
-    shape = list(half_shape)
+def _merged_like(block: ReversibleBlock, half: Tensor, dtype: torch.dtype) -> Tensor:
+    """An uninitialised tensor for two halves like ``half`` merged, in ``half``'s memory layout
+    (channels_last stays channels_last, as ``torch.cat`` keeps it)."""
+    shape = list(half.shape)
     shape[block.split_dim] *= 2
-    return torch.Size(shape)
+    if half.dim() == 4 and half.is_contiguous(memory_format=torch.channels_last):
+        return torch.empty(
+            shape, dtype=dtype, device=half.device, memory_format=torch.channels_last
+        )
+    if half.dim() == 5 and half.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.empty(
+            shape, dtype=dtype, device=half.device, memory_format=torch.channels_last_3d
+        )
+    return torch.empty(shape, dtype=dtype, device=half.device)
 
 
 class _Recomputation:
-    """f and g of one block recomputed with grad enabled, RNG and autocast as in the forward."""
+    """f and g of one block recomputed with grad enabled, as in the forward: the same random
+    numbers, autocast state and module state, hooks silenced."""
 
     def __init__(
         self,
         block: ReversibleBlock,
-        rng: tuple[RngState | None, RngState | None],
+        index: int,
+        rng: tuple[Any, Any],
+        states: tuple[ModuleState, ModuleState],
         autocast: AutocastState,
         kept_input: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         self.block = block
+        self.index = index
         self.rng = dict(zip("fg", rng))
+        self.states = dict(zip("fg", states))
         self.autocast = autocast
         self.kept_input = kept_input
 
@@ -639,12 +863,18 @@ class _Recomputation:
             return self.kept_input[0].detach()
         return _first_half(self.block.coupling, y1, h_f, owned, self.autocast)
 
-    def transform(self, name: str, half: Tensor) -> Tensor:
+    def transform(self, name: str, half: Tensor, context: _Context) -> Tensor:
+        state = self.states[name]
+        state.check(
+            "ReversibleSequence",
+            "Or run it with memory_efficient=False there (ordinary autograd).",
+            prefix=f"blocks.{self.index}.{name}.",
+        )
         rng = self.rng[name]
-        if rng is not None:
+        if isinstance(rng, RngState):
             rng.restore()
-        with torch.enable_grad(), self.autocast():
-            return self.block.transform(name, half)
+        with torch.enable_grad(), self.autocast(), state.replayed():
+            return self.block.transform(name, half, *context.args())
 
 
 class _StoredTransforms:
@@ -655,16 +885,24 @@ class _StoredTransforms:
     """
 
     def __init__(
-        self, block: ReversibleBlock, x1: Tensor, x2: Tensor, autocast: AutocastState, last: bool
+        self,
+        block: ReversibleBlock,
+        x1: Tensor,
+        x2: Tensor,
+        context: _Context,
+        autocast: AutocastState,
+        last: bool,
     ) -> None:
         coupling = self.coupling = block.coupling
         self.autocast = autocast
         self.x2 = x2.detach().requires_grad_()
+        args = context.args()
         with torch.enable_grad():
-            self.h_f = block.transform("f", self.x2)
+            self.h_f = block.transform("f", self.x2, *args)
         self.y1 = coupling.combine(x1, self.h_f.detach()).requires_grad_()
         with torch.enable_grad():
-            self.h_g = block.transform("g", self.y1)
+            self.h_g = block.transform("g", self.y1, *args)
+        self.context = context
         self.y2 = self.output = None
         if not last:
             self.y2 = coupling.combine(x2, self.h_g.detach())  # the next block's x2 leaf
@@ -672,11 +910,7 @@ class _StoredTransforms:
         # The last y2 goes straight into the sequence's output: it is not needed again, and
         # building it apart and concatenating would hold it twice at the moment of peak memory.
         y2_dtype = torch.result_type(x2, self.h_g)
-        self.output = torch.empty(
-            _merged_shape(block, x1.shape),
-            dtype=torch.promote_types(self.y1.dtype, y2_dtype),
-            device=x1.device,
-        )
+        self.output = _merged_like(block, x1, torch.promote_types(self.y1.dtype, y2_dtype))
         out1, out2 = block.split(self.output)
         out1.copy_(self.y1)
         if coupling.is_additive:
@@ -694,12 +928,71 @@ class _StoredTransforms:
         # From the kept y1, exact, rather than from the (maybe reconstructed) one passed down.
         return _first_half(self.coupling, self.y1.detach(), h_f, owned, self.autocast)
 
-    def transform(self, name: str, half: Tensor) -> Tensor:
+    def transform(self, name: str, half: Tensor, context: _Context) -> Tensor:
         if name == "f":
             h, self.h_f = self.h_f, None
         else:
             h, self.h_g = self.h_g, None
         return h
+
+
+def _check_reached(h: Tensor, known: Sequence[Tensor], block: ReversibleBlock, name: str) -> None:
+    """Refuse a transform whose graph reaches a tensor requiring grad that the engine does not
+    differentiate: its gradient would silently be dropped."""
+    known_ids = {id(t) for t in known}
+    stack = [(h.grad_fn, None)]
+    seen: set = set()
+    while stack:
+        node, parent = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, _AccumulateGrad):
+            if id(node.variable) not in known_ids:
+                raise _stray_tensor_error(node.variable, parent, block, name)
+            continue
+        stack += [(child, node) for child, _ in node.next_functions]
+
+
+_AccumulateGrad = torch._C._functions.AccumulateGrad
+
+
+def _stray_tensor_error(
+    tensor: Tensor, reader: Any, block: ReversibleBlock, name: str
+) -> RuntimeError:
+    fn = block.f if name == "f" else block.g
+    described = _attribute_name(tensor, fn, name)
+    direct = reader is not None and any(
+        isinstance(child, _AccumulateGrad) and child.variable is tensor
+        for child, _ in reader.next_functions
+    )
+    how = f"read by {reader.name()}" if reader is not None else "returned as is"
+    if described is None:
+        described = (
+            f"a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} that is not one "
+            f"of its parameters ({how}"
+            + ("" if direct else ", through tensors computed before the forward pass")
+            + "; a parameter kept in a plain Python list or a closure, or a tensor computed "
+            "earlier in the model)"
+        )
+    return RuntimeError(
+        f"ReversibleBlock.{name} ({type(fn).__name__}) reads {described}, which requires grad. "
+        "The reversible engine differentiates only the block's input, the parameters of f and g "
+        "and the context arguments, so its gradient would be silently dropped. Pass it as "
+        "context (sequence(x, tensor) calls f(x2, tensor)), register it as a parameter of f or "
+        "g, or run the sequence with memory_efficient=False."
+    )
+
+
+def _attribute_name(tensor: Tensor, root: nn.Module, prefix: str) -> str | None:
+    for module_name, module in root.named_modules(prefix=prefix):
+        for key, value in vars(module).items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if isinstance(value, dict):
+                values = list(value.values())
+            if any(v is tensor for v in values):
+                return f"the attribute {module_name}.{key}"
+    return None
 
 
 def _reverse_block(
@@ -708,61 +1001,79 @@ def _reverse_block(
     transforms: _Recomputation | _StoredTransforms,
     need_input_grad: bool,
     owned: bool,
-    f_params: list[Tensor],
-    g_params: list[Tensor],
+    plan: _BlockPlan,
+    context: _Context,
+    context_grads: list[Tensor | None],
 ) -> list[tuple[Tensor, Tensor]]:
     """Reconstruct the block's input from its output and backpropagate through it.
 
     ``carry`` holds ``[y1, y2, dy1, dy2]`` and is overwritten with ``[x1, x2, dx1, dx2]``; working
     on the caller's list lets each tensor be freed the moment it is no longer needed. ``owned``
     says whether ``y1`` and ``y2`` may be overwritten. Returns the (parameter, gradient) pairs of
-    f and g, whose trainable parameters are ``f_params`` and ``g_params``.
+    f and g; the context's gradients are added to ``context_grads``.
     """
     coupling = block.coupling
+    f_params, g_params = plan.f_params, plan.g_params
+    if isinstance(transforms, _StoredTransforms):
+        context = transforms.context
+    leaves = context.leaves
+    n = len(leaves)
 
     # Second half, y2 = combine(x2, g(y1)): one run of g gives both x2 and the gradients through g.
     y1 = transforms.g_input(carry[0])
-    h = transforms.transform("g", y1)
+    h = transforms.transform("g", y1, context)
+    _check_reached(h, [y1, *g_params, *leaves], block, "g")
     x2 = transforms.f_input(carry[1], h, owned)
     carry[1] = None  # y2
     if coupling.is_additive:
         root = _GradRoot(h)
         del h
-        grad_y1, *g_grads = root.vjp([y1, *g_params], carry[3])
+        grad_y1, *g_grads = root.vjp([y1, *leaves, *g_params], carry[3])
         grad_x2 = carry[3]
     else:
         x2_leaf = x2.detach().requires_grad_()
         with torch.enable_grad(), transforms.autocast():
             root = _GradRoot(coupling.combine(x2_leaf, h))
         del h
-        grad_x2, grad_y1, *g_grads = root.vjp([x2_leaf, y1, *g_params], carry[3])
+        grad_x2, grad_y1, *g_grads = root.vjp([x2_leaf, y1, *leaves, *g_params], carry[3])
         del x2_leaf
     del root, y1
+    _accumulate(context_grads, g_grads[:n])
+    g_grads = g_grads[n:]
     carry[3] = None  # dy2
     grad_y1 = _add(carry[2], grad_y1, grad_x2, *g_grads)
     carry[2] = None  # dy1
 
     # First half, y1 = combine(x1, f(x2)): one run of f gives both x1 and the gradients through f.
-    h = transforms.transform("f", x2)
+    h = transforms.transform("f", x2, context)
+    _check_reached(h, [x2, *f_params, *leaves], block, "f")
     x1 = transforms.first_half(carry[0], h, owned)
     carry[0] = None  # y1
+    inputs = [*leaves, *f_params]
     if coupling.is_additive:
         root = _GradRoot(h)
         del h
-        grads = root.vjp([x2, *f_params] if need_input_grad else f_params, grad_y1)
+        grads = root.vjp([x2, *inputs] if need_input_grad else inputs, grad_y1)
         grad_x1 = grad_y1
     else:
         x1.requires_grad_()
         with torch.enable_grad(), transforms.autocast():
             root = _GradRoot(coupling.combine(x1, h))
         del h
-        grads = root.vjp([x1, x2, *f_params] if need_input_grad else f_params, grad_y1)
+        grads = root.vjp([x1, x2, *inputs] if need_input_grad else inputs, grad_y1)
         grad_x1 = grads.pop(0) if need_input_grad else None
     del root
     if need_input_grad:
         grad_x2 = _add(grad_x2, grads.pop(0), grad_x1, *grads, *g_grads)
-    f_grads = grads
+    _accumulate(context_grads, grads[:n])
+    f_grads = grads[n:]
 
     carry[:] = [x1.detach(), x2.detach(), grad_x1, grad_x2]
     pairs = list(zip(g_params, g_grads)) + list(zip(f_params, f_grads))
     return [(p, grad) for p, grad in pairs if grad is not None]
+
+
+def _accumulate(total: list[Tensor | None], grads: Sequence[Tensor | None]) -> None:
+    for k, grad in enumerate(grads):
+        if grad is not None:
+            total[k] = grad if total[k] is None else total[k] + grad

@@ -1,7 +1,9 @@
 import pytest
 from torch import nn
 
-from revnets.replay import ForwardWeights, state_tensors
+import torch
+
+from revnets.replay import ModuleState, state_tensors
 
 
 def test_state_tensors_walk_like_named_parameters_and_buffers():
@@ -22,15 +24,39 @@ def test_state_tensors_walk_like_named_parameters_and_buffers():
     ]
 
 
-def test_forward_weights_name_what_changed():
+def test_module_state_names_what_was_swapped():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    weights = ForwardWeights(model)
-    weights.check("owner", "remedy")  # nothing changed
+    state = ModuleState(model)
+    state.forward_done()
+    state.check("owner", "remedy")  # nothing changed
     original = model[1].bias
     model[1].bias = nn.Parameter(original.detach().clone())
     with pytest.raises(RuntimeError, match=r"owner: 1.bias is not the tensor the forward pass"):
-        weights.check("owner", "remedy")
+        state.check("owner", "remedy")
     model[1].bias = original
     model.append(nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="owner: its parameters and buffers are not those"):
-        weights.check("owner", "remedy")
+        state.check("owner", "remedy")
+
+
+def test_module_state_names_what_was_modified_in_place():
+    model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.BatchNorm1d(2).eval())
+    model[0].weight.requires_grad_(False)  # a frozen weight is checked as well
+    state = ModuleState(model)
+    state.forward_done()
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    with pytest.raises(RuntimeError, match=r"owner: 0.weight was modified in place"):
+        state.check("owner", "remedy")
+
+
+def test_module_state_replays_buffers_the_forward_changed_and_keeps_the_update_once():
+    model = nn.Linear(2, 2)
+    model.register_buffer("ema", torch.zeros(2))
+    state = ModuleState(model)
+    model.ema.add_(1)  # the forward's update
+    state.forward_done()
+    with state.replayed():
+        assert torch.equal(model.ema, torch.zeros(2))  # what the forward found
+        model.ema.add_(1)  # the replay's update is not kept
+    assert torch.equal(model.ema, torch.ones(2))

@@ -73,6 +73,18 @@ def test_user_coupling_protocol():
     assert max_grad_error(model, plain) <= 1e-10
 
 
+class Counted(nn.Module):
+    """Runs ``module``, counting its calls (forward hooks fire once, not in the recomputation)."""
+
+    def __init__(self, module, calls, key):
+        super().__init__()
+        self.module, self.calls, self.key = module, calls, key
+
+    def forward(self, x):
+        self.calls[self.key] += 1
+        return self.module(x)
+
+
 @pytest.mark.parametrize("coupling", COUPLINGS)
 def test_each_transform_runs_once_in_forward_and_at_most_once_in_backward(
     coupling, store_last_blocks
@@ -82,9 +94,7 @@ def test_each_transform_runs_once_in_forward_and_at_most_once_in_backward(
     for i, block in enumerate(model):
         for name in "fg":
             calls[i, name] = 0
-            getattr(block, name).register_forward_hook(
-                lambda *_, key=(i, name): calls.__setitem__(key, calls[key] + 1)
-            )
+            setattr(block, name, Counted(getattr(block, name), calls, (i, name)))
     run(model, torch.randn(2, 8, 4, 4, requires_grad=True))
     for (i, name), count in calls.items():
         expected = 1 if i >= len(model) - store_last_blocks else 2
@@ -503,11 +513,11 @@ def test_output_modified_in_place_is_refused(store_last_blocks):
 def test_weights_swapped_for_the_forward_only_are_refused():
     """torch.func.functional_call puts other weights in for the forward call only; recomputing
     with the module's own would silently differentiate the wrong weights."""
-    model = make_stack(2)
+    model = make_stack(4)  # blocks 0 and 1 are recomputed, whatever store_last_blocks
     weights = {name: p.detach() * 2 for name, p in model.named_parameters()}
     weights["blocks.1.g.0.weight"].requires_grad_()
     out = torch.func.functional_call(model, weights, (torch.randn(1, 8, 4, 4),))
-    with pytest.raises(RuntimeError, match=r"ReversibleSequence: blocks.0.f.0.weight is not the "
+    with pytest.raises(RuntimeError, match=r"ReversibleSequence: blocks.\d.[fg].0.weight is not the "
                                            r"tensor the forward pass used.*functional_call"):
         out.sum().backward()
 
@@ -527,7 +537,8 @@ def test_parameters_modified_between_forward_and_backward_is_refused():
     loss = model(torch.randn(1, 8, 4, 4, requires_grad=True)).sum()
     with torch.no_grad():
         next(model.parameters()).add_(1)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    # Stored blocks' graphs are checked by autograd itself, recomputed ones by the engine.
+    with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place between)"):
         loss.backward()
 
 

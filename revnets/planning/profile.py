@@ -56,8 +56,8 @@ def profile_chain(
     The layers are left as they were: BatchNorm running statistics and the random number
     generators are restored afterwards.
     """
-    tensors = [t for t in tree_flatten(example_input)[0] if isinstance(t, Tensor)]
-    with frozen_running_stats(list(layers)), forked_rng(tensors):
+    device = next(t for t in tree_flatten(example_input)[0] if isinstance(t, Tensor)).device
+    with frozen_running_stats(list(layers)), forked_rng(device):
         return _profile(layers, example_input, repeats)
 
 
