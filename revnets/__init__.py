@@ -6,6 +6,7 @@ from revnets.memory import MemoryReport, MemoryTracker, measure_memory, predict_
 from revnets.models import MEMORY_STRATEGIES, ResidualNet
 from revnets.planning import PlanningError, auto_checkpoint
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
+from revnets.replay import is_recomputing
 from revnets.reversible import (
     AdditiveCoupling,
     AffineCoupling,
@@ -32,6 +33,7 @@ __all__ = [
     "check_reconstruction",
     "checkpoint",
     "checkpoint_segments",
+    "is_recomputing",
     "measure_memory",
     "models",
     "predict_memory",

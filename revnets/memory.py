@@ -13,6 +13,7 @@ not counted; on CUDA it is included in the allocator peak.
 
 from __future__ import annotations
 
+import collections
 import copy
 import weakref
 from collections.abc import Callable, Iterable
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -121,7 +123,10 @@ class MemoryTracker(TorchDispatchMode):
         super().__init__()
         self.owners = owners
         self.inputs = list(inputs)
-        self.device = torch.device(device) if device is not None else None
+        self.device = _indexed(torch.device(device)) if device is not None else None
+        self.also_counted: set[torch.device] = set()  # e.g. CPU scalars beside a meta run
+        self._allocator_peak = 0
+        self.allocator_peak_at = 0  # the tick of the allocator's peak, on CUDA
         self._clock = 0
         self._storages: dict[int, _Storage] = {}  # by id of the live storage object
         self._history: list[_Storage] = []
@@ -162,6 +167,12 @@ class MemoryTracker(TorchDispatchMode):
         for t in outputs:
             if isinstance(t, Tensor):
                 self._see(t, allocated=self._clock)
+        if self.device is not None and self.device.type == "cuda":
+            # The allocator's peak only grows: the last operator that raised it is where the
+            # step peaked, and that is the moment the categories are split at.
+            peak = torch.cuda.max_memory_allocated(self.device)
+            if peak > self._allocator_peak:
+                self._allocator_peak, self.allocator_peak_at = peak, self._clock
         return out
 
     def _see(self, tensor: Tensor, allocated: int) -> _Storage | None:
@@ -177,7 +188,7 @@ class MemoryTracker(TorchDispatchMode):
         if record is not None:  # resized in place: the old allocation ends here
             record.freed = self._clock
         if self.device is None:
-            self.device = tensor.device
+            self.device = _indexed(tensor.device)
         record = _Storage(nbytes, allocated, None, storage.device)  # type: ignore[arg-type]
         record.ref = weakref.ref(storage, self._freed_callback(key, record))
         self._storages[key] = record
@@ -204,7 +215,7 @@ class MemoryTracker(TorchDispatchMode):
         return [
             r
             for r in self._history
-            if (self.device is None or r.device == self.device)
+            if (self.device is None or r.device == self.device or r.device in self.also_counted)
             and (wanted is None or self._label(r) in wanted)
         ]
 
@@ -222,8 +233,11 @@ class MemoryTracker(TorchDispatchMode):
                 peak, peak_at = live, t // 2
         return peak, peak_at
 
-    def report(self, result: Any = None) -> MemoryReport:
-        peak, at = self.peak()
+    def report(self, result: Any = None, at: int | None = None) -> MemoryReport:
+        """The peak and its split by category, at the peak of live tensor storage or at the
+        clock tick ``at``."""
+        peak, peak_at = self.peak()
+        at = peak_at if at is None else at
         by_label = dict.fromkeys((PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, ACTIVATIONS), 0)
         for r in self._records():
             if r.allocated <= at and (r.freed is None or r.freed >= at):
@@ -248,6 +262,13 @@ class MemoryTracker(TorchDispatchMode):
             method="tensor-storage",
             result=result,
         )
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:0`` (the current device): storages report their device with an index."""
+    if device.type in ("cpu", "meta") or device.index is not None:
+        return device
+    return torch.device(device.type, torch.get_device_module(device.type).current_device())
 
 
 def _storage_key(tensor: Tensor) -> int | None:
@@ -293,19 +314,27 @@ def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
     On CUDA, the peak is the caching allocator's peak of memory allocated during the call (this
     includes kernel workspaces); the model-state categories still come from storage tracking.
     """
+    return _measure(fn, args, kwargs)
+
+
+def _measure(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, also_counted: Iterable[str] = ()
+) -> MemoryReport:
     owners = _owners_in(*args, **kwargs)
-    device = _device_of(owners, args, kwargs)
+    device = _indexed(_device_of(owners, args, kwargs))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     leaves, _ = tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-    with MemoryTracker(*owners, inputs=tensors, device=str(device)) as tracker:
+    tracker = MemoryTracker(*owners, inputs=tensors, device=str(device))
+    tracker.also_counted = {torch.device(d) for d in also_counted}
+    with tracker:
         result = fn(*args, **kwargs)
-    report = tracker.report(result)
     if device.type != "cuda":
-        return report
+        return tracker.report(result)
     torch.cuda.synchronize(device)
+    report = tracker.report(result, at=tracker.allocator_peak_at)
     peak = torch.cuda.max_memory_allocated(device)
     rest = report.model_state_bytes + report.inputs
     return MemoryReport(
@@ -344,9 +373,32 @@ def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
     model on the meta device to begin with (``with torch.device("meta"): ...``).
     """
     memo: dict[int, Any] = {}
+    device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
     meta_args = tuple(_to_meta(a, memo) for a in args)
     meta_kwargs = {k: _to_meta(v, memo) for k, v in kwargs.items()}
-    return measure_memory(fn, *meta_args, **meta_kwargs)
+    # Optimizers keep scalar state (step counts) on the CPU, where a CPU run counts it too.
+    also = ("cpu",) if device.type == "cpu" else ()
+    with _ScalarsOnCpu():
+        return _measure(fn, meta_args, meta_kwargs, also_counted=also)
+
+
+class _ScalarsOnCpu(TorchFunctionMode):
+    """Creates the scalar tensors that code asks for on the meta device on the CPU instead, with
+    their values: optimizers create scalar state (ASGD's eta and mu) and read it back with
+    ``.item()``, which a meta tensor cannot answer."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        device = kwargs.get("device")
+        if (
+            device is not None
+            and torch.device(device).type == "meta"
+            and isinstance(out, Tensor)
+            and out.dim() == 0
+        ):
+            return func(*args, **{**kwargs, "device": torch.device("cpu")})
+        return out
 
 
 def _to_meta(obj: Any, memo: dict[int, Any]) -> Any:
@@ -375,6 +427,12 @@ def _not_meta(module: nn.Module) -> bool:
 
 
 def _optimizer_to_meta(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> Any:
+    """The same optimizer over the meta copies of its parameters, with its state.
+
+    A shallow copy rather than a new instance: constructors differ (AdamW's defaults hold a key
+    its constructor does not take), and some create state. Scalar state (step counts, ASGD's
+    eta and mu) stays real, on the CPU, since optimizers read it with ``.item()``.
+    """
     groups = []
     for group in optimizer.param_groups:
         params = []
@@ -386,10 +444,17 @@ def _optimizer_to_meta(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -
                 )
             params.append(memo[id(p)])
         groups.append({**group, "params": params})
-    meta = type(optimizer)(groups, **optimizer.defaults)
+    meta = copy.copy(optimizer)
+    meta.param_groups = groups
+    meta.state = collections.defaultdict(dict)
     for p, state in optimizer.state.items():
-        meta.state[memo[id(p)]] = {
-            k: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v
-            for k, v in state.items()
-        }
+        meta.state[memo[id(p)]] = {k: _state_to_meta(v) for k, v in state.items()}
     return meta
+
+
+def _state_to_meta(value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        return value
+    if value.dim() == 0:
+        return value.detach().to("cpu", copy=True)
+    return torch.empty_like(value, device="meta")

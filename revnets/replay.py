@@ -120,7 +120,9 @@ class RngState:
             torch.equal(self.cpu, other.cpu)
             and (self.device_state is None or torch.equal(self.device_state, other.device_state))
             and self.python == other.python
-            and all(torch.equal(a, b) for a, b in zip(self.generator_states, other.generator_states))
+            and all(
+                torch.equal(a, b) for a, b in zip(self.generator_states, other.generator_states)
+            )
         )
 
     def restore(self) -> None:
@@ -172,7 +174,14 @@ class RandomDraws:
                 return None
             return torch.empty(self.before.cpu.numel(), dtype=torch.uint8, device="meta")
         after = RngState(self.before.device, self.before.generators)
-        return None if after.same_as(self.before) else self.before
+        # Compared out of sight of any dispatch mode (a memory tracker), so that only a state
+        # that is kept is seen; it is shown to the tracker once (detach is a dispatched
+        # operator), as the placeholder is on the meta device.
+        with torch._C._DisableTorchDispatch():
+            if after.same_as(self.before):
+                return None
+        self.before.cpu = self.before.cpu.detach()
+        return self.before
 
 
 @contextlib.contextmanager
@@ -253,9 +262,10 @@ class ModuleState:
     Create it just before the forward and call :meth:`forward_done` just after. The replay
     (:meth:`replayed`) then reads what the forward read:
 
-    - buffers the forward modified in place (spectral norm's power iteration, an exponential
-      moving average, running statistics kept by hand) are set back to the values the forward
-      found, and afterwards to their current values, so that they are updated once;
+    - buffers the forward modified (spectral norm's power iteration, an exponential moving
+      average, running statistics kept by hand) are replaced, for the replay, by copies of the
+      values the forward found, so that the replay computes the same and the update the forward
+      made is kept, once;
     - BatchNorm's running statistics (in training mode, where the output does not depend on them)
       are left alone by the replay, which costs no copy;
     - anything else the forward read, parameters included, must be what it was at the end of the
@@ -263,7 +273,8 @@ class ModuleState:
       ``torch.func.functional_call``) is refused by name, as ordinary autograd refuses a saved
       tensor that was modified.
 
-    Before the forward, every buffer but BatchNorm's running statistics is copied (usually none).
+    Before the forward, every buffer but BatchNorm's running statistics is copied (usually none);
+    the copies of those the forward modified are kept until the replay.
     """
 
     __slots__ = ("module", "norms", "pre", "tensors", "versions", "changed")
@@ -273,18 +284,24 @@ class ModuleState:
         self.norms = _tracked_norms([module])
         skip = {id(b) for m in self.norms for b in m._buffers.values()}
         self.pre = [
-            (b, b.clone(), b._version)
-            for b in state_tensors(module, buffers=True)
-            if b is not None and not isinstance(b, nn.Parameter) and id(b) not in skip
+            (m, key, b, b.clone(), b._version)
+            for m in module.modules()
+            for key, b in m._buffers.items()
+            if b is not None and id(b) not in skip
         ]
         self.tensors: list[Any] = []
         self.versions: list[int | None] = []
-        self.changed: list[tuple[Tensor, Tensor]] = []
+        self.changed: list[tuple[nn.Module, str, Tensor]] = []
 
     def forward_done(self) -> None:
-        self.changed = [(b, value) for b, value, version in self.pre if b._version != version]
+        # Kernels that update running statistics (F.batch_norm) leave the version counter alone.
+        self.changed = [
+            (m, key, value)
+            for m, key, b, value, version in self.pre
+            if b._version != version or not torch.equal(b, value)
+        ]
         self.pre = []
-        changed = {id(b) for b, _ in self.changed}
+        changed = {id(m._buffers[key]) for m, key, _ in self.changed}
         norm_buffers = {id(b) for m in self.norms for b in m._buffers.values()}
         self.tensors = state_tensors(self.module)
         self.versions = [
@@ -331,17 +348,17 @@ class ModuleState:
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
-        current = [(b, b.clone()) for b, _ in self.changed]
-        with torch.no_grad():
-            for b, value in self.changed:
-                b.copy_(value)
+        # The replay gets copies: its own update of them is dropped, and what its graph saves of
+        # them is never modified afterwards.
+        current = [(m, key, m._buffers[key]) for m, key, _ in self.changed]
+        for m, key, value in self.changed:
+            m._buffers[key] = value.clone()
         try:
             with frozen_running_stats(self.norms):
                 yield
         finally:
-            with torch.no_grad():
-                for b, value in current:
-                    b.copy_(value)
+            for m, key, buffer in current:
+                m._buffers[key] = buffer
 
 
 def _version(t: Tensor) -> int | None:

@@ -556,7 +556,11 @@ class _ReversibleFunction(torch.autograd.Function):
         rng_states: list[Any] = []  # per recomputed transform, in forward order
         states: list[tuple[ModuleState, ModuleState]] = []
         autocast = AutocastState.capture(x.device.type)
-        first_stored = len(blocks) - sequence.store_last_blocks
+        # Under saved-tensor hooks, what backward needs is handed to them once (see below). A
+        # stored block's graph would be unpacked by several inner backward passes instead, and a
+        # surrounding checkpoint would recompute everything for each: recompute every block.
+        hooked_saving = _saved_tensor_hooks_active()
+        first_stored = len(blocks) - (0 if hooked_saving else sequence.store_last_blocks)
         stored: list[_StoredTransforms] = []
         generators = list({id(g): g for p in plans for g in p.generators}.values())
         end_rng = None
@@ -612,8 +616,8 @@ class _ReversibleFunction(torch.autograd.Function):
         # A stored last block needs no output: its inputs are kept with its graph.
         context_tensors = [c for c in context if isinstance(c, Tensor)]
         kept = [t for i in sorted(kept_inputs) for t in kept_inputs[i][:2]]
-        ctx.hooked_saving = _saved_tensor_hooks_active()
-        if ctx.hooked_saving:
+        ctx.hooked_saving = hooked_saving
+        if hooked_saving:
             output = [y] if not stored else []
             ctx.save_for_backward(*context_tensors, *output, *kept)
             ctx.output = None
@@ -759,9 +763,12 @@ def _hooked_block_forward(
     engine. The graph begins at a node that refuses to be backpropagated into."""
     where = f"block {index} of a ReversibleSequence"
     modules = list(block.modules())
-    with torch.enable_grad(), refusing_replaced_outputs(modules, where):
-        x1 = _NoGradientThroughForward.apply(x1, where)
-        x2 = _NoGradientThroughForward.apply(x2, where)
+    # The hooks' graph is the hooks' own: saved-tensor hooks around the sequence (a surrounding
+    # checkpoint) must not see it, since the recomputation runs without forward hooks.
+    own_saving = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+    with torch.enable_grad(), own_saving, refusing_replaced_outputs(modules, where):
+        x1 = _NoGradientThroughForward.apply(x1.detach().requires_grad_(), where)
+        x2 = _NoGradientThroughForward.apply(x2.detach().requires_grad_(), where)
         pre_hooked = bool(block._forward_pre_hooks or block._forward_hooks)
         if pre_hooked:
             merged = block.merge(x1, x2)
@@ -794,6 +801,10 @@ def _hooked_block_forward(
                         "instead."
                     )
     return y1.detach(), y2.detach()
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def _kept_input(ctx, i: int) -> tuple[Tensor, Tensor] | None:
@@ -940,40 +951,43 @@ def _check_reached(h: Tensor, known: Sequence[Tensor], block: ReversibleBlock, n
     """Refuse a transform whose graph reaches a tensor requiring grad that the engine does not
     differentiate: its gradient would silently be dropped."""
     known_ids = {id(t) for t in known}
-    stack = [(h.grad_fn, None)]
-    seen: set = set()
+    stack = [h.grad_fn]
+    parent: dict[Any, Any] = {h.grad_fn: None}
     while stack:
-        node, parent = stack.pop()
-        if node is None or node in seen:
+        node = stack.pop()
+        if node is None:
             continue
-        seen.add(node)
         if isinstance(node, _AccumulateGrad):
             if id(node.variable) not in known_ids:
-                raise _stray_tensor_error(node.variable, parent, block, name)
+                path = [node]
+                while parent[path[-1]] is not None:
+                    path.append(parent[path[-1]])
+                raise _stray_tensor_error(node.variable, path, block, name)
             continue
-        stack += [(child, node) for child, _ in node.next_functions]
+        for child, _ in node.next_functions:
+            if child is not None and child not in parent:
+                parent[child] = node
+                stack.append(child)
 
 
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 
 
 def _stray_tensor_error(
-    tensor: Tensor, reader: Any, block: ReversibleBlock, name: str
+    leaf: Tensor, path: list[Any], block: ReversibleBlock, name: str
 ) -> RuntimeError:
+    """``path`` runs from the stray leaf's accumulator up to the transform's output."""
     fn = block.f if name == "f" else block.g
-    described = _attribute_name(tensor, fn, name)
-    direct = reader is not None and any(
-        isinstance(child, _AccumulateGrad) and child.variable is tensor
-        for child, _ in reader.next_functions
-    )
-    how = f"read by {reader.name()}" if reader is not None else "returned as is"
+    attributes = _tensor_attributes(fn, name)
+    described = attributes.get(id(leaf))
+    for node in path[1:]:
+        described = described or attributes.get(id(node))
     if described is None:
+        reader = path[1].name() if len(path) > 1 else "returned as is"
         described = (
-            f"a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} that is not one "
-            f"of its parameters ({how}"
-            + ("" if direct else ", through tensors computed before the forward pass")
-            + "; a parameter kept in a plain Python list or a closure, or a tensor computed "
-            "earlier in the model)"
+            f"a tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype} that is not one of "
+            f"its parameters (read by {reader}; a parameter kept in a closure, or a tensor "
+            "computed earlier in the model)"
         )
     return RuntimeError(
         f"ReversibleBlock.{name} ({type(fn).__name__}) reads {described}, which requires grad. "
@@ -984,15 +998,19 @@ def _stray_tensor_error(
     )
 
 
-def _attribute_name(tensor: Tensor, root: nn.Module, prefix: str) -> str | None:
+def _tensor_attributes(root: nn.Module, prefix: str) -> dict[int, str]:
+    """Tensors held as plain attributes of ``root``'s modules (also in lists, tuples and dicts),
+    by the id of the leaf itself or of the node that made it: ``"the attribute f.emb"``."""
+    found: dict[int, str] = {}
     for module_name, module in root.named_modules(prefix=prefix):
         for key, value in vars(module).items():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            if isinstance(value, dict):
-                values = list(value.values())
-            if any(v is tensor for v in values):
-                return f"the attribute {module_name}.{key}"
-    return None
+            values = list(value.values()) if isinstance(value, dict) else value
+            values = values if isinstance(values, (list, tuple)) else [values]
+            for v in values:
+                if isinstance(v, Tensor):
+                    where = f"the attribute {module_name}.{key}"
+                    found[id(v.grad_fn) if v.grad_fn is not None else id(v)] = where
+    return found
 
 
 def _reverse_block(

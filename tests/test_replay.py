@@ -1,7 +1,6 @@
 import pytest
-from torch import nn
-
 import torch
+from torch import nn
 
 from revnets.replay import ModuleState, state_tensors
 

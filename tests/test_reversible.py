@@ -517,8 +517,8 @@ def test_weights_swapped_for_the_forward_only_are_refused():
     weights = {name: p.detach() * 2 for name, p in model.named_parameters()}
     weights["blocks.1.g.0.weight"].requires_grad_()
     out = torch.func.functional_call(model, weights, (torch.randn(1, 8, 4, 4),))
-    with pytest.raises(RuntimeError, match=r"ReversibleSequence: blocks.\d.[fg].0.weight is not the "
-                                           r"tensor the forward pass used.*functional_call"):
+    with pytest.raises(RuntimeError, match=r"ReversibleSequence: blocks.\d.[fg].0.weight is not "
+                                           r"the tensor the forward pass used.*functional_call"):
         out.sum().backward()
 
 
