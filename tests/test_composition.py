@@ -392,11 +392,20 @@ class StochasticDepth(nn.Module):
         return torch.tanh(self.linear(x))
 
 
+def dropout_linear():
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5))
+
+
 @pytest.mark.parametrize("store_last_blocks", [0, 1])
-@pytest.mark.parametrize("transform", [ForkedDropout, GeneratorNoise, StochasticDepth])
-def test_randomness_from_any_generator_is_replayed(transform, store_last_blocks):
+@pytest.mark.parametrize("f,g", [
+    # g draws from the global generator as well, so every f forks another state.
+    (ForkedDropout, dropout_linear),
+    (GeneratorNoise, GeneratorNoise),
+    (StochasticDepth, StochasticDepth),
+], ids=["fork_rng", "generator", "python_random"])
+def test_randomness_from_any_generator_is_replayed(f, g, store_last_blocks):
     model = revnets.ReversibleSequence(
-        [revnets.ReversibleBlock(transform(), transform(), split_dim=-1) for _ in range(6)],
+        [revnets.ReversibleBlock(f(), g(), split_dim=-1) for _ in range(6)],
         store_last_blocks=store_last_blocks,
     ).double()
     plain = twin(model)
