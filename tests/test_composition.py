@@ -248,6 +248,30 @@ def test_inside_checkpoint_segments():
     assert_same_training(model, plain, args, args_plain)
 
 
+def test_inside_auto_checkpoint_plans():
+    """A chain with reversible stages, planned under a budget below what storing it all takes:
+    the planner checkpoints segments that contain the reversible sequences."""
+
+    def stage():
+        return revnets.ReversibleSequence(
+            revnets.ReversibleBlock(plain_unit(), plain_unit(), split_dim=-1) for _ in range(2)
+        )
+
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(2 * WIDTH, 2 * WIDTH), nn.Tanh(), stage()]
+    model = nn.Sequential(*layers).double()
+    x = torch.randn(64, 2 * WIDTH, dtype=torch.float64)
+    everything = revnets.planning.predict_training_peak(model, x)
+    planned = revnets.auto_checkpoint(model, x, budget=everything - 1, measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    plain = twin(model)
+    args, args_plain = leaves(x), leaves(x)
+    for seed in range(2):
+        step(planned, *args, seed=seed), step(plain, *args_plain, seed=seed)
+    assert_same_training(model, plain, args, args_plain)
+
+
 # -- 3. hooks ------------------------------------------------------------------------------------
 
 
