@@ -177,7 +177,12 @@ class RandomDraws:
         # Compared out of sight of any dispatch mode (a memory tracker), so that only a state
         # that is kept is seen; it is shown to the tracker once (detach is a dispatched
         # operator), as the placeholder is on the meta device.
-        with torch._C._DisableTorchDispatch():
+        hidden = (
+            contextlib.nullcontext()
+            if torch.compiler.is_compiling()  # Dynamo traces through; it has no memory tracker
+            else torch._C._DisableTorchDispatch()
+        )
+        with hidden:
             if after.same_as(self.before):
                 return None
         self.before.cpu = self.before.cpu.detach()

@@ -1,5 +1,6 @@
 """The model zoo. Importing it registers every model with timm."""
 
 from revnets.models.residual import MEMORY_STRATEGIES, ResidualNet
+from revnets.models.reversible_vit import ReversibleVisionTransformer
 
-__all__ = ["MEMORY_STRATEGIES", "ResidualNet"]
+__all__ = ["MEMORY_STRATEGIES", "ResidualNet", "ReversibleVisionTransformer"]

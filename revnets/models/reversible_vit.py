@@ -1,0 +1,372 @@
+"""Reversible Vision Transformers (Rev-ViT, Mangalam et al., CVPR 2022), registered with timm.
+
+Built as the official code builds them (facebookresearch/SlowFast, reversible_mvit.py): the patch
+tokens plus an absolute position embedding, no class token, are duplicated into two streams
+``X1 = X2 = x`` (concatenated on the feature axis to width 2C). Each block is a reversible
+coupling ``Y1 = X1 + DropPath(F(X2))``, ``Y2 = X2 + DropPath(G(Y1))`` with F = LayerNorm then
+multi-head self-attention and G = LayerNorm then MLP, no residual inside either: the coupling is
+the residual. At the end the two streams, still concatenated, go through LayerNorm(2C), a mean
+over tokens and a linear head. Parameter counts equal the official ones (22,434,664 for Rev-ViT-S,
+87,335,656 for Rev-ViT-B at 1000 classes).
+
+Drop path is per sample, inside f and g, and replayed exactly in backward by the reversible
+engine (the official code shares one seed between F's and G's drop path in a block; here each
+draws its own mask, as timm's ViT does).
+
+Memory strategies, switchable on the same weights (``set_memory``), as for the CNN zoo:
+``none`` (ordinary autograd), ``checkpoint`` (about sqrt(depth) checkpointed segments of
+blocks), ``reversible`` (the default: only the patch embedding's and the head's activations are
+stored) and ``reversible+checkpoint`` (the patch embedding and final norm checkpointed too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from torch import Tensor, nn
+
+from revnets.checkpoint import checkpoint, run_checkpointed_segments
+from revnets.reversible import ReversibleBlock, ReversibleSequence
+
+__all__ = ["ReversibleVisionTransformer"]
+
+MEMORY_STRATEGIES = ("none", "checkpoint", "reversible", "reversible+checkpoint")
+
+
+class TwoStreamPatchEmbed(nn.Module):
+    """Patches to tokens (a strided convolution), plus an absolute position embedding, no class
+    token, duplicated into the two streams of a Rev-ViT: ``(B, N, 2C)`` with ``X1 = X2``."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int) -> None:
+        super().__init__()
+        if img_size % patch_size:
+            raise ValueError(
+                f"TwoStreamPatchEmbed: img_size {img_size} is not a multiple of patch_size "
+                f"{patch_size}"
+            )
+        self.patch_size = patch_size
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches, embed_dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = self.proj(x).flatten(2).transpose(1, 2)
+        if tokens.shape[1] != self.num_patches:
+            raise ValueError(
+                f"TwoStreamPatchEmbed: an input of {tuple(x.shape[-2:])} pixels gives "
+                f"{tokens.shape[1]} patches; the position embedding has {self.num_patches} "
+                f"({self.grid_size[0] * self.patch_size} pixels square)"
+            )
+        tokens = tokens + self.pos_embed
+        return torch.cat((tokens, tokens), dim=-1)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with separate q, k and v projections (as in Rev-ViT), through
+    ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"Attention: dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.attn_drop = attn_drop
+
+    def _heads(self, x: Tensor) -> Tensor:
+        batch, tokens, dim = x.shape
+        return x.view(batch, tokens, self.num_heads, dim // self.num_heads).transpose(1, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))
+        dropout = self.attn_drop if self.training else 0.0
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)  # scale head_dim^-0.5
+        return self.proj(x.transpose(1, 2).flatten(2))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, ratio: float = 4.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, int(dim * ratio))
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(int(dim * ratio), dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Sublayer(nn.Module):
+    """One transform of a reversible block: LayerNorm, then attention or MLP, then drop path."""
+
+    def __init__(self, dim: int, body: nn.Module, drop_path: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.body = body
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop_path(self.body(self.norm(x)))
+
+
+def reversible_vit_block(
+    dim: int, num_heads: int, mlp_ratio: float = 4.0, drop_path: float = 0.0,
+    attn_drop: float = 0.0,
+) -> ReversibleBlock:
+    """A Rev-ViT block on two streams of width ``dim`` concatenated on the last axis."""
+    return ReversibleBlock(
+        f=Sublayer(dim, Attention(dim, num_heads, attn_drop), drop_path),
+        g=Sublayer(dim, Mlp(dim, mlp_ratio), drop_path),
+        split_dim=-1,
+    )
+
+
+class ReversibleVisionTransformer(nn.Module):
+    """Rev-ViT: a ViT whose blocks are reversible couplings of two duplicated token streams.
+
+    Args:
+        img_size, patch_size, in_chans, num_classes: as in timm's VisionTransformer.
+        embed_dim: the width C of each stream (the streams together are 2C wide).
+        depth, num_heads, mlp_ratio: blocks, attention heads, MLP expansion.
+        drop_rate: dropout before the head. drop_path_rate: stochastic depth, rising linearly
+            from 0 over the blocks. attn_drop_rate: dropout on attention weights.
+        memory: memory strategy (module docstring); default ``reversible``.
+        global_pool: ``"avg"`` (mean over tokens, Rev-ViT's) or ``""`` (no pooling: tokens).
+    """
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 384,
+        depth: int = 12,
+        num_heads: int = 6,
+        mlp_ratio: float = 4.0,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        memory: str | None = None,
+        global_pool: str = "avg",
+    ) -> None:
+        super().__init__()
+        if global_pool not in ("avg", ""):
+            raise ValueError(
+                f"ReversibleVisionTransformer: global_pool must be 'avg' or '', got "
+                f"{global_pool!r}"
+            )
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.embed_dim = embed_dim
+        self.num_features = self.head_hidden_size = 2 * embed_dim
+        self.patch_embed = TwoStreamPatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+        self.blocks = ReversibleSequence(
+            reversible_vit_block(embed_dim, num_heads, mlp_ratio, rate, attn_drop_rate)
+            for rate in rates
+        )
+        self.norm = nn.LayerNorm(2 * embed_dim, eps=1e-6)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(2 * embed_dim, num_classes) if num_classes else nn.Identity()
+        reduction = patch_size
+        self.feature_info = [
+            dict(num_chs=2 * embed_dim, reduction=reduction, module=f"blocks.blocks.{i}")
+            for i in range(depth)
+        ]
+        self._init_weights()
+        self.memory = "none"
+        self.set_memory(memory or "reversible")
+
+    def _init_weights(self) -> None:
+        trunc_normal_(self.patch_embed.pos_embed, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    # -- memory strategy ----------------------------------------------------------------------
+    @property
+    def memory_strategies(self) -> tuple[str, ...]:
+        return MEMORY_STRATEGIES
+
+    def set_memory(self, strategy: str) -> ReversibleVisionTransformer:
+        """Switch how training saves memory; weights and state_dict keys stay the same."""
+        if strategy not in MEMORY_STRATEGIES:
+            raise ValueError(
+                f"unknown memory strategy {strategy!r} for a Rev-ViT; valid: "
+                + ", ".join(repr(s) for s in MEMORY_STRATEGIES)
+            )
+        self.memory = strategy
+        self.blocks.memory_efficient = strategy.startswith("reversible")
+        return self
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's switch: checkpoint what the reversible blocks do not reconstruct."""
+        self.set_memory("reversible+checkpoint" if enable else "reversible")
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"patch_embed.pos_embed"}
+
+    # -- timm interface -----------------------------------------------------------------------
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+            self.global_pool = global_pool
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+
+    def _saving(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def _maybe_checkpoint(self, fn: nn.Module | Any, x: Tensor) -> Tensor:
+        if self.memory == "reversible+checkpoint" and self._saving():
+            return checkpoint(fn, x)
+        return fn(x)
+
+    def _run_blocks(self, x: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
+        blocks = self.blocks
+        if start != 0 or (stop is not None and stop != len(blocks)):
+            blocks = ReversibleSequence(
+                list(self.blocks)[start:stop], memory_efficient=self.blocks.memory_efficient
+            )
+        if self.memory == "checkpoint" and self._saving():
+            return run_checkpointed_segments(list(blocks), x)
+        return blocks(x)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        x = self._maybe_checkpoint(self.patch_embed, x)
+        x = self._run_blocks(x)
+        return self._maybe_checkpoint(self.norm, x)
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | Sequence[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """timm's intermediate features: the output of each block listed (all by default; the
+        last ``indices`` if an int), as NCHW feature maps of width 2C or NLC tokens."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take, max_index = feature_take_indices(len(self.blocks), indices)
+        batch, _, height, width = x.shape
+        grid = (height // self.patch_embed.patch_size, width // self.patch_embed.patch_size)
+        intermediates = []
+        x = self._maybe_checkpoint(self.patch_embed, x)
+        last = max_index + 1 if stop_early else len(self.blocks)
+        start = 0
+        for index in sorted(take):  # run reversibly between the taps
+            x = self._run_blocks(x, start, index + 1)
+            start = index + 1
+            tap = self.norm(x) if norm else x
+            if output_fmt == "NCHW":
+                tap = tap.reshape(batch, *grid, -1).permute(0, 3, 1, 2)
+            intermediates.append(tap)
+        if intermediates_only:
+            return intermediates
+        if start < last:
+            x = self._run_blocks(x, start, last)
+        return self._maybe_checkpoint(self.norm, x), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        take, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = ReversibleSequence(
+            list(self.blocks)[: max_index + 1], memory_efficient=self.blocks.memory_efficient
+        )
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        if self.global_pool == "avg":
+            x = x.mean(dim=1)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ReversibleVisionTransformer:
+    if pretrained:
+        raise ValueError(
+            f"no pretrained weights are bundled for {variant}: create it with pretrained=False"
+        )
+    return build_model_with_cfg(
+        ReversibleVisionTransformer,
+        variant,
+        pretrained,
+        feature_cfg=dict(feature_cls="getter", out_indices=(-1,)),
+        **kwargs,
+    )
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.9,
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "revvit_small_patch16_224.untrained": _cfg(),
+        "revvit_base_patch16_224.untrained": _cfg(),
+    }
+)
+
+
+@register_model
+def revvit_small_patch16_224(
+    pretrained: bool = False, **kwargs: Any
+) -> ReversibleVisionTransformer:
+    """Rev-ViT-S: 12 blocks, width 384 per stream, 6 heads, drop path 0.1 (22,434,664 params)."""
+    args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6, drop_path_rate=0.1)
+    return _create("revvit_small_patch16_224", pretrained, **{**args, **kwargs})
+
+
+@register_model
+def revvit_base_patch16_224(
+    pretrained: bool = False, **kwargs: Any
+) -> ReversibleVisionTransformer:
+    """Rev-ViT-B: 12 blocks, width 768 per stream, 12 heads, drop path 0.2 (87,335,656 params)."""
+    args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, drop_path_rate=0.2)
+    return _create("revvit_base_patch16_224", pretrained, **{**args, **kwargs})
