@@ -59,3 +59,26 @@ def test_module_state_replays_buffers_the_forward_changed_and_keeps_the_update_o
         assert torch.equal(model.ema, torch.zeros(2))  # what the forward found
         model.ema.add_(1)  # the replay's update is not kept
     assert torch.equal(model.ema, torch.ones(2))
+
+
+def test_rng_state_of_an_accelerator_goes_through_its_own_device_module(monkeypatch):
+    """Not through torch.cuda (what torch.utils.checkpoint's helper defaults to)."""
+    calls = []
+
+    class FakeAccelerator:
+        def get_rng_state(self, device):
+            calls.append(("get", device))
+            return torch.zeros(16, dtype=torch.uint8)
+
+        def set_rng_state(self, state, device):
+            calls.append(("set", device))
+
+    import revnets.replay as replay
+
+    fake = FakeAccelerator()
+    monkeypatch.setattr(replay, "_accelerator", lambda device: fake)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a, **k: calls.append("cuda"))
+    device = torch.device("xpu", 1)
+    state = replay.RngState(device)
+    state.restore()
+    assert calls == [("get", device), ("set", device)]
