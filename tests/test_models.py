@@ -200,3 +200,83 @@ def test_thousand_layer_models_train_a_step(name):
 @pytest.mark.parametrize("strategy", ["reversible", "reversible+checkpoint"])
 def test_zoo_revnets_match_their_baseline(name, strategy):
     assert_matches_baseline(timm.create_model(name), strategy, batch=2, steps_taken=2)
+
+
+ZOO = ["revnet38", "resnet32", "preact_resnet101", "revvit_small_patch16_224"]
+
+
+def small(name, **kwargs):
+    """A zoo model at a size tests afford, built through timm.create_model."""
+    if name.startswith("revvit"):
+        kwargs = dict(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, **kwargs)
+    return timm.create_model(name, **kwargs).eval()
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_no_classifier_and_no_pooling_as_timm_models_do(name):
+    """timm's own CNNs (resnet18 here) return unpooled feature maps for num_classes=0,
+    global_pool=''; so do the zoo's (a Rev-ViT returns its tokens)."""
+    reference = timm.create_model("resnet18", num_classes=0, global_pool="").eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert reference(x).dim() == 4
+    model = small(name, num_classes=0, global_pool="")
+    out = model(x)
+    assert out.dim() == (3 if name.startswith("revvit") else 4)
+    assert out.shape[-1 if name.startswith("revvit") else 1] == model.num_features
+    assert torch.equal(out, model.forward_features(x))
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_reset_classifier_as_timm_models_do(name):
+    x = torch.randn(2, 3, 32, 32)
+    for model in (timm.create_model("resnet18").eval(), small(name)):
+        model.reset_classifier(7)
+        assert model(x).shape == (2, 7) and model.get_classifier().out_features == 7
+        model.reset_classifier(0)
+        assert model(x).shape == (2, model.num_features)  # pooled, no classifier
+        model.reset_classifier(0, "")
+        assert model(x).dim() > 2  # unpooled
+        model.reset_classifier(5, "avg")
+        assert model(x).shape == (2, 5)
+
+
+def test_create_model_keywords_override_the_builders_defaults():
+    model = timm.create_model("revnet38", channels=(16, 16, 32, 64), units=(1, 1, 1))
+    assert model.stages[2].units[0].f[-1].out_channels == 32  # half of 64
+    assert model.stages[2].reversible is None  # one unit a stage: no reversible run after it
+    model = timm.create_model("revvit_small_patch16_224", depth=3, embed_dim=64, num_heads=4)
+    assert len(model.blocks) == 3 and model.num_features == 128
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_group_matcher_and_layer_decay_with_timms_optimizer_factory(name):
+    from timm.models import group_parameters
+    from timm.optim import create_optimizer_v2
+
+    model = small(name)
+    for coarse in (True, False):
+        groups = group_parameters(model, model.group_matcher(coarse=coarse))
+        names = [n for group in groups.values() for n in group]
+        assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    optimizer = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.7)
+    scales = {group["lr_scale"] for group in optimizer.param_groups}
+    assert len(scales) > 2  # earlier layers learn slower
+    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    for n, p in model.named_parameters():
+        if n in model.no_weight_decay() or p.ndim <= 1:
+            assert id(p) not in decayed, n
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_pretrained_cfg_is_complete(name):
+    """The keys timm's data pipeline and fine-tuning helpers read, as resnet18 has them."""
+    keys = ("input_size", "pool_size", "crop_pct", "interpolation", "mean", "std",
+            "first_conv", "classifier", "num_classes")
+    reference = timm.create_model("resnet18").pretrained_cfg
+    model = small(name)
+    assert all(key in reference for key in keys)
+    assert all(key in model.pretrained_cfg for key in keys)
+    assert model.get_submodule(model.pretrained_cfg["first_conv"]).in_channels == 3
+    assert model.get_submodule(model.pretrained_cfg["classifier"]) is model.get_classifier()
+    config = timm.data.resolve_data_config({}, model=model)
+    assert config["input_size"] == model.pretrained_cfg["input_size"]

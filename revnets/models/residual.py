@@ -116,10 +116,8 @@ class ResidualNet(nn.Module):
                 f"ResidualNet: channels needs the stem's plus one per stage ({len(units) + 1} "
                 f"values), got {len(channels)}"
             )
-        if global_pool != "avg":
-            raise ValueError(
-                f"ResidualNet: only global_pool='avg' is supported, got {global_pool!r}"
-            )
+        _check_pool(global_pool)
+        self.global_pool = global_pool
         self.reversible = reversible
         self.num_classes = num_classes
         self.drop_rate = drop_rate
@@ -234,9 +232,32 @@ class ResidualNet(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.fc
 
-    def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new classifier for ``num_classes`` (0: none); ``global_pool=''`` makes the model
+        return unpooled feature maps, as timm's CNNs do."""
+        if global_pool is not None:
+            _check_pool(global_pool)
+            self.global_pool = global_pool
         self.num_classes = num_classes
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups for layer-wise learning-rate decay, as timm's ResNet names them."""
+        if coarse:
+            return dict(stem=r"^stem", blocks=r"^stages\.(\d+)")
+        # A stage's first unit, then its reversible blocks (numbered from 0 again): after it.
+        return dict(stem=r"^stem", blocks=[
+            (r"^stages\.(\d+)\.units\.(\d+)", None),
+            (r"^stages\.(\d+)\.reversible\.blocks\.(\d+)", (1,)),
+            (r"^final_act", (99999,)),
+        ])
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """Nothing by name: BatchNorm and bias parameters, the 1-D ones, are left out of weight
+        decay by timm's optimizer factory already."""
+        return set()
 
     def _maybe_checkpoint(self, module: nn.Module, x: Tensor) -> Tensor:
         if self.memory == "reversible+checkpoint" and self.training and torch.is_grad_enabled():
@@ -296,14 +317,35 @@ class ResidualNet(nn.Module):
         return take
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = self.head_drop(x.mean((2, 3)))
+        if self.global_pool == "avg":
+            x = x.mean((2, 3))
+        elif self.num_classes and not pre_logits:
+            raise ValueError(
+                "ResidualNet: global_pool='' returns feature maps, which a linear classifier "
+                "cannot take; use num_classes=0 (timm.create_model(name, num_classes=0, "
+                "global_pool='')) or global_pool='avg'"
+            )
+        x = self.head_drop(x)
         return x if pre_logits else self.fc(x)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
 
 
-def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ResidualNet:
+def _check_pool(global_pool: str) -> None:
+    if global_pool not in ("avg", ""):
+        raise ValueError(
+            f"ResidualNet: global_pool must be 'avg' (average pooling) or '' (none: feature "
+            f"maps), got {global_pool!r}"
+        )
+
+
+def _create(
+    variant: str, pretrained: bool, defaults: dict[str, Any], **kwargs: Any
+) -> ResidualNet:
+    """Build a registered variant; keyword arguments to timm.create_model override its
+    ``defaults`` (``channels=...``, ``units=...``)."""
+    kwargs = {**defaults, **kwargs}
     if pretrained:
         raise ValueError(
             f"no pretrained weights are published for {variant}: create it with "
@@ -370,47 +412,47 @@ _CIFAR_REVNET = dict(channels=(32, 32, 64, 128), stem="cifar", reversible=True)
 @register_model
 def resnet32(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """ResNet-32 for CIFAR: 5-5-5 basic units, 16-32-64 channels."""
-    return _create("resnet32", pretrained, **dict(_CIFAR_RESNET, units=(5, 5, 5)), **kwargs)
+    return _create("resnet32", pretrained, dict(_CIFAR_RESNET, units=(5, 5, 5)), **kwargs)
 
 
 @register_model
 def resnet110(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """ResNet-110 for CIFAR: 18-18-18 basic units, 16-32-64 channels."""
-    return _create("resnet110", pretrained, **dict(_CIFAR_RESNET, units=(18, 18, 18)), **kwargs)
+    return _create("resnet110", pretrained, dict(_CIFAR_RESNET, units=(18, 18, 18)), **kwargs)
 
 
 @register_model
 def resnet164(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """ResNet-164 for CIFAR: 18-18-18 bottleneck units, 64-128-256 channels out."""
     args = dict(_CIFAR_RESNET, units=(18, 18, 18), bottleneck=True)
-    return _create("resnet164", pretrained, **args, **kwargs)
+    return _create("resnet164", pretrained, args, **kwargs)
 
 
 @register_model
 def resnet1001(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """ResNet-1001 for CIFAR (He et al. 2016): 111-111-111 pre-activation bottleneck units."""
     args = dict(_CIFAR_RESNET, units=(111, 111, 111), bottleneck=True)
-    return _create("resnet1001", pretrained, **args, **kwargs)
+    return _create("resnet1001", pretrained, args, **kwargs)
 
 
 @register_model
 def revnet38(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """RevNet-38 for CIFAR: 3-3-3 basic units, 32-64-112 channels."""
     args = dict(_CIFAR_REVNET, units=(3, 3, 3), channels=(32, 32, 64, 112))
-    return _create("revnet38", pretrained, **args, **kwargs)
+    return _create("revnet38", pretrained, args, **kwargs)
 
 
 @register_model
 def revnet110(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """RevNet-110 for CIFAR: 9-9-9 basic units, 32-64-128 channels."""
-    return _create("revnet110", pretrained, **dict(_CIFAR_REVNET, units=(9, 9, 9)), **kwargs)
+    return _create("revnet110", pretrained, dict(_CIFAR_REVNET, units=(9, 9, 9)), **kwargs)
 
 
 @register_model
 def revnet164(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """RevNet-164 for CIFAR: 9-9-9 bottleneck units, 128-256-512 channels out."""
     args = dict(_CIFAR_REVNET, units=(9, 9, 9), bottleneck=True)
-    return _create("revnet164", pretrained, **args, **kwargs)
+    return _create("revnet164", pretrained, args, **kwargs)
 
 
 @register_model
@@ -418,7 +460,7 @@ def revnet992(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """A 992-layer RevNet for CIFAR: RevNet-164's plan with 55-55-55 bottleneck units
     (6 convolutions a unit: 6 x 165 + 2 = 992), the reversible counterpart of ResNet-1001."""
     args = dict(_CIFAR_REVNET, units=(55, 55, 55), bottleneck=True)
-    return _create("revnet992", pretrained, **args, **kwargs)
+    return _create("revnet992", pretrained, args, **kwargs)
 
 
 @register_model
@@ -429,7 +471,7 @@ def preact_resnet101(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """
     args = dict(units=(3, 4, 23, 3), channels=(64, 64, 128, 256, 512), bottleneck=True,
                 stem="imagenet")
-    return _create("preact_resnet101", pretrained, **args, **kwargs)
+    return _create("preact_resnet101", pretrained, args, **kwargs)
 
 
 @register_model
@@ -437,4 +479,4 @@ def revnet104(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
     """RevNet-104 for ImageNet: 2-2-11-2 bottleneck units, 512-1024-2048-3328 channels out."""
     args = dict(units=(2, 2, 11, 2), channels=(128, 128, 256, 512, 832), bottleneck=True,
                 stem="imagenet", reversible=True)
-    return _create("revnet104", pretrained, **args, **kwargs)
+    return _create("revnet104", pretrained, args, **kwargs)

@@ -221,6 +221,14 @@ class ReversibleVisionTransformer(nn.Module):
         self.set_memory("reversible+checkpoint" if enable else "reversible")
 
     @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups for layer-wise learning-rate decay, as timm's ViT names them."""
+        return dict(
+            stem=r"^patch_embed",
+            blocks=[(r"^blocks\.blocks\.(\d+)", None), (r"^norm", (99999,))],
+        )
+
+    @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"patch_embed.pos_embed"}
 
