@@ -1,6 +1,7 @@
 """The trainer: configs, the default run, overrides, data, resume, faults and DDP."""
 
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from revnets.training import (
 )
 from revnets.training.loop import Trainer
 from revnets.training.optim import build_optimizer
+from revnets.training.progress import Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -336,3 +338,59 @@ def test_rev_vit_trains_at_224_and_reports_memory_against_its_none_baseline(tmp_
     # the same model under ordinary autograd, predicted on meta.
     above = re.search(r"above model state: ([\d.]+) MiB vs baseline ([\d.]+) MiB", done.stdout)
     assert float(above.group(2)) > 5 * float(above.group(1))
+
+
+def test_progress_is_plain_lines_when_not_on_a_terminal(tmp_path, capsys):
+    train(config(*SMALL), tmp_path)
+    out = capsys.readouterr().out
+    assert "\r" not in out  # no bar redrawing itself in a log
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 4/4"]
+    assert all(re.search(r"\| \d+ img/s \| mem [\d.]+ MiB$", line) for line in lines)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal():
+    stream = Terminal()
+    progress = Progress(total_steps=4, stream=stream)
+    for step in range(1, 5):
+        progress.step()
+        if step % 2 == 0:
+            progress.log(step, {"loss": 0.5, "accuracy": 0.75, "images_per_s": 120.0,
+                                "peak_mib": 12.5})
+    list(progress.evaluation(range(3), total=3))
+    progress.close()
+    out = stream.getvalue()
+    assert "\r" in out and "train" in out and "4/4" in out
+    assert "img/s=120" in out and "mem=12.5 MiB" in out and "loss=0.5000" in out
+    assert "step 2/4" not in out  # no plain lines besides the bar
+
+
+def test_images_per_s_counts_training_steps_only(tmp_path):
+    """The rate logged every 2 steps is the images of those 2 steps over their step times:
+    the evaluations and checkpoint writes after every step are not in it, nor is the first,
+    measured step."""
+    overrides = [*SMALL, "trainer.max_steps=6", "trainer.eval_every=1",
+                 "trainer.checkpoint_every=1", "model=resnet32"]
+    trainer = Trainer(config(*overrides), tmp_path)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rates = {r["step"]: r["images_per_s"] for r in records if "images_per_s" in r}
+    times = trainer.step_times  # steps 2 to 6: the first step is measured, not timed
+    assert rates[2] == pytest.approx(16 / times[0])
+    assert rates[4] == pytest.approx(32 / (times[1] + times[2]))
+    assert rates[6] == pytest.approx(32 / (times[3] + times[4]))
+
+
+def test_tensorboard_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard")  # installed by the test extra: pip install -e '.[test]'
+    train(config(*SMALL, "trainer.tensorboard=true"), tmp_path)
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0

@@ -24,6 +24,7 @@ from revnets.memory import measure_memory
 from revnets.training.data import build_loaders
 from revnets.training.distributed import Distributed, all_finite, setup_distributed
 from revnets.training.optim import build_optimizer, build_scheduler
+from revnets.training.progress import Progress, Throughput
 from revnets.training.report import MemoryComparison, predict_baseline, summary_table
 from revnets.training.state import (
     CHECKPOINT_NAME,
@@ -126,6 +127,8 @@ class Trainer:
         if cfg.trainer.compile:
             self.net = torch.compile(self.net)
         self.step_times: list[float] = []
+        self.throughput = Throughput()
+        self.progress: Progress | None = None
         self.memory: MemoryComparison | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -207,6 +210,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg.trainer
         start_step = self.step
+        self.progress = Progress(self.total_steps, start_step, enabled=self.dist.is_main)
         with _StopRequest() as stop:
             while self.step < self.total_steps:
                 per_rank = self.loaders.train.batch_size
@@ -224,11 +228,13 @@ class Trainer:
                             torch.cuda.synchronize(self.device)
                         if self.step > start_step:
                             self.step_times.append(time.perf_counter() - begin)
+                            self.throughput.add(len(y), self.step_times[-1])
                     self.scheduler.step()
                     self.step += 1
                     self.position += 1
+                    self.progress.step()
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        self._log_step(loss, correct, len(y), begin)
+                        self._log_step(loss, correct, len(y))
                     if cfg.eval_every and self.step % cfg.eval_every == 0:
                         self._log(self.evaluate())
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -251,7 +257,10 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         self.net.eval()
         total, loss_sum, correct = 0, 0.0, 0
-        for x, y in self.loaders.val:
+        batches = self.loaders.val
+        if self.progress is not None:
+            batches = self.progress.evaluation(batches, len(self.loaders.val))
+        for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with self.autocast:
                 logits = self.net(x).float()
@@ -284,10 +293,10 @@ class Trainer:
         self.dist.barrier()
 
     # -- logging ---------------------------------------------------------------------------------
-    def _log_step(
-        self, loss: torch.Tensor, correct: torch.Tensor, batch: int, begin: float
-    ) -> None:
-        elapsed = time.perf_counter() - begin
+    def _log_step(self, loss: torch.Tensor, correct: torch.Tensor, batch: int) -> None:
+        images_per_s = self.throughput.take()  # this process's share of the global batch
+        if images_per_s is not None and self.dist.enabled:
+            images_per_s *= self.dist.world_size
         if self.dist.enabled:  # report the global batch, not this process's share
             totals = torch.stack([loss.float() * batch, correct.float()]).to(self.device)
             torch.distributed.all_reduce(totals)
@@ -298,18 +307,11 @@ class Trainer:
             "loss": loss.item(),
             "accuracy": correct.item() / batch,
             "lr": self.scheduler.get_last_lr()[0],
-            "images_per_s": batch / max(elapsed, 1e-9),
+            "images_per_s": images_per_s,
         }
         if self.memory is not None:
             record["peak_mib"] = self.memory.report.peak_bytes / 2**20
-        if self.dist.is_main:
-            memory = f" | mem {record['peak_mib']:.1f} MiB" if "peak_mib" in record else ""
-            width = len(str(self.total_steps))
-            print(
-                f"step {self.step:>{width}}/{self.total_steps} | loss {record['loss']:.4f} | "
-                f"acc {record['accuracy']:.3f} | {record['images_per_s']:.0f} img/s{memory}",
-                flush=True,
-            )
+        self.progress.log(self.step, record)
         self._log(record)
 
     def _log(self, record: dict[str, Any]) -> None:
@@ -328,6 +330,8 @@ class Trainer:
         return summary_table(self.cfg, self.model.memory, self.memory, step_time, result)
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         if self.writer is not None:
             self.writer.close()
         self.dist.shutdown()
@@ -338,6 +342,8 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     trainer = Trainer(copy.deepcopy(cfg), output_dir)
     try:
         result = trainer.fit()
+        if trainer.progress is not None:
+            trainer.progress.close()  # the bar ends before the summary is printed
         if trainer.dist.is_main and not result["interrupted"]:
             print(trainer.summary(result), flush=True)
         return result
