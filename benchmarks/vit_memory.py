@@ -19,7 +19,6 @@ import sys
 
 import timm
 import torch
-import torch.nn.functional as F
 
 import revnets
 
@@ -32,6 +31,7 @@ from common import (
     write_csv,
     write_markdown,
 )
+from zoo_memory import train_step
 
 MB = 10**6
 MiB = 2**20
@@ -52,12 +52,6 @@ ROWS = [
     ("revvit_base_patch16_224", "none"),
     ("revvit_base_patch16_224", "reversible"),
 ]
-
-
-def train_step(model, optimizer, x, y):
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
-    optimizer.step()
 
 
 def build(name: str, memory: str | None, device: str = "cpu", seed: int = 0):
