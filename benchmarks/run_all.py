@@ -7,9 +7,9 @@ import accuracy
 import memory_vs_depth
 import peers
 import planning_torchvision
-import zoo_memory
 
 import reversible_stack
+import zoo_memory
 
 if __name__ == "__main__":
     for script in (reversible_stack, peers, zoo_memory, memory_vs_depth, accuracy,
