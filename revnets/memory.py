@@ -14,6 +14,7 @@ not counted; on CUDA it is included in the allocator peak.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable, Iterable
@@ -92,7 +93,7 @@ class MemoryReport:
 
 
 class _Storage:
-    __slots__ = ("nbytes", "allocated", "freed", "ref", "device")
+    __slots__ = ("nbytes", "allocated", "freed", "ref", "device", "module")
 
     def __init__(self, nbytes: int, allocated: int, ref: weakref.ref, device: torch.device):
         self.nbytes = nbytes
@@ -100,6 +101,7 @@ class _Storage:
         self.freed: int | None = None
         self.ref = ref
         self.device = device
+        self.module: str | None = None  # the top-level module whose forward allocated it
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -132,6 +134,7 @@ class MemoryTracker(TorchDispatchMode):
         self._history: list[_Storage] = []
         self._start_labels: dict[int, str] = {}
         self._end_labels: dict[int, str] = {}
+        self.module: str | None = None  # set by a timeline while a top-level module runs
 
     # -- recording -------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
@@ -190,6 +193,7 @@ class MemoryTracker(TorchDispatchMode):
         if self.device is None:
             self.device = _indexed(tensor.device)
         record = _Storage(nbytes, allocated, None, storage.device)  # type: ignore[arg-type]
+        record.module = self.module
         record.ref = weakref.ref(storage, self._freed_callback(key, record))
         self._storages[key] = record
         self._history.append(record)
@@ -317,9 +321,18 @@ def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
     return _measure(fn, args, kwargs)
 
 
+Watch = Callable[["MemoryTracker", list], contextlib.AbstractContextManager]
+
+
 def _measure(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, also_counted: Iterable[str] = ()
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    also_counted: Iterable[str] = (),
+    watch: Watch | None = None,
 ) -> MemoryReport:
+    """measure_memory's work; ``watch(tracker, owners)``, if given, is a context entered around
+    the call inside the tracker (a timeline attributes storages to modules with it)."""
     owners = _owners_in(*args, **kwargs)
     device = _indexed(_device_of(owners, args, kwargs))
     if device.type == "cuda":
@@ -329,7 +342,7 @@ def _measure(
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
     tracker = MemoryTracker(*owners, inputs=tensors, device=str(device))
     tracker.also_counted = {torch.device(d) for d in also_counted}
-    with tracker:
+    with tracker, watch(tracker, owners) if watch else contextlib.nullcontext():
         result = fn(*args, **kwargs)
     if device.type != "cuda":
         return tracker.report(result)
@@ -372,6 +385,12 @@ def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
     values (``.item()``, printing, data-dependent control flow). For very large models, build the
     model on the meta device to begin with (``with torch.device("meta"): ...``).
     """
+    return _predict(fn, args, kwargs)
+
+
+def _predict(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
+) -> MemoryReport:
     memo: dict[int, Any] = {}
     device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
     meta_args = tuple(_to_meta(a, memo) for a in args)
@@ -379,7 +398,7 @@ def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
     # Optimizers keep scalar state (step counts) on the CPU, where a CPU run counts it too.
     also = ("cpu",) if device.type == "cpu" else ()
     with _ScalarsOnCpu():
-        return _measure(fn, meta_args, meta_kwargs, also_counted=also)
+        return _measure(fn, meta_args, meta_kwargs, also_counted=also, watch=watch)
 
 
 class _ScalarsOnCpu(TorchFunctionMode):
@@ -408,6 +427,9 @@ def _to_meta(obj: Any, memo: dict[int, Any]) -> Any:
         meta = copy.deepcopy(obj).to("meta") if _not_meta(obj) else obj
         for old, new in zip(obj.parameters(), meta.parameters()):
             memo[id(old)] = new
+            if old.grad is not None and new.grad is None:
+                # Gradients left from an earlier step are alive until zero_grad, or accumulate.
+                new.grad = torch.empty_like(old.grad, device="meta")
     elif isinstance(obj, torch.optim.Optimizer):
         meta = _optimizer_to_meta(obj, memo)
     elif isinstance(obj, Tensor):

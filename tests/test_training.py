@@ -394,3 +394,8 @@ def test_tensorboard_writes_event_files(tmp_path):
     train(config(*SMALL, "trainer.tensorboard=true"), tmp_path)
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_the_first_step_draws_its_memory_timeline_beside_the_baseline(tmp_path):
+    train(config(*SMALL), tmp_path)
+    assert (tmp_path / "memory_timeline.png").read_bytes()[:4] == b"\x89PNG"

@@ -20,12 +20,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import revnets  # noqa: F401  (registers the zoo with timm)
-from revnets.memory import measure_memory
+from revnets.timeline import record_timeline
 from revnets.training.data import build_loaders
 from revnets.training.distributed import Distributed, all_finite, setup_distributed
 from revnets.training.optim import build_optimizer, build_scheduler
 from revnets.training.progress import Progress, Throughput
-from revnets.training.report import MemoryComparison, predict_baseline, summary_table
+from revnets.training.report import (
+    MemoryComparison,
+    predict_baseline,
+    summary_table,
+    write_timelines,
+)
 from revnets.training.state import (
     CHECKPOINT_NAME,
     capture_rng,
@@ -35,6 +40,8 @@ from revnets.training.state import (
 )
 
 __all__ = ["NonFiniteLossError", "create_model", "train"]
+
+TIMELINE_NAME = "memory_timeline.png"  # the first step's memory beside the baseline's
 
 
 class NonFiniteLossError(RuntimeError):
@@ -192,9 +199,11 @@ class Trainer:
         self, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first step of the run, measured; the baseline is predicted on the meta device."""
-        report = measure_memory(self.train_step, self.net, self.optimizer, x, y)
-        baseline = predict_baseline(self.cfg, self.train_step_meta, x.shape)
-        self.memory = MemoryComparison(report, baseline)
+        report, timeline = record_timeline(self.train_step, self.net, self.optimizer, x, y)
+        baseline, baseline_timeline = predict_baseline(self.cfg, self.train_step_meta, x.shape)
+        self.memory = MemoryComparison(report, baseline, timeline, baseline_timeline)
+        write_timelines(self.cfg, self.model.memory, self.memory,
+                        self.output_dir / TIMELINE_NAME)
         return report.result
 
     def train_step_meta(

@@ -6,14 +6,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from revnets.memory import MemoryReport, measure_memory
+from revnets.memory import MemoryReport
+from revnets.timeline import MemoryTimeline, plot_timelines, predict_timeline
 
-__all__ = ["MemoryComparison", "predict_baseline", "summary_table"]
+__all__ = ["MemoryComparison", "predict_baseline", "summary_table", "write_timelines"]
 
 MiB = 2**20
 
@@ -22,6 +24,8 @@ MiB = 2**20
 class MemoryComparison:
     report: MemoryReport  # the run's own first step, measured
     baseline: MemoryReport  # the same model with strategy "none", predicted on the meta device
+    timeline: MemoryTimeline | None = None  # of the measured step
+    baseline_timeline: MemoryTimeline | None = None
 
     @property
     def ratio(self) -> float:
@@ -30,8 +34,9 @@ class MemoryComparison:
 
 def predict_baseline(
     cfg: DictConfig, step: Callable[..., Any], batch_shape: torch.Size
-) -> MemoryReport:
-    """Peak memory of one step of the same model with every memory saving off, on meta tensors."""
+) -> tuple[MemoryReport, MemoryTimeline]:
+    """Peak memory of one step of the same model with every memory saving off, on meta tensors,
+    and its timeline."""
     from revnets.training.loop import create_model  # the loop imports this module
     from revnets.training.optim import build_optimizer
 
@@ -41,7 +46,19 @@ def predict_baseline(
     micro_batch = (batch_shape[0] // cfg.trainer.accumulate, *batch_shape[1:])
     x = torch.empty(micro_batch, device="meta")
     y = torch.empty(micro_batch[0], dtype=torch.long, device="meta")
-    return measure_memory(step, model, optimizer, x, y)
+    return predict_timeline(step, model, optimizer, x, y)
+
+
+def write_timelines(cfg: DictConfig, strategy: str, memory: MemoryComparison, path: Path) -> Path:
+    """The measured step's timeline beside the baseline's, on one scale, as a PNG."""
+    return plot_timelines(
+        {
+            f"{cfg.model.name} ({strategy}), measured": memory.timeline,
+            f"{cfg.model.name} (none), predicted": memory.baseline_timeline,
+        },
+        path,
+        title=f"memory of one training step, batch {cfg.data.batch_size}",
+    )
 
 
 def summary_table(
