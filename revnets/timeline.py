@@ -33,7 +33,13 @@ from revnets.memory import (
     _predict,
 )
 
-__all__ = ["MemoryTimeline", "plot_timelines", "predict_timeline", "record_timeline"]
+__all__ = [
+    "MemoryTimeline",
+    "cuda_allocator_history",
+    "plot_timelines",
+    "predict_timeline",
+    "record_timeline",
+]
 
 MiB = 2**20
 OTHER = "backward and other"
@@ -194,15 +200,17 @@ def _palette(n: int) -> list[Any]:
     return fixed[:n] + [cmap(i % 20) for i in range(max(n - len(fixed), 0))]
 
 
-def cuda_allocator_history(path: str | Path, fn: Callable[[], Any]) -> Path | None:
-    """Run ``fn`` while CUDA's caching allocator records its own history, and save it as a
-    snapshot for https://pytorch.org/memory_viz beside the timeline. None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
+@contextlib.contextmanager
+def cuda_allocator_history(path: str | Path | None) -> Iterator[None]:
+    """Within this context CUDA's caching allocator records its own history, saved at the end to
+    ``path`` as a snapshot for https://pytorch.org/memory_viz (allocations with their stacks and
+    the allocator's segments, beside the timeline's view). Does nothing without CUDA or path."""
+    if path is None or not torch.cuda.is_available():
+        yield
+        return
     torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:
-        fn()
+        yield
         torch.cuda.memory._dump_snapshot(str(path))
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    return Path(path)

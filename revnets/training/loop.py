@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import revnets  # noqa: F401  (registers the zoo with timm)
-from revnets.timeline import record_timeline
+from revnets.timeline import cuda_allocator_history, record_timeline
 from revnets.training.data import build_loaders
 from revnets.training.distributed import Distributed, all_finite, setup_distributed
 from revnets.training.optim import build_optimizer, build_scheduler
@@ -42,6 +42,7 @@ from revnets.training.state import (
 __all__ = ["NonFiniteLossError", "create_model", "train"]
 
 TIMELINE_NAME = "memory_timeline.png"  # the first step's memory beside the baseline's
+CUDA_HISTORY_NAME = "cuda_memory_snapshot.pickle"  # on CUDA: the allocator's own record of it
 
 
 class NonFiniteLossError(RuntimeError):
@@ -199,7 +200,9 @@ class Trainer:
         self, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first step of the run, measured; the baseline is predicted on the meta device."""
-        report, timeline = record_timeline(self.train_step, self.net, self.optimizer, x, y)
+        history = self.output_dir / CUDA_HISTORY_NAME if self.device.type == "cuda" else None
+        with cuda_allocator_history(history):
+            report, timeline = record_timeline(self.train_step, self.net, self.optimizer, x, y)
         baseline, baseline_timeline = predict_baseline(self.cfg, self.train_step_meta, x.shape)
         self.memory = MemoryComparison(report, baseline, timeline, baseline_timeline)
         write_timelines(self.cfg, self.model.memory, self.memory,
