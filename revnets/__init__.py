@@ -2,6 +2,7 @@
 
 from revnets import models  # registers the zoo with timm
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
+from revnets.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
 from revnets.memory import MemoryReport, MemoryTracker, measure_memory, predict_memory
 from revnets.models import MEMORY_STRATEGIES, ResidualNet
 from revnets.planning import PlanningError, auto_checkpoint
@@ -22,6 +23,8 @@ __all__ = [
     "BlockDrift",
     "Checkpointed",
     "Coupling",
+    "InjectivePad",
+    "Invertible",
     "MemoryReport",
     "MemoryTracker",
     "PlanningError",
@@ -29,7 +32,9 @@ __all__ = [
     "ReconstructionReport",
     "ReversibleBlock",
     "ReversibleSequence",
+    "SpaceToDepth",
     "auto_checkpoint",
+    "check_invertible",
     "check_reconstruction",
     "checkpoint",
     "checkpoint_segments",

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from revnets import reconstruction
+from revnets.invertible import Invertible
 from revnets.replay import (
     AutocastState,
     ModuleState,
@@ -134,6 +135,21 @@ class AffineCoupling(Coupling):
         return f"AffineCoupling(dim={self.dim}, max_log_scale={self.max_log_scale})"
 
 
+def _split(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"ReversibleBlock: split_dim={dim} does not exist for an input of shape "
+            f"{tuple(x.shape)}"
+        )
+    if x.shape[dim] % 2:
+        raise ValueError(
+            f"ReversibleBlock: cannot split an input of shape {tuple(x.shape)} into two equal "
+            f"halves along split_dim={dim} (size {x.shape[dim]} is odd)"
+        )
+    x1, x2 = x.chunk(2, dim=dim)
+    return x1, x2
+
+
 def _make_coupling(coupling: str | Coupling, split_dim: int) -> Coupling:
     if isinstance(coupling, Coupling):
         return coupling
@@ -180,19 +196,7 @@ class ReversibleBlock(nn.Module):
 
     def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The two halves of ``x`` along ``split_dim`` (views, no copy)."""
-        dim = self.split_dim
-        if not -x.dim() <= dim < x.dim():
-            raise ValueError(
-                f"ReversibleBlock: split_dim={dim} does not exist for an input of shape "
-                f"{tuple(x.shape)}"
-            )
-        if x.shape[dim] % 2:
-            raise ValueError(
-                f"ReversibleBlock: cannot split an input of shape {tuple(x.shape)} into two equal "
-                f"halves along split_dim={dim} (size {x.shape[dim]} is odd)"
-            )
-        x1, x2 = x.chunk(2, dim=dim)
-        return x1, x2
+        return _split(x, self.split_dim)
 
     def merge(self, a: Tensor, b: Tensor) -> Tensor:
         return torch.cat((a, b), dim=self.split_dim)
@@ -333,12 +337,14 @@ class ReversibleSequence(nn.Module):
             )
         blocks = list(blocks)
         for i, block in enumerate(blocks):
+            if isinstance(block, Invertible):
+                continue
             if not isinstance(block, ReversibleBlock):
                 raise TypeError(
-                    f"ReversibleSequence: block {i} is a {type(block).__name__}, not a "
-                    "ReversibleBlock. Only invertible blocks can sit in a reversible sequence; run "
-                    "a non-invertible module before or after it (wrap it in revnets.Checkpointed "
-                    "to save its memory)"
+                    f"ReversibleSequence: block {i} is a {type(block).__name__}, neither a "
+                    "ReversibleBlock nor a revnets.Invertible. Only invertible blocks can sit in a "
+                    "reversible sequence; run a non-invertible module before or after it (wrap "
+                    "it in revnets.Checkpointed to save its memory)"
                 )
             inner = {id(p) for transform in (block.f, block.g) for p in transform.parameters()}
             stray = [name for name, p in block.named_parameters() if id(p) not in inner]
@@ -348,13 +354,14 @@ class ReversibleSequence(nn.Module):
                     f"({', '.join(stray)}); the reversible backward computes gradients for the "
                     "parameters of f and g only. Move them into f or g"
                 )
-        split_dims = {block.split_dim for block in blocks}
+        split_dims = {block.split_dim for block in blocks if isinstance(block, ReversibleBlock)}
         if len(split_dims) > 1:
             raise ValueError(
                 f"ReversibleSequence: all blocks must split along the same dimension, got "
                 f"split_dim values {sorted(split_dims)}"
             )
         self.blocks = nn.ModuleList(blocks)
+        self.split_dim = split_dims.pop() if split_dims else 1
         self.memory_efficient = memory_efficient
         self.preserve_rng_state = preserve_rng_state
         self.store_last_blocks = int(store_last_blocks)
@@ -368,6 +375,13 @@ class ReversibleSequence(nn.Module):
 
     def __getitem__(self, index: int) -> ReversibleBlock:
         return self.blocks[index]
+
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The two halves the blocks work on (views along ``split_dim``)."""
+        return _split(x, self.split_dim)
+
+    def merge(self, a: Tensor, b: Tensor) -> Tensor:
+        return torch.cat((a, b), dim=self.split_dim)
 
     def forward(self, x: Tensor, *context: Any) -> Tensor:
         if not self.blocks:
@@ -388,21 +402,24 @@ class ReversibleSequence(nn.Module):
 
     def forward_plain(self, x: Tensor, *context: Any) -> Tensor:
         """The blocks as ordinary modules (what autograd would store, it stores)."""
-        first = self.blocks[0]
-        x1, x2 = first.split(x)
+        x1, x2 = self.split(x)
         for block in self.blocks:
-            if block._forward_hooks or block._forward_pre_hooks:
-                x1, x2 = first.split(block(first.merge(x1, x2), *context))
+            if isinstance(block, Invertible):
+                x1, x2 = self.split(block(self.merge(x1, x2)))
+            elif block._forward_hooks or block._forward_pre_hooks:
+                x1, x2 = self.split(block(self.merge(x1, x2), *context))
             else:
                 x1, x2 = block.forward_halves(x1, x2, *context)
-        return first.merge(x1, x2)
+        return self.merge(x1, x2)
 
     def inverse(self, y: Tensor, *context: Any) -> Tensor:
-        first = self.blocks[0]
-        y1, y2 = first.split(y)
+        y1, y2 = self.split(y)
         for block in reversed(self.blocks):
-            y1, y2 = block.inverse_halves(y1, y2, *context)
-        return first.merge(y1, y2)
+            if isinstance(block, Invertible):
+                y1, y2 = self.split(block.inverse(self.merge(y1, y2)))
+            else:
+                y1, y2 = block.inverse_halves(y1, y2, *context)
+        return self.merge(y1, y2)
 
     def extra_repr(self) -> str:
         extra = f"memory_efficient={self.memory_efficient}"
@@ -422,12 +439,15 @@ class _BlockPlan:
 
     __slots__ = ("block", "f_params", "g_params", "params", "generators", "hooked", "lazy")
 
-    def __init__(self, block: ReversibleBlock) -> None:
+    def __init__(self, block: ReversibleBlock | Invertible) -> None:
         self.block = block
-        f_slots = state_tensors(block.f, buffers=False)
-        g_slots = state_tensors(block.g, buffers=False)
+        if isinstance(block, Invertible):
+            f_slots, g_slots = state_tensors(block, buffers=False), []
+        else:
+            f_slots = state_tensors(block.f, buffers=False)
+            g_slots = state_tensors(block.g, buffers=False)
         self.lazy = any(isinstance(p, nn.UninitializedParameter) for p in (*f_slots, *g_slots))
-        self.f_params = _trainable(f_slots)
+        self.f_params = _trainable(f_slots)  # an Invertible's own parameters
         self.g_params = _trainable(g_slots)
         self.params = list(dict.fromkeys((*self.f_params, *self.g_params)))
         modules = list(block.modules())
@@ -561,11 +581,13 @@ class _ReversibleFunction(torch.autograd.Function):
         # surrounding checkpoint would recompute everything for each: recompute every block.
         hooked_saving = _saved_tensor_hooks_active()
         first_stored = len(blocks) - (0 if hooked_saving else sequence.store_last_blocks)
+        while any(isinstance(b, Invertible) for b in list(blocks)[first_stored:]):
+            first_stored += 1  # only couplings keep their graphs
         stored: list[_StoredTransforms] = []
         generators = list({id(g): g for p in plans for g in p.generators}.values())
         end_rng = None
 
-        x1, x2 = blocks[0].split(x)
+        x1, x2 = sequence.split(x)
         owned = False  # the halves are views of the caller's input until the first block has run
         for i, (block, plan) in enumerate(zip(blocks, plans)):
             if true_inputs is not None:
@@ -583,6 +605,17 @@ class _ReversibleFunction(torch.autograd.Function):
             if every is not None and i % every == 0:
                 kept_inputs[i] = (x1, x2, x1._version, x2._version)
                 owned = False  # this block must leave them intact
+            if isinstance(block, Invertible):
+                state = ModuleState(block)
+                draws = RandomDraws(x.device, generators) if preserve_rng else None
+                y = _invertible_forward(block, sequence.merge(x1, x2), i, plan.hooked)
+                rng_states.append(draws.finish() if draws is not None else None)
+                state.forward_done()
+                states.append((state, None))
+                x1, x2 = sequence.split(y)
+                del y
+                owned = true_inputs is None and not plan.hooked
+                continue
             if plan.hooked:
                 x1, x2 = _hooked_block_forward(block, x1, x2, context, i, rng_states, states,
                                                preserve_rng, generators)
@@ -604,7 +637,7 @@ class _ReversibleFunction(torch.autograd.Function):
         if preserve_rng and end_rng is None:
             end_rng = RngState(x.device, generators)
         if not stored:
-            y = blocks[0].merge(x1, x2)
+            y = sequence.merge(x1, x2)
         else:
             y, stored[-1].output = stored[-1].output, None
         del x1, x2
@@ -691,41 +724,51 @@ class _ReversibleFunction(torch.autograd.Function):
 
         # [y1, y2, dy1, dy2] of the block being reversed; _reverse_block swaps in its input's.
         # A stored block knows its input already, and needs neither y2 nor a recomputation.
-        outputs = blocks[0].split(y) if not stored else (stored[-1].y1.detach(), None)
-        carry = [*outputs, *blocks[0].split(grad_y)]
+        sequence = ctx.sequence
+        outputs = sequence.split(y) if not stored else (stored[-1].y1.detach(), None)
+        carry = [*outputs, *sequence.split(grad_y)]
         device = grad_y.device
         del y, outputs, grad_y
         # The output belongs to the caller; a stored block's halves are the engine's own.
-        owned = bool(stored) and ctx.true_inputs is None
+        owned = bool(stored) and ctx.true_inputs is None and not plans[-1].hooked
         replay_rng = ctx.end_rng is not None and device.type != "meta"
         rng_guard = forked_rng(device, ctx.generators) if replay_rng else contextlib.nullcontext()
         rng_next = ctx.end_rng  # the generators' state after the transform being replayed
         with rng_guard, recomputing(blocks):
             for i in reversed(range(len(blocks))):
-                if stored:
-                    transforms = stored.pop()
-                else:
-                    state_f, state_g = ctx.states.pop()
-                    rng_g, rng_f = ctx.rng_states.pop(), ctx.rng_states.pop()
-                    # A transform that drew nothing left the generators as it found them: its
-                    # state is the next one's (fork_rng inside it draws from that state too).
-                    rng_g = rng_g if rng_g is not None else rng_next
-                    rng_f = rng_f if rng_f is not None else rng_g
-                    rng_next = rng_f
-                    transforms = _Recomputation(
-                        blocks[i],
-                        i,
-                        (rng_f, rng_g) if replay_rng else (None, None),
-                        (state_f, state_g),
-                        ctx.autocast,
-                        _kept_input(ctx, i),
-                    )
                 need_input_grad = i > 0 or ctx.needs_input_grad[0]
-                grads = _reverse_block(
-                    blocks[i], carry, transforms, need_input_grad, owned, plans[i], context,
-                    context_grads,
-                )
-                del transforms
+                if isinstance(blocks[i], Invertible):
+                    state, _ = ctx.states.pop()
+                    rng = ctx.rng_states.pop()
+                    rng_next = rng if rng is not None else rng_next
+                    grads = _reverse_invertible(
+                        sequence, i, carry, rng_next if replay_rng else None, state,
+                        ctx.autocast, _kept_input(ctx, i), need_input_grad, plans[i],
+                    )
+                else:
+                    if stored:
+                        transforms = stored.pop()
+                    else:
+                        state_f, state_g = ctx.states.pop()
+                        rng_g, rng_f = ctx.rng_states.pop(), ctx.rng_states.pop()
+                        # A transform that drew nothing left the generators as it found them: its
+                        # state is the next one's (fork_rng inside it draws from that state too).
+                        rng_g = rng_g if rng_g is not None else rng_next
+                        rng_f = rng_f if rng_f is not None else rng_g
+                        rng_next = rng_f
+                        transforms = _Recomputation(
+                            blocks[i],
+                            i,
+                            (rng_f, rng_g) if replay_rng else (None, None),
+                            (state_f, state_g),
+                            ctx.autocast,
+                            _kept_input(ctx, i),
+                        )
+                    grads = _reverse_block(
+                        blocks[i], carry, transforms, need_input_grad, owned, plans[i], context,
+                        context_grads,
+                    )
+                    del transforms
                 owned = ctx.true_inputs is None  # reconstructions are ours, unless compared
                 for p, grad in grads:
                     k = position[id(p)]
@@ -733,7 +776,7 @@ class _ReversibleFunction(torch.autograd.Function):
                 if ctx.true_inputs is not None:
                     ctx.report.record(i, len(blocks), ctx.true_inputs[i], carry[0], carry[1])
 
-        grad_x = blocks[0].merge(carry[2], carry[3]) if ctx.needs_input_grad[0] else None
+        grad_x = sequence.merge(carry[2], carry[3]) if ctx.needs_input_grad[0] else None
         grads_by_leaf = iter(context_grads)
         grad_context = [
             next(grads_by_leaf) if _requires_grad(c) else None for c in context.values
@@ -801,6 +844,65 @@ def _hooked_block_forward(
                         "instead."
                     )
     return y1.detach(), y2.detach()
+
+
+def _invertible_forward(module: Invertible, x: Tensor, index: int, hooked: bool) -> Tensor:
+    """An invertible module's forward in the sequence's forward pass: without a graph, or, with
+    hooks on it, as an ordinary forward whose graph refuses to be backpropagated into."""
+    if not hooked:
+        return module(x)
+    where = f"block {index} of a ReversibleSequence"
+    own_saving = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+    modules = list(module.modules())
+    with torch.enable_grad(), own_saving, refusing_replaced_outputs(modules, where):
+        return module(_NoGradientThroughForward.apply(x.detach().requires_grad_(), where)).detach()
+
+
+def _reverse_invertible(
+    sequence: ReversibleSequence,
+    index: int,
+    carry: list,
+    rng: RngState | None,
+    state: ModuleState,
+    autocast: AutocastState,
+    kept_input: tuple[Tensor, Tensor] | None,
+    need_input_grad: bool,
+    plan: _BlockPlan,
+) -> list[tuple[Tensor, Tensor]]:
+    """Reconstruct an invertible module's input with its inverse and backpropagate through a
+    recomputation of its forward; ``carry`` as in :func:`_reverse_block`."""
+    module = sequence.blocks[index]
+    state.check(
+        "ReversibleSequence",
+        "Or run it with memory_efficient=False there (ordinary autograd).",
+        prefix=f"blocks.{index}.",
+    )
+    if kept_input is not None:
+        x = sequence.merge(*kept_input)
+    else:
+        y = sequence.merge(carry[0], carry[1])
+        with torch.no_grad(), autocast(), state.replayed():
+            x = module.inverse(y)
+        del y
+    carry[0] = carry[1] = None
+    x_leaf = x.detach().requires_grad_()
+    del x
+    if isinstance(rng, RngState):
+        rng.restore()
+    with torch.enable_grad(), autocast(), state.replayed():
+        out = module(x_leaf)
+    _check_reached(out, [x_leaf, *plan.params], module, f"blocks.{index}")
+    root = _GradRoot(out)
+    del out
+    grad_out = sequence.merge(carry[2], carry[3])
+    carry[2] = carry[3] = None
+    inputs = [x_leaf, *plan.params] if need_input_grad else plan.params
+    grads = root.vjp(inputs, grad_out)
+    del root, grad_out
+    grad_x = grads.pop(0) if need_input_grad else None
+    x1, x2 = sequence.split(x_leaf.detach())
+    carry[:] = [x1, x2, *(sequence.split(grad_x) if grad_x is not None else (None, None))]
+    return [(p, grad) for p, grad in zip(plan.params, grads) if grad is not None]
 
 
 def _identity(tensor: Tensor) -> Tensor:
@@ -947,7 +1049,7 @@ class _StoredTransforms:
         return h
 
 
-def _check_reached(h: Tensor, known: Sequence[Tensor], block: ReversibleBlock, name: str) -> None:
+def _check_reached(h: Tensor, known: Sequence[Tensor], module: nn.Module, name: str) -> None:
     """Refuse a transform whose graph reaches a tensor requiring grad that the engine does not
     differentiate: its gradient would silently be dropped."""
     known_ids = {id(t) for t in known}
@@ -962,7 +1064,7 @@ def _check_reached(h: Tensor, known: Sequence[Tensor], block: ReversibleBlock, n
                 path = [node]
                 while parent[path[-1]] is not None:
                     path.append(parent[path[-1]])
-                raise _stray_tensor_error(node.variable, path, block, name)
+                raise _stray_tensor_error(node.variable, path, module, name)
             continue
         for child, _ in node.next_functions:
             if child is not None and child not in parent:
@@ -974,10 +1076,16 @@ _AccumulateGrad = torch._C._functions.AccumulateGrad
 
 
 def _stray_tensor_error(
-    leaf: Tensor, path: list[Any], block: ReversibleBlock, name: str
+    leaf: Tensor, path: list[Any], module: nn.Module, name: str
 ) -> RuntimeError:
-    """``path`` runs from the stray leaf's accumulator up to the transform's output."""
-    fn = block.f if name == "f" else block.g
+    """``path`` runs from the stray leaf's accumulator up to the transform's output; ``module``
+    is a reversible block (``name`` "f" or "g" says which transform) or an invertible module
+    (``name`` its place in the sequence)."""
+    if isinstance(module, ReversibleBlock):
+        fn = module.f if name == "f" else module.g
+        owner = f"ReversibleBlock.{name} ({type(fn).__name__})"
+    else:
+        fn, owner = module, f"{name} ({type(module).__name__})"
     attributes = _tensor_attributes(fn, name)
     described = attributes.get(id(leaf))
     for node in path[1:]:
@@ -990,7 +1098,7 @@ def _stray_tensor_error(
             "computed earlier in the model)"
         )
     return RuntimeError(
-        f"ReversibleBlock.{name} ({type(fn).__name__}) reads {described}, which requires grad. "
+        f"{owner} reads {described}, which requires grad. "
         "The reversible engine differentiates only the block's input, the parameters of f and g "
         "and the context arguments, so its gradient would be silently dropped. Pass it as "
         "context (sequence(x, tensor) calls f(x2, tensor)), register it as a parameter of f or "
@@ -1032,6 +1140,11 @@ def _reverse_block(
     """
     coupling = block.coupling
     f_params, g_params = plan.f_params, plan.g_params
+    if owned and _same_storage(carry[0], carry[1]):
+        # Two views of one tensor (halves split from an invertible module's output, or kept
+        # inputs made from them): writing into one would show in the other's version counter,
+        # which a graph built on it checks.
+        owned = False
     if isinstance(transforms, _StoredTransforms):
         context = transforms.context
     leaves = context.leaves
@@ -1089,6 +1202,14 @@ def _reverse_block(
     carry[:] = [x1.detach(), x2.detach(), grad_x1, grad_x2]
     pairs = list(zip(g_params, g_grads)) + list(zip(f_params, f_grads))
     return [(p, grad) for p, grad in pairs if grad is not None]
+
+
+def _same_storage(a: Tensor | None, b: Tensor | None) -> bool:
+    return (
+        a is not None
+        and b is not None
+        and a.untyped_storage()._cdata == b.untyped_storage()._cdata  # also on meta
+    )
 
 
 def _accumulate(total: list[Tensor | None], grads: Sequence[Tensor | None]) -> None:

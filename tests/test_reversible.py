@@ -422,7 +422,8 @@ def test_in_place_transform_is_named():
 
 
 def test_non_invertible_module_in_sequence_is_named():
-    with pytest.raises(TypeError, match=r"block 1 is a Conv2d, not a ReversibleBlock"):
+    with pytest.raises(TypeError, match=r"block 1 is a Conv2d, neither a ReversibleBlock nor a "
+                                        r"revnets.Invertible"):
         revnets.ReversibleSequence([make_stack(1)[0], nn.Conv2d(8, 8, 3)])
 
 
