@@ -4,15 +4,17 @@
 """
 
 import accuracy
+import memory_timeline
 import memory_vs_depth
 import peers
 import planning_torchvision
+import vit_memory
 
 import reversible_stack
 import zoo_memory
 
 if __name__ == "__main__":
-    for script in (reversible_stack, peers, zoo_memory, memory_vs_depth, accuracy,
-                   planning_torchvision):
+    for script in (reversible_stack, peers, zoo_memory, vit_memory, memory_timeline,
+                   memory_vs_depth, accuracy, planning_torchvision):
         print(f"== {script.__name__}", flush=True)
         script.main([])

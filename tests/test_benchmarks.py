@@ -39,3 +39,9 @@ def test_reversible_stack_demo_compares_every_strategy():
 def test_zoo_memory_quick_run():
     out = run_quick("zoo_memory.py")
     assert "revnet992" in out and "'ratio_to_resnet'" in out
+
+
+@pytest.mark.slow
+def test_vit_memory_quick_run():
+    out = run_quick("vit_memory.py")
+    assert "revvit_small_patch16_224" in out and "speed" in out

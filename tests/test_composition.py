@@ -606,11 +606,11 @@ def test_the_output_is_released_early_when_f_and_g_draw_random_numbers():
 def test_lazy_modules_in_f_train_from_the_first_call():
     torch.manual_seed(0)
     model = revnets.ReversibleSequence(
-        [revnets.ReversibleBlock(nn.LazyLinear(WIDTH), nn.LazyLinear(WIDTH), split_dim=-1)
+        [revnets.ReversibleBlock(nn.LazyConv2d(2, 3, padding=1), nn.LazyConv2d(2, 3, padding=1))
          for _ in range(2)]
     ).double()
-    x = torch.randn(3, 2 * WIDTH, dtype=torch.float64, requires_grad=True)
-    model(x).sum().backward()
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    model(x).sum().backward()  # the first call creates the parameters
     plain = twin(model)
     for p in model.parameters():
         p.grad = None
