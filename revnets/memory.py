@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -397,17 +399,31 @@ def _predict(
     meta_kwargs = {k: _to_meta(v, memo) for k, v in kwargs.items()}
     # Optimizers keep scalar state (step counts) on the CPU, where a CPU run counts it too.
     also = ("cpu",) if device.type == "cpu" else ()
-    with _ScalarsOnCpu():
+    with _LikeTheDevice(cpu_attention=device.type == "cpu"):
         return _measure(fn, meta_args, meta_kwargs, also_counted=also, watch=watch)
 
 
-class _ScalarsOnCpu(TorchFunctionMode):
-    """Creates the scalar tensors that code asks for on the meta device on the CPU instead, with
-    their values: optimizers create scalar state (ASGD's eta and mu) and read it back with
-    ``.item()``, which a meta tensor cannot answer."""
+class _LikeTheDevice(TorchFunctionMode):
+    """Makes a run on the meta device take the paths the predicted device would take.
+
+    - Scalar tensors asked for on the meta device are created on the CPU instead, with their
+      values: optimizers create scalar state (ASGD's eta and mu) and read it back with
+      ``.item()``, which a meta tensor cannot answer.
+    - For a CPU run (``cpu_attention``), ``scaled_dot_product_attention`` uses the fused CPU
+      kernel where the CPU would: on meta tensors torch falls back to the math path, which
+      materialises the attention matrix and would overstate the memory.
+    """
+
+    def __init__(self, cpu_attention: bool) -> None:
+        super().__init__()
+        self.cpu_attention = cpu_attention
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self.cpu_attention:
+            fused = _cpu_flash_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
         out = func(*args, **kwargs)
         device = kwargs.get("device")
         if (
@@ -418,6 +434,39 @@ class _ScalarsOnCpu(TorchFunctionMode):
         ):
             return func(*args, **{**kwargs, "device": torch.device("cpu")})
         return out
+
+
+def _cpu_flash_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor | None:
+    """What ``scaled_dot_product_attention`` computes on the CPU, run on meta tensors, if the CPU
+    would pick its fused flash kernel (asked of torch's own choice on tiny CPU stand-ins, which
+    have the same dtypes, ranks and head sizes); else None."""
+    if query.device.type != "meta" or enable_gqa:
+        return None
+
+    def stand_in(t: Tensor) -> Tensor:
+        return torch.empty([1] * (t.dim() - 1) + [t.shape[-1]], dtype=t.dtype).requires_grad_(
+            t.requires_grad
+        )
+
+    mask = None if attn_mask is None else torch.empty([1] * attn_mask.dim(), dtype=attn_mask.dtype)
+    choice = torch._fused_sdp_choice(
+        stand_in(query), stand_in(key), stand_in(value), attn_mask=mask, dropout_p=dropout_p,
+        is_causal=is_causal, scale=scale,
+    )
+    if choice != SDPBackend.FLASH_ATTENTION.value:
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
 
 
 def _to_meta(obj: Any, memo: dict[int, Any]) -> Any:

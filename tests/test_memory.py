@@ -221,3 +221,24 @@ def test_cuda_categories_are_split_at_the_allocator_peak():
              + report.activations)
     assert parts == report.peak_bytes
     assert report.gradients > 0  # at the allocator's peak (in backward) gradients exist
+
+
+def test_prediction_takes_the_cpus_fused_attention_kernel():
+    """On meta tensors torch computes attention the math way (the full attention matrix); a CPU
+    run takes the fused flash kernel, and the prediction follows it."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=64, num_classes=10)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(2, 3, 64, 64)
+
+    def step(model, optimizer, x):
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        optimizer.step()
+
+    step(model, optimizer, x)
+    predicted = predict_memory(step, model, optimizer, x)
+    measured = measure_memory(step, model, optimizer, x)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes
