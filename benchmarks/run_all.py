@@ -1,4 +1,4 @@
-"""Regenerate everything in results/ (about 40 minutes on 2 CPU cores; needs `.[bench]`).
+"""Regenerate everything in results/ (about 70 minutes on 2 CPU cores; needs `.[bench]`).
 
     pip install -e '.[bench]' && python benchmarks/run_all.py
 """
