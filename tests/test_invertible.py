@@ -115,3 +115,36 @@ def test_check_invertible_names_a_module_that_is_not():
     assert revnets.check_invertible(revnets.SpaceToDepth(2), torch.randn(1, 2, 4, 4)) == 0
     with pytest.raises(ValueError, match="Squash is not invertible on this input"):
         revnets.check_invertible(Squash(), 3 * torch.randn(1, 2, 4, 4))
+
+
+@pytest.mark.parametrize("wrapper", ["Checkpointed", "save_on_cpu"])
+def test_a_fully_invertible_network_inside_other_memory_savers(wrapper):
+    model = invertible_network(depth=1)
+    plain = twin(model)
+    x = torch.randn(2, 8, 16, 16, dtype=torch.float64)
+    x_model, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+
+    def run(m, xi):
+        if wrapper == "Checkpointed":
+            return revnets.checkpoint(m, xi)
+        with torch.autograd.graph.save_on_cpu():
+            return m(xi)
+
+    for m, xi in ((model, x_model), (plain, x_plain)):
+        torch.manual_seed(0)
+        run(m, xi).square().sum().backward()
+    assert rel_error(x_model.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+def test_a_hooked_invertible_module_fires_once_and_refuses_a_loss_on_what_it_saw():
+    model = invertible_network(depth=1, dropout=0.0)
+    seen = []
+    assert isinstance(model[1], revnets.SpaceToDepth)
+    model[1].register_forward_hook(lambda module, args, out: seen.append(out))
+    x = torch.randn(2, 8, 16, 16, dtype=torch.float64, requires_grad=True)
+    model(x).square().sum().backward()
+    assert len(seen) == 1
+    out = model(x)
+    with pytest.raises(RuntimeError, match="a loss used an activation from inside block 1"):
+        (out.square().sum() + seen[-1].sum()).backward()
