@@ -79,6 +79,13 @@ def _accelerator(device: torch.device) -> Any | None:
     return torch.get_device_module(device.type)
 
 
+def _device_rng(accelerator: Any, device: torch.device) -> Tensor:
+    try:
+        return accelerator.get_rng_state(device)
+    except TypeError:  # a device module with one generator (mps) takes no device
+        return accelerator.get_rng_state()
+
+
 def module_generators(modules: Iterable[nn.Module]) -> list[torch.Generator]:
     """The ``torch.Generator`` objects held as attributes of ``modules`` (and their submodules),
     which user code may draw from instead of the default generators."""
@@ -107,9 +114,7 @@ class RngState:
         self.cpu = torch.get_rng_state()
         accelerator = _accelerator(device)
         self.device = device
-        self.device_state = (
-            accelerator.get_rng_state(device) if accelerator is not None else None
-        )
+        self.device_state = _device_rng(accelerator, device) if accelerator is not None else None
         self.python = random.getstate()
         self.generators = generators
         self.generator_states = [g.get_state() for g in generators]
@@ -128,7 +133,11 @@ class RngState:
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.device_state is not None:
-            _accelerator(self.device).set_rng_state(self.device_state, self.device)
+            accelerator = _accelerator(self.device)
+            try:
+                accelerator.set_rng_state(self.device_state, self.device)
+            except TypeError:  # a device module with one generator (mps) takes no device
+                accelerator.set_rng_state(self.device_state)
         random.setstate(self.python)
         for generator, state in zip(self.generators, self.generator_states):
             generator.set_state(state)
