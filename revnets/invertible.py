@@ -34,31 +34,37 @@ class SpaceToDepth(Invertible):
     ``pixel_unshuffle`` orders them ``c * b * b + i * b + j``, the same up to a fixed permutation.
     """
 
-    def __init__(self, block_size: int = 2) -> None:
+    def __init__(self, block_size: int = 2, groups: int = 1) -> None:
         super().__init__()
         if block_size < 1:
             raise ValueError(f"SpaceToDepth: block_size must be positive, got {block_size}")
+        if groups < 1:
+            raise ValueError(f"SpaceToDepth: groups must be positive, got {groups}")
         self.block_size = block_size
+        self.groups = groups
 
     def forward(self, x: Tensor) -> Tensor:
         n, c, h, w = x.shape
-        b = self.block_size
+        b, g = self.block_size, self.groups
         if h % b or w % b:
             raise ValueError(
                 f"SpaceToDepth: an input of {h}x{w} pixels does not split into {b}x{b} blocks"
             )
-        x = x.reshape(n, c, h // b, b, w // b, b)  # n, c, h', i, w', j
-        return x.permute(0, 3, 5, 1, 2, 4).reshape(n, b * b * c, h // b, w // b)
+        if c % g:
+            raise ValueError(f"SpaceToDepth: {c} channels do not split into {g} groups")
+        x = x.reshape(n, g, c // g, h // b, b, w // b, b)  # n, g, c, h', i, w', j
+        return x.permute(0, 1, 4, 6, 2, 3, 5).reshape(n, b * b * c, h // b, w // b)
 
     def inverse(self, y: Tensor) -> Tensor:
         n, cb, h, w = y.shape
-        b = self.block_size
-        c = cb // (b * b)
-        y = y.reshape(n, b, b, c, h, w)  # n, i, j, c, h', w'
-        return y.permute(0, 3, 4, 1, 5, 2).reshape(n, c, h * b, w * b)
+        b, g = self.block_size, self.groups
+        c = cb // (b * b * g)
+        y = y.reshape(n, g, b, b, c, h, w)  # n, g, i, j, c, h', w'
+        return y.permute(0, 1, 4, 5, 2, 6, 3).reshape(n, g * c, h * b, w * b)
 
     def extra_repr(self) -> str:
-        return f"block_size={self.block_size}"
+        groups = f", groups={self.groups}" if self.groups > 1 else ""
+        return f"block_size={self.block_size}{groups}"
 
 
 class InjectivePad(Invertible):

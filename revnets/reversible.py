@@ -608,10 +608,13 @@ class _ReversibleFunction(torch.autograd.Function):
             if isinstance(block, Invertible):
                 state = ModuleState(block)
                 draws = RandomDraws(x.device, generators) if preserve_rng else None
-                y = _invertible_forward(block, sequence.merge(x1, x2), i, plan.hooked)
+                merged = sequence.merge(x1, x2)
+                strides = merged.stride()
+                y = _invertible_forward(block, merged, i, plan.hooked)
+                del merged
                 rng_states.append(draws.finish() if draws is not None else None)
                 state.forward_done()
-                states.append((state, None))
+                states.append((state, strides))
                 x1, x2 = sequence.split(y)
                 del y
                 owned = true_inputs is None and not plan.hooked
@@ -738,11 +741,11 @@ class _ReversibleFunction(torch.autograd.Function):
             for i in reversed(range(len(blocks))):
                 need_input_grad = i > 0 or ctx.needs_input_grad[0]
                 if isinstance(blocks[i], Invertible):
-                    state, _ = ctx.states.pop()
+                    state, strides = ctx.states.pop()
                     rng = ctx.rng_states.pop()
                     rng_next = rng if rng is not None else rng_next
                     grads = _reverse_invertible(
-                        sequence, i, carry, rng_next if replay_rng else None, state,
+                        sequence, i, carry, rng_next if replay_rng else None, state, strides,
                         ctx.autocast, _kept_input(ctx, i), need_input_grad, plans[i],
                     )
                 else:
@@ -864,13 +867,17 @@ def _reverse_invertible(
     carry: list,
     rng: RngState | None,
     state: ModuleState,
+    strides: tuple[int, ...],
     autocast: AutocastState,
     kept_input: tuple[Tensor, Tensor] | None,
     need_input_grad: bool,
     plan: _BlockPlan,
 ) -> list[tuple[Tensor, Tensor]]:
     """Reconstruct an invertible module's input with its inverse and backpropagate through a
-    recomputation of its forward; ``carry`` as in :func:`_reverse_block`."""
+    recomputation of its forward; ``carry`` as in :func:`_reverse_block`. ``strides`` are the
+    input's in the forward pass: random draws (dropout masks) follow the memory layout, so the
+    recomputation must see the same one, which an inverse need not give (a space-to-depth
+    inverse of 1x1 maps returns a view in channels-last order)."""
     module = sequence.blocks[index]
     state.check(
         "ReversibleSequence",
@@ -881,9 +888,13 @@ def _reverse_invertible(
         x = sequence.merge(*kept_input)
     else:
         y = sequence.merge(carry[0], carry[1])
+        if isinstance(rng, RngState):
+            rng.restore()  # an inverse that runs a transform (i-RevNet's block) draws the same
         with torch.no_grad(), autocast(), state.replayed():
             x = module.inverse(y)
         del y
+        if x.stride() != strides:
+            x = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
     carry[0] = carry[1] = None
     x_leaf = x.detach().requires_grad_()
     del x

@@ -49,7 +49,8 @@ def test_pretrained_cfg_and_pretrained_refused():
 
 def test_every_model_is_listed_by_timm():
     names = set(timm.list_models())
-    zoo = {*PARAMETERS, *IMAGENET_PARAMETERS, "resnet1001", "revnet992"}
+    zoo = {*PARAMETERS, *IMAGENET_PARAMETERS, "resnet1001", "revnet992", "irevnet163",
+           "irevnet301", "irevnet1000", "revvit_small_patch16_224", "revvit_base_patch16_224"}
     assert zoo <= names
 
 
@@ -202,13 +203,15 @@ def test_zoo_revnets_match_their_baseline(name, strategy):
     assert_matches_baseline(timm.create_model(name), strategy, batch=2, steps_taken=2)
 
 
-ZOO = ["revnet38", "resnet32", "preact_resnet101", "revvit_small_patch16_224"]
+ZOO = ["revnet38", "resnet32", "preact_resnet101", "revvit_small_patch16_224", "irevnet163"]
 
 
 def small(name, **kwargs):
     """A zoo model at a size tests afford, built through timm.create_model."""
     if name.startswith("revvit"):
         kwargs = dict(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, **kwargs)
+    if name.startswith("irevnet"):
+        kwargs = dict(units=(2, 2, 2), **kwargs)
     return timm.create_model(name, **kwargs).eval()
 
 
@@ -276,7 +279,9 @@ def test_pretrained_cfg_is_complete(name):
     model = small(name)
     assert all(key in reference for key in keys)
     assert all(key in model.pretrained_cfg for key in keys)
-    assert model.get_submodule(model.pretrained_cfg["first_conv"]).in_channels == 3
+    # i-RevNet's stem has no convolution: its first one takes the first stream.
+    first_conv = model.get_submodule(model.pretrained_cfg["first_conv"])
+    assert first_conv.in_channels == (16 if name.startswith("irevnet") else 3)
     assert model.get_submodule(model.pretrained_cfg["classifier"]) is model.get_classifier()
     config = timm.data.resolve_data_config({}, model=model)
     assert config["input_size"] == model.pretrained_cfg["input_size"]

@@ -399,3 +399,14 @@ def test_tensorboard_writes_event_files(tmp_path):
 def test_the_first_step_draws_its_memory_timeline_beside_the_baseline(tmp_path):
     train(config(*SMALL), tmp_path)
     assert (tmp_path / "memory_timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_model_keys_beyond_the_name_reach_the_builder():
+    """``+model.units=[2,2,2]`` builds a shallower zoo model; a misspelt key is an error, not
+    silently dropped."""
+    from revnets.training import create_model
+
+    model = create_model(config("model=irevnet163", "+model.units=[2,2,2]"))
+    assert len(model.blocks) == 3  # one coupling of two i-RevNet blocks per stage
+    with pytest.raises(TypeError, match="chanels"):
+        create_model(config("model=revnet38", "+model.chanels=[1]"))

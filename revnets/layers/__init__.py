@@ -1,5 +1,11 @@
 """Layers shared by the model zoo."""
 
+from revnets.layers.irevnet import (
+    AtFinerResolution,
+    IRevNetBlock,
+    irevnet_bottleneck,
+    irevnet_stage,
+)
 from revnets.layers.units import (
     PoolPadShortcut,
     ResidualUnit,
@@ -10,6 +16,10 @@ from revnets.layers.units import (
 )
 
 __all__ = [
+    "AtFinerResolution",
+    "IRevNetBlock",
+    "irevnet_bottleneck",
+    "irevnet_stage",
     "PoolPadShortcut",
     "ResidualUnit",
     "RevNetDownsampleUnit",

@@ -50,12 +50,18 @@ class NonFiniteLossError(RuntimeError):
 
 
 def create_model(cfg: DictConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """The zoo model ``cfg.model.name``; any other key of ``cfg.model`` (``+model.units=[2,2,2]``)
+    is a keyword of its builder."""
+    extra = OmegaConf.to_container(cfg.model, resolve=True)
+    extra = {k: tuple(v) if isinstance(v, list) else v for k, v in extra.items()
+             if k not in ("name", "drop_rate")}
     with torch.device(device):
         return timm.create_model(
             cfg.model.name,
             num_classes=cfg.data.num_classes,
             memory=cfg.memory.strategy,
             drop_rate=cfg.model.drop_rate,
+            **extra,
         )
 
 

@@ -1,0 +1,346 @@
+"""Fully invertible networks (i-RevNet, Jacobsen et al. 2018), registered with timm.
+
+Built as the public code (jhjacobsen/pytorch-i-revnet) builds them: an invertible stem (space to
+depth at ImageNet's input, injective zero channels at CIFAR's), then stages of i-RevNet blocks
+whose downsampling is invertible too (``psi`` on both streams), and a head of BatchNorm-ReLU,
+average pooling and a linear classifier. Everything from the stem's output to the head's input is
+one :class:`~revnets.ReversibleSequence`, so no stage boundary is stored either: training memory
+is flat in depth and in the number of stages. The stem is parameter-free and autograd stores
+nothing for it; the head's input is stored as for any classifier. CIFAR's zero channels are
+added to each stream rather than after both (see :class:`PadStreams`).
+
+The public code stores every activation; the memory saving is this library's. i-RevNet's blocks
+pair into RevNet couplings (see :mod:`revnets.layers.irevnet`), which is how they run here.
+
+Depth is counted as for ResNets: three convolutions per block plus the classifier, so
+``irevnet301`` has 100 blocks (6-16-72-6) and ``irevnet1000`` 333 (111-111-111).
+
+Memory strategies, switchable on the same weights (``set_memory``): ``none`` (ordinary autograd),
+``checkpoint`` (about sqrt(n) checkpointed segments of blocks) and ``reversible`` (the default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from torch import Tensor, nn
+
+from revnets.checkpoint import run_checkpointed_segments
+from revnets.invertible import SpaceToDepth
+from revnets.layers.irevnet import irevnet_bottleneck, irevnet_stage
+from revnets.models.residual import CIFAR_MEAN, CIFAR_STD
+from revnets.reversible import ReversibleSequence
+
+__all__ = ["IRevNet", "PadStreams"]
+
+MEMORY_STRATEGIES = ("none", "checkpoint", "reversible")
+
+
+class PadStreams(nn.Module):
+    """The input's channels split as i-RevNet splits them (``C // 2`` to the first stream, the
+    rest to the second), each stream then zero-padded to ``width`` channels: injective.
+
+    The public code pads the merged channels at the end instead, so that the second stream starts
+    as all zeros: the first block's F then computes on zeros, its first weights get no gradient,
+    and inverting it means differentiating BatchNorm of a constant, which amplifies round-off
+    (float64 gradients off by about 1e-10 instead of 1e-15). Padding each stream avoids that at
+    no cost."""
+
+    def __init__(self, in_chans: int, width: int) -> None:
+        super().__init__()
+        self.first = in_chans // 2
+        self.pads = (width - self.first, width - (in_chans - self.first))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x1, x2 = x[:, : self.first], x[:, self.first :]
+        x1 = F.pad(x1, (0, 0, 0, 0, 0, self.pads[0]))
+        return torch.cat((x1, F.pad(x2, (0, 0, 0, 0, 0, self.pads[1]))), dim=1)
+
+    def extra_repr(self) -> str:
+        return f"pads={self.pads}"
+
+
+class IRevNet(nn.Module):
+    """A fully invertible network.
+
+    Args:
+        units: i-RevNet blocks per stage, e.g. ``(6, 16, 72, 6)``.
+        channels: channels of each stream in each stage, e.g. ``(24, 96, 384, 1536)``; a stage
+            with stride 2 has 4x the channels of the one before (``psi`` makes them).
+        strides: stride of each stage's first block (1 or 2).
+        stem_block_size: space-to-depth block size at the input (i-RevNet's ``init_ds``: 2 for
+            ImageNet, 1 for none); zero channels then make up the first stage's width.
+        drop_rate: dropout before the classifier (timm's meaning).
+        block_drop_rate: dropout inside every block's F (i-RevNet's ``dropout_rate``), replayed
+            exactly in backward.
+        memory: memory strategy (module docstring).
+        num_classes, in_chans, global_pool: as in timm.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[int],
+        channels: Sequence[int],
+        strides: Sequence[int],
+        stem_block_size: int = 1,
+        num_classes: int = 1000,
+        in_chans: int = 3,
+        drop_rate: float = 0.0,
+        block_drop_rate: float = 0.0,
+        memory: str | None = None,
+        global_pool: str = "avg",
+    ) -> None:
+        super().__init__()
+        if not len(units) == len(channels) == len(strides):
+            raise ValueError(
+                f"IRevNet: units, channels and strides need one value per stage, got "
+                f"{len(units)}, {len(channels)} and {len(strides)}"
+            )
+        if global_pool not in ("avg", ""):
+            raise ValueError(f"IRevNet: global_pool must be 'avg' or '', got {global_pool!r}")
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        stem_channels = in_chans * stem_block_size**2
+        stem: list[nn.Module] = []
+        if stem_block_size > 1:
+            stem.append(SpaceToDepth(stem_block_size))
+        half = channels[0] // strides[0] ** 2
+        if 2 * half < stem_channels:
+            raise ValueError(
+                f"IRevNet: the stem gives {stem_channels} channels, more than the first stage's "
+                f"two streams take ({2 * half}); widen channels[0]"
+            )
+        if 2 * half > stem_channels:
+            stem.append(PadStreams(stem_channels, half))
+        self.stem = nn.Sequential(*stem)
+
+        blocks: list[nn.Module] = []
+        self.stage_ends: list[int] = []
+        self.feature_info = []
+        reduction = stem_block_size
+        for index, (count, width, stride) in enumerate(zip(units, channels, strides)):
+            if half * stride**2 != width:
+                raise ValueError(
+                    f"IRevNet: stage {index} has {width} channels per stream, but its input's "
+                    f"{half} channels become {half * stride**2} at stride {stride} (space to "
+                    "depth keeps every value); use that width"
+                )
+            transforms = [
+                irevnet_bottleneck(
+                    half if j == 0 else width,
+                    width,
+                    stride if j == 0 else 1,
+                    preactivate=(index, j) != (0, 0),
+                    drop_rate=block_drop_rate,
+                )
+                for j in range(count)
+            ]
+            blocks += irevnet_stage(transforms, stride)
+            self.stage_ends.append(len(blocks))
+            half = width
+            reduction *= stride
+            tap = f"blocks.blocks.{len(blocks) - 1}"
+            self.feature_info.append(dict(num_chs=2 * width, reduction=reduction, module=tap))
+        self.blocks = ReversibleSequence(blocks)
+        self.num_features = self.head_hidden_size = 2 * half
+        self.final_act = nn.Sequential(nn.BatchNorm2d(2 * half), nn.ReLU(inplace=True))
+        self.head_drop = nn.Dropout(drop_rate)
+        self.fc = nn.Linear(2 * half, num_classes) if num_classes else nn.Identity()
+        self._init_weights()
+        self.memory = "none"
+        self.set_memory(memory or "reversible")
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    # -- memory strategy ----------------------------------------------------------------------
+    @property
+    def memory_strategies(self) -> tuple[str, ...]:
+        return MEMORY_STRATEGIES
+
+    def set_memory(self, strategy: str) -> IRevNet:
+        """Switch how training saves memory; weights and state_dict keys stay the same."""
+        if strategy not in MEMORY_STRATEGIES:
+            raise ValueError(
+                f"unknown memory strategy {strategy!r} for an i-RevNet; valid: "
+                + ", ".join(repr(s) for s in MEMORY_STRATEGIES)
+            )
+        self.memory = strategy
+        self.blocks.memory_efficient = strategy == "reversible"
+        return self
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's switch. Every block is reconstructed already; checkpointing would only add
+        recomputation, so ``enable`` switches to ``checkpoint`` and back to ``reversible``."""
+        self.set_memory("checkpoint" if enable else "reversible")
+
+    # -- timm interface -----------------------------------------------------------------------
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        return dict(
+            stem=r"^stem",
+            blocks=[(r"^blocks\.blocks\.(\d+)", None), (r"^final_act", (99999,))],
+        )
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return set()
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        self.fc = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+
+    def _run_blocks(self, x: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
+        blocks = self.blocks
+        if start != 0 or (stop is not None and stop != len(blocks)):
+            blocks = ReversibleSequence(
+                list(self.blocks)[start:stop], memory_efficient=self.blocks.memory_efficient
+            )
+        if self.memory == "checkpoint" and self.training and torch.is_grad_enabled():
+            return run_checkpointed_segments(list(blocks), x)
+        return blocks(x)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        return self.final_act(self._run_blocks(self.stem(x)))
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | Sequence[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """timm's intermediate features: each stage's output (all by default, the last
+        ``indices`` if an int, else those listed), run reversibly between the taps; ``norm``
+        applies the final BatchNorm-ReLU to the last stage's."""
+        if output_fmt != "NCHW":
+            raise ValueError(f"IRevNet: only output_fmt='NCHW' is supported, got {output_fmt!r}")
+        take, max_index = feature_take_indices(len(self.stage_ends), indices)
+        intermediates = []
+        x = self.stem(x)
+        start = 0
+        last_stage = len(self.stage_ends) - 1
+        for index in sorted(take):
+            x = self._run_blocks(x, start, self.stage_ends[index])
+            start = self.stage_ends[index]
+            tap = self.final_act(x) if norm and index == last_stage else x
+            intermediates.append(tap)
+        if intermediates_only:
+            return intermediates
+        stop = self.stage_ends[max_index] if stop_early else len(self.blocks)
+        if start < stop:
+            x = self._run_blocks(x, start, stop)
+        return self.final_act(x), intermediates
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        if self.global_pool == "avg":
+            x = x.mean((2, 3))
+        elif self.num_classes and not pre_logits:
+            raise ValueError(
+                "IRevNet: global_pool='' returns feature maps, which a linear classifier cannot "
+                "take; use num_classes=0 or global_pool='avg'"
+            )
+        x = self.head_drop(x)
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _create(variant: str, pretrained: bool, defaults: dict[str, Any], **kwargs: Any) -> IRevNet:
+    if pretrained:
+        raise ValueError(
+            f"no pretrained weights are bundled for {variant}: create it with pretrained=False"
+        )
+    return build_model_with_cfg(
+        IRevNet,
+        variant,
+        pretrained,
+        feature_cfg=dict(feature_cls="getter"),
+        **{**defaults, **kwargs},
+    )
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": (7, 7),
+        "crop_pct": 0.875,
+        "interpolation": "bilinear",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "blocks.blocks.0.transform.0",
+        "classifier": "fc",
+        **kwargs,
+    }
+
+
+def _cifar_cfg(**kwargs: Any) -> dict[str, Any]:
+    return _cfg(
+        num_classes=10,
+        input_size=(3, 32, 32),
+        pool_size=(8, 8),
+        crop_pct=1.0,
+        mean=CIFAR_MEAN,
+        std=CIFAR_STD,
+        **kwargs,
+    )
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "irevnet301.untrained": _cfg(first_conv="blocks.blocks.1.f.transform.0"),
+        "irevnet163.untrained": _cifar_cfg(first_conv="blocks.blocks.0.f.0"),
+        "irevnet1000.untrained": _cifar_cfg(first_conv="blocks.blocks.0.transform.0"),
+    }
+)
+
+# The public code's CIFAR plan: no space to depth at the input, 16 channels per stream.
+_CIFAR = dict(channels=(16, 64, 256), strides=(1, 2, 2), stem_block_size=1, num_classes=10)
+
+
+@register_model
+def irevnet301(pretrained: bool = False, **kwargs: Any) -> IRevNet:
+    """i-RevNet-301 for ImageNet: 6-16-72-6 blocks, 24-96-384-1536 channels per stream, space to
+    depth at the input (3x224x224 -> 12x112x112), bijective up to the head's 3072x7x7."""
+    args = dict(units=(6, 16, 72, 6), channels=(24, 96, 384, 1536), strides=(2, 2, 2, 2),
+                stem_block_size=2)
+    return _create("irevnet301", pretrained, args, **kwargs)
+
+
+@register_model
+def irevnet163(pretrained: bool = False, **kwargs: Any) -> IRevNet:
+    """A CIFAR i-RevNet as the public code configures one: 18-18-18 blocks (3 x 54 + 1 = 163
+    layers), 16-64-256 channels per stream, invertible downsampling between the stages."""
+    return _create("irevnet163", pretrained, dict(_CIFAR, units=(18, 18, 18)), **kwargs)
+
+
+@register_model
+def irevnet1000(pretrained: bool = False, **kwargs: Any) -> IRevNet:
+    """A 1000-layer fully invertible CIFAR network: 111-111-111 blocks (3 x 333 + 1 layers),
+    16-64-256 channels per stream."""
+    return _create("irevnet1000", pretrained, dict(_CIFAR, units=(111, 111, 111)), **kwargs)
