@@ -407,6 +407,7 @@ def test_model_keys_beyond_the_name_reach_the_builder():
     from revnets.training import create_model
 
     model = create_model(config("model=irevnet163", "+model.units=[2,2,2]"))
-    assert len(model.blocks) == 3  # one coupling of two i-RevNet blocks per stage
+    # A coupling of two i-RevNet blocks per stage, after space to depth in the strided ones.
+    assert len(model.blocks) == 5
     with pytest.raises(TypeError, match="chanels"):
         create_model(config("model=revnet38", "+model.chanels=[1]"))
