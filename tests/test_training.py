@@ -274,7 +274,7 @@ def test_two_process_ddp_equals_one_process_on_the_same_global_batch(tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                 "--master_port=29533")
     (tmp_path / "ddp").mkdir()
-    ddp = run_train_py(*common, "trainer.distributed=true", cwd=tmp_path / "ddp",
+    ddp = run_train_py(*common, "trainer.distributed=ddp", cwd=tmp_path / "ddp",
                        launcher=torchrun)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     (tmp_path / "single").mkdir()
@@ -411,3 +411,47 @@ def test_model_keys_beyond_the_name_reach_the_builder():
     assert len(model.blocks) == 5
     with pytest.raises(TypeError, match="chanels"):
         create_model(config("model=revnet38", "+model.chanels=[1]"))
+
+
+def test_two_process_fsdp_equals_one_process_and_resumes_exactly_from_its_shards(tmp_path):
+    """FSDP2 over a RevNet (each reversible sequence sharded): two steps, a checkpoint written
+    with torch.distributed.checkpoint, a resumed third step; the weights equal one process's
+    after three steps on the same global batches."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    # A constant learning rate: a schedule would depend on each run's max_steps.
+    common = [*SMALL, "trainer.memory_report=false", "model=revnet38", "optim.schedule=constant"]
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--master_port=29534")
+    for name in ("first", "resumed", "single"):
+        (tmp_path / name).mkdir()
+    first = run_train_py(*common, "trainer.max_steps=2", "trainer.distributed=fsdp",
+                         cwd=tmp_path / "first", launcher=torchrun)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shards = torch.load(tmp_path / "first" / "checkpoint.pt", weights_only=False)["sharded"]
+    assert (tmp_path / "first" / shards).is_dir()
+    resumed = run_train_py(*common, "trainer.max_steps=3", "trainer.distributed=fsdp",
+                           f"trainer.resume={tmp_path / 'first'}", "trainer.memory_report=true",
+                           cwd=tmp_path / "resumed", launcher=torchrun)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "peak per rank (fsdp), MiB: rank 0:" in resumed.stdout
+    single = run_train_py(*common, "trainer.max_steps=3", "trainer.accumulate=2",
+                          cwd=tmp_path / "single")
+    assert single.returncode == 0, single.stderr[-3000:]
+    state = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)
+    dcp_to_torch_save(tmp_path / "resumed" / state["sharded"], tmp_path / "resumed.pt")
+    a = torch.load(tmp_path / "resumed.pt", weights_only=False)["model"]
+    b = final_weights(tmp_path / "single")
+    params = [k for k in b if "running" not in k and "num_batches" not in k]
+    assert params and sorted(a) == sorted(b)
+    for name in params:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_distributed_modes_are_parsed_at_the_edge():
+    from revnets.training.distributed import parse_mode
+
+    assert [parse_mode(v) for v in (False, True, "none", "DDP", "fsdp")] == [
+        "none", "ddp", "none", "ddp", "fsdp"]
+    with pytest.raises(ValueError, match="not one of none, ddp, fsdp"):
+        parse_mode("zero3")

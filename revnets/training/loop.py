@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import shutil
 import signal
 import statistics
 import time
@@ -22,7 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 import revnets  # noqa: F401  (registers the zoo with timm)
 from revnets.timeline import cuda_allocator_history, record_timeline
 from revnets.training.data import build_loaders
-from revnets.training.distributed import Distributed, all_finite, setup_distributed
+from revnets.training.distributed import (
+    Distributed,
+    all_finite,
+    setup_distributed,
+    shard_model,
+)
 from revnets.training.optim import build_optimizer, build_scheduler
 from revnets.training.progress import Progress, Throughput
 from revnets.training.report import (
@@ -35,8 +41,10 @@ from revnets.training.state import (
     CHECKPOINT_NAME,
     capture_rng,
     load_checkpoint,
+    load_sharded,
     restore_rng,
     save_checkpoint,
+    save_sharded,
 )
 
 __all__ = ["NonFiniteLossError", "create_model", "train"]
@@ -123,6 +131,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.loaders = build_loaders(cfg.data, cfg.seed, self.dist.world_size, self.dist.rank)
         self.model = create_model(cfg, self.device)
+        if self.dist.mode == "fsdp":
+            shard_model(self.model)  # before the optimizer: sharding replaces the parameters
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
@@ -135,7 +145,7 @@ class Trainer:
         if cfg.trainer.resume:
             self._resume(cfg.trainer.resume)
         self.net: nn.Module = self.model
-        if self.dist.enabled:
+        if self.dist.mode == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=ids)
         if cfg.trainer.compile:
@@ -154,8 +164,11 @@ class Trainer:
 
     def _resume(self, run_dir: str) -> None:
         state = load_checkpoint(run_dir)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "sharded" in state:
+            load_sharded(Path(run_dir) / state["sharded"], self.model, self.optimizer)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
@@ -186,7 +199,10 @@ class Trainer:
             # Interleaved slices: the same split torch's DistributedSampler makes across ranks.
             xs, ys = x[i::parts], y[i::parts]
             sync = i == parts - 1 or not self.dist.enabled
-            with contextlib.nullcontext() if sync else net.no_sync(), self.autocast:
+            if self.dist.mode == "fsdp":
+                self.model.set_requires_gradient_sync(sync)
+            ddp_skip = not sync and self.dist.mode == "ddp"
+            with net.no_sync() if ddp_skip else contextlib.nullcontext(), self.autocast:
                 logits = net(xs)
                 loss = F.cross_entropy(logits.float(), ys) / parts
             self.scaler.scale(loss).backward()
@@ -209,10 +225,22 @@ class Trainer:
         history = self.output_dir / CUDA_HISTORY_NAME if self.device.type == "cuda" else None
         with cuda_allocator_history(history):
             report, timeline = record_timeline(self.train_step, self.net, self.optimizer, x, y)
-        baseline, baseline_timeline = predict_baseline(self.cfg, self.train_step_meta, x.shape)
-        self.memory = MemoryComparison(report, baseline, timeline, baseline_timeline)
-        write_timelines(self.cfg, self.model.memory, self.memory,
-                        self.output_dir / TIMELINE_NAME)
+        rank_peaks: tuple[int, ...] = ()
+        if self.dist.enabled:
+            gathered: list[Any] = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(gathered, report.peak_bytes)
+            rank_peaks = tuple(gathered)
+        if self.dist.is_main:
+            baseline, baseline_timeline = predict_baseline(self.cfg, self.train_step_meta,
+                                                           x.shape)
+            unsharded = None
+            if self.dist.mode == "fsdp":
+                unsharded, _ = predict_baseline(self.cfg, self.train_step_meta, x.shape,
+                                                strategy=self.model.memory)
+            self.memory = MemoryComparison(report, baseline, timeline, baseline_timeline,
+                                           rank_peaks, unsharded)
+            write_timelines(self.cfg, self.model.memory, self.memory,
+                            self.output_dir / TIMELINE_NAME)
         return report.result
 
     def train_step_meta(
@@ -238,7 +266,7 @@ class Trainer:
                     y = y.to(self.device, non_blocking=True)
                     self.net.train()
                     begin = time.perf_counter()
-                    if self.step == start_step and cfg.memory_report and self.dist.is_main:
+                    if self.step == start_step and cfg.memory_report:
                         loss, correct = self._measured_step(x, y)
                     else:
                         loss, correct = self.train_step(self.net, self.optimizer, x, y)
@@ -295,10 +323,17 @@ class Trainer:
             gathered: list[Any] = [None] * self.dist.world_size
             torch.distributed.all_gather_object(gathered, rng[0])
             rng = gathered
+        if self.dist.mode == "fsdp":
+            # Every rank writes its own shards; checkpoint.pt then names them, so the previous
+            # checkpoint stays whole until the new one is.
+            weights = {"sharded": save_sharded(self.output_dir, self.step, self.model,
+                                               self.optimizer, self.dist)}
+        else:
+            weights = {"model": self.model.state_dict(),
+                       "optimizer": self.optimizer.state_dict()}
         if self.dist.is_main:
             state = {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                **weights,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "step": self.step,
@@ -307,8 +342,15 @@ class Trainer:
                 "rng": rng,
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
             }
+            previous = self._checkpoint_shards() if "sharded" in state else None
             save_checkpoint(self.output_dir / CHECKPOINT_NAME, state)
+            if previous not in (None, state.get("sharded")):
+                shutil.rmtree(self.output_dir / previous, ignore_errors=True)
         self.dist.barrier()
+
+    def _checkpoint_shards(self) -> str | None:
+        path = self.output_dir / CHECKPOINT_NAME
+        return load_checkpoint(path).get("sharded") if path.is_file() else None
 
     # -- logging ---------------------------------------------------------------------------------
     def _log_step(self, loss: torch.Tensor, correct: torch.Tensor, batch: int) -> None:

@@ -26,6 +26,8 @@ class MemoryComparison:
     baseline: MemoryReport  # the same model with strategy "none", predicted on the meta device
     timeline: MemoryTimeline | None = None  # of the measured step
     baseline_timeline: MemoryTimeline | None = None
+    rank_peaks: tuple[int, ...] = ()  # under torchrun: every rank's measured peak
+    unsharded: MemoryReport | None = None  # under FSDP: one rank's step without sharding
 
     @property
     def ratio(self) -> float:
@@ -33,14 +35,14 @@ class MemoryComparison:
 
 
 def predict_baseline(
-    cfg: DictConfig, step: Callable[..., Any], batch_shape: torch.Size
+    cfg: DictConfig, step: Callable[..., Any], batch_shape: torch.Size, strategy: str = "none"
 ) -> tuple[MemoryReport, MemoryTimeline]:
-    """Peak memory of one step of the same model with every memory saving off, on meta tensors,
-    and its timeline."""
+    """Peak memory of one step of the same model in one process, on meta tensors, and its
+    timeline: with every memory saving off, or under ``strategy``."""
     from revnets.training.loop import create_model  # the loop imports this module
     from revnets.training.optim import build_optimizer
 
-    baseline_cfg = OmegaConf.merge(cfg, {"memory": {"strategy": "none"}})
+    baseline_cfg = OmegaConf.merge(cfg, {"memory": {"strategy": strategy}})
     model = create_model(baseline_cfg, "meta")
     optimizer = build_optimizer(cfg.optim, model)
     micro_batch = (batch_shape[0] // cfg.trainer.accumulate, *batch_shape[1:])
@@ -100,4 +102,17 @@ def summary_table(
             f"{memory.baseline.above_model_state_bytes / MiB:.1f} MiB (baseline predicted on the "
             "meta device" + (", in float32" if cfg.trainer.precision != "fp32" else "") + ")"
         )
+        if memory.rank_peaks:
+            peaks = ", ".join(f"rank {r}: {b / MiB:.1f}" for r, b in enumerate(memory.rank_peaks))
+            lines.append(f"peak per rank ({cfg.trainer.distributed}), MiB: {peaks}")
+        if memory.unsharded is not None:
+            saved = memory.unsharded.peak_bytes - max(memory.rank_peaks)
+            # Negative for small models: FSDP's gathered copies and communication buffers
+            # outweigh what the shards save.
+            lines.append(
+                f"without sharding one rank's step would peak at "
+                f"{memory.unsharded.peak_bytes / MiB:.1f} MiB (predicted on the meta device): "
+                f"sharding {'saved' if saved >= 0 else 'added'} {abs(saved) / MiB:.1f} MiB per "
+                "rank"
+            )
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Training state on disk: atomic checkpoints and exact resume."""
+"""Training state on disk: atomic checkpoints and exact resume; a sharded (FSDP2) run's weights
+and optimizer state through torch.distributed.checkpoint, each rank writing its own shards."""
 
 from __future__ import annotations
 
@@ -8,8 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["CHECKPOINT_NAME", "capture_rng", "load_checkpoint", "restore_rng", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_NAME",
+    "capture_rng",
+    "load_checkpoint",
+    "load_sharded",
+    "restore_rng",
+    "save_checkpoint",
+    "save_sharded",
+]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -51,3 +61,30 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
             f"trainer.resume={run_dir}: no checkpoint there (expected {run_dir / CHECKPOINT_NAME})"
         )
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save_sharded(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 dist_state: Any) -> str:
+    """Write the model's and optimizer's shards with torch.distributed.checkpoint (every rank
+    calls this) into a folder of ``run_dir`` named after ``step``; returns the folder's name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    name = f"checkpoint-step{step}.dcp"
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state},
+             checkpoint_id=Path(run_dir) / name)
+    dist_state.barrier()
+    return name
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what :func:`save_sharded` wrote into an already sharded model and its optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
