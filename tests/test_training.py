@@ -446,6 +446,14 @@ def test_two_process_fsdp_equals_one_process_and_resumes_exactly_from_its_shards
     assert params and sorted(a) == sorted(b)
     for name in params:
         assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
+    # The third step's loss, the mean over both processes, is the single process's.
+    assert step_loss(tmp_path / "resumed", 3) == pytest.approx(step_loss(tmp_path / "single", 3),
+                                                              rel=1e-5)
+
+
+def step_loss(run_dir: Path, step: int) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r["loss"] for r in records if r.get("step") == step and "loss" in r)
 
 
 def test_distributed_modes_are_parsed_at_the_edge():

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
@@ -34,7 +33,7 @@ from torch import Tensor, nn
 from revnets.checkpoint import run_checkpointed_segments
 from revnets.invertible import SpaceToDepth
 from revnets.layers.irevnet import irevnet_bottleneck, irevnet_stage
-from revnets.models.residual import CIFAR_MEAN, CIFAR_STD
+from revnets.models.residual import cifar_cfg, imagenet_cfg
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["IRevNet", "PadStreams"]
@@ -283,39 +282,11 @@ def _create(variant: str, pretrained: bool, defaults: dict[str, Any], **kwargs: 
     )
 
 
-def _cfg(**kwargs: Any) -> dict[str, Any]:
-    return {
-        "url": "",
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": (7, 7),
-        "crop_pct": 0.875,
-        "interpolation": "bilinear",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "blocks.blocks.0.transform.0",
-        "classifier": "fc",
-        **kwargs,
-    }
-
-
-def _cifar_cfg(**kwargs: Any) -> dict[str, Any]:
-    return _cfg(
-        num_classes=10,
-        input_size=(3, 32, 32),
-        pool_size=(8, 8),
-        crop_pct=1.0,
-        mean=CIFAR_MEAN,
-        std=CIFAR_STD,
-        **kwargs,
-    )
-
-
 default_cfgs = generate_default_cfgs(
     {
-        "irevnet301.untrained": _cfg(first_conv="blocks.blocks.1.f.transform.0"),
-        "irevnet163.untrained": _cifar_cfg(first_conv="blocks.blocks.0.f.0"),
-        "irevnet1000.untrained": _cifar_cfg(first_conv="blocks.blocks.0.transform.0"),
+        "irevnet301.untrained": imagenet_cfg(first_conv="blocks.blocks.1.f.transform.0"),
+        "irevnet163.untrained": cifar_cfg(first_conv="blocks.blocks.0.f.0"),
+        "irevnet1000.untrained": cifar_cfg(first_conv="blocks.blocks.0.transform.0"),
     }
 )
 

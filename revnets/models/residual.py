@@ -362,7 +362,8 @@ def _create(
     )
 
 
-def _cifar_cfg(**kwargs: Any) -> dict[str, Any]:
+def cifar_cfg(**kwargs: Any) -> dict[str, Any]:
+    """timm's pretrained_cfg for a CIFAR model of the zoo (``kwargs`` override)."""
     return {
         "url": "",
         "num_classes": 10,
@@ -378,8 +379,8 @@ def _cifar_cfg(**kwargs: Any) -> dict[str, Any]:
     }
 
 
-def _imagenet_cfg(**kwargs: Any) -> dict[str, Any]:
-    return _cifar_cfg(
+def imagenet_cfg(**kwargs: Any) -> dict[str, Any]:
+    return cifar_cfg(
         num_classes=1000,
         input_size=(3, 224, 224),
         pool_size=(7, 7),
@@ -392,16 +393,16 @@ def _imagenet_cfg(**kwargs: Any) -> dict[str, Any]:
 
 default_cfgs = generate_default_cfgs(
     {
-        "resnet32.untrained": _cifar_cfg(),
-        "resnet110.untrained": _cifar_cfg(),
-        "resnet164.untrained": _cifar_cfg(),
-        "resnet1001.untrained": _cifar_cfg(),
-        "revnet38.untrained": _cifar_cfg(),
-        "revnet110.untrained": _cifar_cfg(),
-        "revnet164.untrained": _cifar_cfg(),
-        "revnet992.untrained": _cifar_cfg(),
-        "preact_resnet101.untrained": _imagenet_cfg(),
-        "revnet104.untrained": _imagenet_cfg(),
+        "resnet32.untrained": cifar_cfg(),
+        "resnet110.untrained": cifar_cfg(),
+        "resnet164.untrained": cifar_cfg(),
+        "resnet1001.untrained": cifar_cfg(),
+        "revnet38.untrained": cifar_cfg(),
+        "revnet110.untrained": cifar_cfg(),
+        "revnet164.untrained": cifar_cfg(),
+        "revnet992.untrained": cifar_cfg(),
+        "preact_resnet101.untrained": imagenet_cfg(),
+        "revnet104.untrained": imagenet_cfg(),
     }
 )
 
