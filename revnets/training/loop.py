@@ -165,7 +165,9 @@ class Trainer:
     def _resume(self, run_dir: str) -> None:
         state = load_checkpoint(run_dir)
         if "sharded" in state:
-            load_sharded(Path(run_dir) / state["sharded"], self.model, self.optimizer)
+            where = Path(run_dir).expanduser()  # the run's folder, or its checkpoint.pt
+            where = where if where.is_dir() else where.parent
+            load_sharded(where / state["sharded"], self.model, self.optimizer)
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
