@@ -39,6 +39,21 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def read_csv(path: Path) -> list[dict]:
+    """Rows written by ``write_csv``, numbers parsed back (for tables a run does not redo)."""
+
+    def parse(text: str) -> int | float | str:
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+
+    with open(path, newline="") as file:
+        return [{key: parse(value) for key, value in row.items()} for row in csv.DictReader(file)]
+
+
 def write_markdown(path: Path, lines: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

@@ -2,6 +2,7 @@
 
     python benchmarks/zoo_memory.py            # writes results/zoo_memory-cpu-pt<ver>-fp32.{md,csv}
     python benchmarks/zoo_memory.py --quick    # small batches, prints only
+    python benchmarks/zoo_memory.py --only 1000_layers   # redo one table, keep the others' CSVs
 
 CIFAR table: batch 100, 32x32, float32, training mode. "Kept after forward" is MemCNN's measure
 (memory alive after the forward pass, i.e. what is stored for backward); "step peak" is the peak of
@@ -10,6 +11,7 @@ a whole training step above parameters, gradients and optimizer state.
 Step time of each RevNet against its ResNet twin at batch 100; ImageNet models predicted on the meta
 device at batch 32; 1000 layers: ResNet-1001 against RevNet-992 under each memory strategy,
 measured at a small batch on this CPU and predicted at batch 128 on the meta device.
+The fully invertible networks (i-RevNet) sit beside their RevNet and ResNet twins in each table.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from common import (
     interleaved_times,
     provenance,
     ratio_summary,
+    read_csv,
     results_stem,
     write_csv,
     write_markdown,
@@ -56,12 +59,15 @@ CIFAR_ROWS = [
     ("revnet38", "none"),
     ("revnet110", "none"),
     ("revnet164", "none"),
+    ("irevnet163", "reversible"),
+    ("irevnet163", "none"),
 ]
 DEEP_ROWS = [
     ("resnet1001", "none"),
     ("resnet1001", "checkpoint"),
     ("revnet992", "reversible"),
     ("revnet992", "reversible+checkpoint"),
+    ("irevnet1000", "reversible"),
 ]
 
 
@@ -101,8 +107,8 @@ def cifar_table(batch: int) -> list[dict]:
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "kept_after_forward_mib": round(kept / MiB, 1),
                 "step_peak_above_state_mib": round(step.above_model_state_bytes / MiB, 1),
-                "memcnn_published_mb": MEMCNN_PUBLISHED[name] if memory != "none" or
-                name.startswith("resnet") else "",
+                "memcnn_published_mb": MEMCNN_PUBLISHED.get(name, "")
+                if memory != "none" or name.startswith("resnet") else "",
             }
         )
         print("  ", rows[-1])
@@ -111,7 +117,13 @@ def cifar_table(batch: int) -> list[dict]:
 
 
 TWINS = [("resnet32", "revnet38"), ("resnet110", "revnet110"), ("resnet164", "revnet164")]
-IMAGENET_ROWS = [("preact_resnet101", "none"), ("revnet104", "reversible"), ("revnet104", "none")]
+IMAGENET_ROWS = [
+    ("preact_resnet101", "none"),
+    ("revnet104", "reversible"),
+    ("revnet104", "none"),
+    ("irevnet301", "reversible"),
+    ("irevnet301", "none"),
+]
 
 
 def twin_speed(batch: int, repeats: int) -> list[dict]:
@@ -208,14 +220,20 @@ def deep_table(batch: int, predict_batch: int, repeats: int) -> list[dict]:
     return rows
 
 
-def write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args) -> None:
+TABLES = ("cifar", "cifar_speed", "imagenet", "1000_layers")
+
+
+def write(tables: dict[str, list[dict]], args) -> None:
     stem = results_stem("zoo_memory")
-    tables = [("cifar", cifar_rows), ("cifar_speed", twin_rows), ("imagenet", imagenet_rows),
-              ("1000_layers", deep_rows)]
-    for name, rows in tables:
+    for name, rows in tables.items():
         write_csv(RESULTS / f"{stem}-{name}.csv", rows)
+    cifar_rows, twin_rows = tables["cifar"], tables["cifar_speed"]
+    imagenet_rows, deep_rows = tables["imagenet"], tables["1000_layers"]
     kept = {(r["model"], r["memory"]): r["kept_after_forward_mib"] for r in cifar_rows}
     ratio = kept[("revnet110", "reversible")] / kept[("revnet38", "reversible")]
+    invertible = kept[("irevnet163", "reversible")] / kept[("irevnet163", "none")]
+    parameters = {r["model"]: r["parameters"] for r in cifar_rows}
+    heavier = parameters["irevnet163"] / parameters["revnet164"]
     lines = [
         "# Activation memory of the model zoo",
         "",
@@ -242,7 +260,10 @@ def write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args) -> None:
     lines += [
         "",
         f"RevNet-110 keeps {ratio:.3f}x the activations of RevNet-38: reversible stages do not "
-        "grow with depth, only the stored stem, downsampling units and head remain.",
+        "grow with depth, only the stored stem, downsampling units and head remain. "
+        f"i-RevNet-163 is invertible from stem to head (its downsampling too): it keeps "
+        f"{kept[('irevnet163', 'reversible')]:.1f} MiB, {invertible:.3f}x of what the same "
+        f"weights keep under `none`, with {heavier:.1f}x RevNet-164's parameters.",
         "",
         f"## Step time against the ResNet twin, batch {args.batch}",
         "",
@@ -270,7 +291,7 @@ def write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args) -> None:
           f"{r['kept_after_forward_mib']:.1f} | {r['step_peak_above_state_mib']:.1f} |"
           for r in imagenet_rows],
         "",
-        "## 1000 layers: ResNet-1001 against RevNet-992",
+        "## 1000 layers: ResNet-1001 against RevNet-992 and i-RevNet-1000",
         "",
         f"Measured: a training step at batch {args.deep_batch}, 32x32, on this CPU (total peak, "
         f"and the part above model state); step time is the median of {args.repeats} "
@@ -303,19 +324,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--predict-batch", type=int, default=128)
     parser.add_argument("--imagenet-batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--only", default=",".join(TABLES),
+        help=f"comma-separated tables to redo ({', '.join(TABLES)}); the others are read back "
+        "from their CSV files in results/",
+    )
     args = parser.parse_args(argv)
+    only = args.only.split(",")
+    if unknown := set(only) - set(TABLES):
+        parser.error(f"--only: unknown tables {sorted(unknown)}; choose from {', '.join(TABLES)}")
     if args.quick:
         args.batch, args.deep_batch, args.predict_batch, args.repeats = 4, 1, 8, 1
         args.imagenet_batch = 2
-    print(f"CIFAR models at batch {args.batch}")
-    cifar_rows = cifar_table(args.batch)
-    twin_rows = twin_speed(args.batch, args.repeats)
-    print(f"ImageNet models at batch {args.imagenet_batch} (meta)")
-    imagenet_rows = imagenet_table(args.imagenet_batch)
-    print(f"1000-layer models at batch {args.deep_batch}, predicted at {args.predict_batch}")
-    deep_rows = deep_table(args.deep_batch, args.predict_batch, args.repeats)
+    makers = {
+        "cifar": lambda: cifar_table(args.batch),
+        "cifar_speed": lambda: twin_speed(args.batch, args.repeats),
+        "imagenet": lambda: imagenet_table(args.imagenet_batch),
+        "1000_layers": lambda: deep_table(args.deep_batch, args.predict_batch, args.repeats),
+    }
+    tables = {}
+    for name in TABLES:
+        if name in only:
+            print(f"== {name}", flush=True)
+            tables[name] = makers[name]()
+        else:
+            tables[name] = read_csv(RESULTS / f"{results_stem('zoo_memory')}-{name}.csv")
     if not args.quick:
-        write(cifar_rows, twin_rows, imagenet_rows, deep_rows, args)
+        write(tables, args)
 
 
 if __name__ == "__main__":
