@@ -4,7 +4,16 @@ from revnets import models  # registers the zoo with timm
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
 from revnets.memory import MemoryReport, MemoryTracker, measure_memory, predict_memory
-from revnets.models import MEMORY_STRATEGIES, ResidualNet
+from revnets.models import ResidualNet
+from revnets.plan import (
+    PRESETS,
+    Checkpoint,
+    MemoryPlan,
+    PartPlan,
+    Reconstruct,
+    Store,
+    parse_memory_plan,
+)
 from revnets.planning import PlanningError, auto_checkpoint
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
 from revnets.replay import is_recomputing
@@ -19,20 +28,25 @@ from revnets.reversible import (
 __all__ = [
     "AdditiveCoupling",
     "AffineCoupling",
-    "MEMORY_STRATEGIES",
     "BlockDrift",
+    "Checkpoint",
     "Checkpointed",
     "Coupling",
     "InjectivePad",
     "Invertible",
+    "MemoryPlan",
     "MemoryReport",
     "MemoryTracker",
+    "PRESETS",
+    "PartPlan",
     "PlanningError",
     "ResidualNet",
+    "Reconstruct",
     "ReconstructionReport",
     "ReversibleBlock",
     "ReversibleSequence",
     "SpaceToDepth",
+    "Store",
     "auto_checkpoint",
     "check_invertible",
     "check_reconstruction",
@@ -41,6 +55,7 @@ __all__ = [
     "is_recomputing",
     "measure_memory",
     "models",
+    "parse_memory_plan",
     "predict_memory",
 ]
 __version__ = "0.1.0"

@@ -138,16 +138,19 @@ def segment_bounds(n: int, segments: int | None = None) -> list[tuple[int, int]]
 
 
 def run_checkpointed_segments(
-    layers: Sequence[nn.Module], x: Any, segments: int | None = None
+    layers: Sequence[nn.Module], x: Any, segments: int | None = None, checkpoint_last: bool = False
 ) -> Any:
     """Run ``layers`` in order, checkpointing each of about sqrt(n) segments but the last.
 
-    The last segment is not checkpointed: backward would recompute it at once, saving nothing.
+    The last segment is not checkpointed by default: if nothing follows it, backward would
+    recompute it at once, saving nothing. Where more layers follow (a stage of a network), pass
+    ``checkpoint_last=True``: otherwise its activations stay stored through their backward.
     """
     bounds = segment_bounds(len(layers), segments)
     for i, (start, stop) in enumerate(bounds):
         segment = nn.Sequential(*layers[start:stop])  # a view on the layers, not registered
-        x = segment(x) if i == len(bounds) - 1 else checkpoint(segment, x)
+        stored = i == len(bounds) - 1 and not checkpoint_last
+        x = segment(x) if stored else checkpoint(segment, x)
     return x
 
 

@@ -147,4 +147,4 @@ def test_timm_interfaces():
     model.reset_classifier(0, "")
     assert model(x).shape == (2, 256, 1, 1)
     model.set_grad_checkpointing(True)
-    assert model.memory == "checkpoint"
+    assert model.memory.name == "checkpoint"

@@ -89,7 +89,7 @@ def test_timm_interfaces():
     assert model(x).shape == (2, 16, 32)  # unpooled tokens
     assert model.no_weight_decay() == {"patch_embed.pos_embed"}
     model.set_grad_checkpointing(True)
-    assert model.memory == "reversible+checkpoint"
+    assert model.memory.name == "reversible+checkpoint"
 
 
 def test_features_only():
@@ -100,7 +100,7 @@ def test_features_only():
 
 
 def test_unknown_strategy_and_wrong_input_size_are_named():
-    with pytest.raises(ValueError, match="unknown memory strategy 'sparse' for a Rev-ViT"):
+    with pytest.raises(ValueError, match="unknown memory plan 'sparse'; presets: none"):
         tiny().set_memory("sparse")
     with pytest.raises(ValueError, match=r"the position embedding has 16 \(32 pixels square\)"):
         tiny()(torch.randn(1, 3, 64, 64))

@@ -15,8 +15,9 @@ pair into RevNet couplings (see :mod:`revnets.layers.irevnet`), which is how the
 Depth is counted as for ResNets: three convolutions per block plus the classifier, so
 ``irevnet301`` has 100 blocks (6-16-72-6) and ``irevnet1000`` 333 (111-111-111).
 
-Memory strategies, switchable on the same weights (``set_memory``): ``none`` (ordinary autograd),
-``checkpoint`` (about sqrt(n) checkpointed segments of blocks) and ``reversible`` (the default).
+Memory plans (:class:`~revnets.plan.MemoryPlan`), switchable on the same weights (``set_memory``),
+by preset: ``none`` (ordinary autograd), ``checkpoint`` (about sqrt(n) checkpointed segments of
+blocks) and ``reversible`` (the default). Nothing outside the blocks is worth checkpointing.
 """
 
 from __future__ import annotations
@@ -30,15 +31,14 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
-from revnets.checkpoint import run_checkpointed_segments
 from revnets.invertible import SpaceToDepth
 from revnets.layers.irevnet import irevnet_bottleneck, irevnet_stage
 from revnets.models.residual import cifar_cfg, imagenet_cfg
+from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.plan import PRESETS, MemoryPlan, Store
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["IRevNet", "PadStreams"]
-
-MEMORY_STRATEGIES = ("none", "checkpoint", "reversible")
 
 
 class PadStreams(nn.Module):
@@ -65,7 +65,7 @@ class PadStreams(nn.Module):
         return f"pads={self.pads}"
 
 
-class IRevNet(nn.Module):
+class IRevNet(SwitchableMemory, nn.Module):
     """A fully invertible network.
 
     Args:
@@ -78,7 +78,7 @@ class IRevNet(nn.Module):
         drop_rate: dropout before the classifier (timm's meaning).
         block_drop_rate: dropout inside every block's F (i-RevNet's ``dropout_rate``), replayed
             exactly in backward.
-        memory: memory strategy (module docstring).
+        memory: a :class:`~revnets.plan.MemoryPlan` or a preset's name (module docstring).
         num_classes, in_chans, global_pool: as in timm.
     """
 
@@ -92,7 +92,7 @@ class IRevNet(nn.Module):
         in_chans: int = 3,
         drop_rate: float = 0.0,
         block_drop_rate: float = 0.0,
-        memory: str | None = None,
+        memory: MemoryPlan | str | None = None,
         global_pool: str = "avg",
     ) -> None:
         super().__init__()
@@ -152,7 +152,8 @@ class IRevNet(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.fc = nn.Linear(2 * half, num_classes) if num_classes else nn.Identity()
         self._init_weights()
-        self.memory = "none"
+        self.family = "i-RevNet"
+        self.memory = PRESETS["none"]
         self.set_memory(memory or "reversible")
 
     def _init_weights(self) -> None:
@@ -163,21 +164,15 @@ class IRevNet(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    # -- memory strategy ----------------------------------------------------------------------
-    @property
-    def memory_strategies(self) -> tuple[str, ...]:
-        return MEMORY_STRATEGIES
+    # -- memory plan --------------------------------------------------------------------------
+    def memory_problem(self, plan: MemoryPlan) -> str | None:
+        if not isinstance(plan.rest, Store):
+            return ("its stem stores nothing and its head only the classifier's input: there is "
+                    "nothing outside the blocks to checkpoint (rest must be Store())")
+        return None
 
-    def set_memory(self, strategy: str) -> IRevNet:
-        """Switch how training saves memory; weights and state_dict keys stay the same."""
-        if strategy not in MEMORY_STRATEGIES:
-            raise ValueError(
-                f"unknown memory strategy {strategy!r} for an i-RevNet; valid: "
-                + ", ".join(repr(s) for s in MEMORY_STRATEGIES)
-            )
-        self.memory = strategy
-        self.blocks.memory_efficient = strategy == "reversible"
-        return self
+    def apply_memory(self, plan: MemoryPlan) -> None:
+        configure_sequence(self.blocks, plan.stages)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -208,16 +203,6 @@ class IRevNet(nn.Module):
             self.global_pool = global_pool
         self.num_classes = num_classes
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-
-    def _run_blocks(self, x: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
-        blocks = self.blocks
-        if start != 0 or (stop is not None and stop != len(blocks)):
-            blocks = ReversibleSequence(
-                list(self.blocks)[start:stop], memory_efficient=self.blocks.memory_efficient
-            )
-        if self.memory == "checkpoint" and self.training and torch.is_grad_enabled():
-            return run_checkpointed_segments(list(blocks), x)
-        return blocks(x)
 
     def forward_features(self, x: Tensor) -> Tensor:
         return self.final_act(self._run_blocks(self.stem(x)))

@@ -6,10 +6,13 @@ units RevNet units: the units of a stage that keep the shape run in a
 :class:`~revnets.ReversibleSequence`, and the first unit of a stage, where the shape changes, is an
 ordinary (non-invertible) :class:`~revnets.layers.RevNetDownsampleUnit`.
 
-How much memory a model saves is a setting, switchable on the same weights (``set_memory``):
+How much memory a model saves is a :class:`~revnets.plan.MemoryPlan`, switchable on the same
+weights (``set_memory``); its ``stages`` decision is for the units of each stage, its ``rest``
+for the stem, the downsampling units and the final activation. The presets:
 
 - ``none``: store every activation (for a RevNet: the same weights under ordinary autograd).
-- ``checkpoint``: split every stage into about sqrt(n) checkpointed segments of units.
+- ``checkpoint``: split every stage into about sqrt(n) checkpointed segments of units (only the
+  network's last segment is stored: backward would recompute it at once).
 - ``reversible`` (RevNet default): reversible units reconstruct; the stem, downsampling units and
   head are stored.
 - ``reversible+checkpoint``: as ``reversible``, with the stem, downsampling units and final
@@ -31,7 +34,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
-from revnets.checkpoint import checkpoint, run_checkpointed_segments
+from revnets.checkpoint import run_checkpointed_segments
 from revnets.layers import (
     ResidualUnit,
     RevNetDownsampleUnit,
@@ -39,37 +42,41 @@ from revnets.layers import (
     preact_bottleneck,
     shortcut,
 )
+from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Reconstruct, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence
 
-__all__ = ["MEMORY_STRATEGIES", "ResidualNet"]
+__all__ = ["ResidualNet"]
 
-MEMORY_STRATEGIES = ("none", "checkpoint", "reversible", "reversible+checkpoint")
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
-class Stage(nn.Module):
-    """Units of one resolution: ordinary ``units`` first, then an optional reversible run."""
+class Stage(SwitchableMemory, nn.Module):
+    """Units of one resolution: ordinary ``units`` first, then an optional reversible run.
+
+    ``last``: the network's last stage, whose last checkpointed segment is stored (backward
+    would recompute it at once); other stages checkpoint every segment."""
 
     def __init__(self, units: Sequence[nn.Module], reversible: Sequence[ReversibleBlock]) -> None:
         super().__init__()
         self.units = nn.ModuleList(units)
         self.reversible = ReversibleSequence(reversible) if reversible else None
-        self.memory = "none"
+        self.memory = PRESETS["none"]
+        self.last = True
 
-    def set_memory(self, strategy: str) -> None:
-        self.memory = strategy
+    def apply_memory(self, plan: MemoryPlan) -> None:
         if self.reversible is not None:
-            self.reversible.memory_efficient = strategy.startswith("reversible")
+            configure_sequence(self.reversible, plan.stages)
 
     def forward(self, x: Tensor) -> Tensor:
-        saving = self.training and torch.is_grad_enabled()
-        if self.memory == "checkpoint" and saving:
+        if isinstance(self.memory.stages, Checkpoint) and self._saving():
             # Reversible blocks run here as ordinary modules, grouped with the other units.
-            return run_checkpointed_segments([*self.units, *(self.reversible or ())], x)
+            units = [*self.units, *(self.reversible or ())]
+            segments = self.memory.stages.segments_for(len(units))
+            return run_checkpointed_segments(units, x, segments, checkpoint_last=not self.last)
         for unit in self.units:
-            checkpointed = self.memory == "reversible+checkpoint" and saving
-            x = checkpoint(unit, x) if checkpointed else unit(x)
+            x = self._maybe_checkpoint(unit, x)
         if self.reversible is not None:
             x = self.reversible(x)
         return x
@@ -82,7 +89,7 @@ class _Activation(nn.Sequential):
         super().__init__(nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
 
 
-class ResidualNet(nn.Module):
+class ResidualNet(SwitchableMemory, nn.Module):
     """A pre-activation ResNet (``reversible=False``) or RevNet (``reversible=True``).
 
     Args:
@@ -92,8 +99,8 @@ class ResidualNet(nn.Module):
         bottleneck: bottleneck units (1x1-3x3-1x1, 4x the channels out) instead of basic ones.
         reversible: RevNet units.
         stem: ``"cifar"`` (conv3x3) or ``"imagenet"`` (conv7x7 stride 2, max pool).
-        memory: memory strategy (see the module docstring); default ``reversible`` for a
-            RevNet, ``none`` for a ResNet.
+        memory: a :class:`~revnets.plan.MemoryPlan` or a preset's name (module docstring);
+            default ``reversible`` for a RevNet, ``none`` for a ResNet.
         num_classes, in_chans, drop_rate: as in timm.
     """
 
@@ -104,7 +111,7 @@ class ResidualNet(nn.Module):
         bottleneck: bool = False,
         reversible: bool = False,
         stem: str = "cifar",
-        memory: str | None = None,
+        memory: MemoryPlan | str | None = None,
         num_classes: int = 10,
         in_chans: int = 3,
         drop_rate: float = 0.0,
@@ -148,13 +155,16 @@ class ResidualNet(nn.Module):
             self.feature_info.append(
                 dict(num_chs=out_ch, reduction=reduction, module=f"stages.{index}")
             )
+        for stage in stages[:-1]:
+            stage.last = False
         self.stages = nn.Sequential(*stages)
         self.final_act = _Activation(in_ch)
         self.num_features = self.head_hidden_size = in_ch
         self.head_drop = nn.Dropout(drop_rate)
         self.fc = nn.Linear(in_ch, num_classes) if num_classes else nn.Identity()
         self._init_weights()
-        self.memory = "none"
+        self.family = "RevNet" if reversible else "ResNet"
+        self.memory = PRESETS["none"]
         self.set_memory(memory or ("reversible" if reversible else "none"))
 
     @staticmethod
@@ -201,29 +211,22 @@ class ResidualNet(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    # -- memory strategy ----------------------------------------------------------------------
-    @property
-    def memory_strategies(self) -> tuple[str, ...]:
-        return MEMORY_STRATEGIES if self.reversible else MEMORY_STRATEGIES[:2]
+    # -- memory plan --------------------------------------------------------------------------
+    def memory_problem(self, plan: MemoryPlan) -> str | None:
+        if isinstance(plan.stages, Reconstruct) and not self.reversible:
+            return "a ResNet has no reversible units to reconstruct"
+        return None
 
-    def set_memory(self, strategy: str) -> ResidualNet:
-        """Switch how training saves memory; weights and state_dict keys stay the same."""
-        if strategy not in self.memory_strategies:
-            family = "RevNet" if self.reversible else "ResNet (it has no reversible units)"
-            raise ValueError(
-                f"unknown memory strategy {strategy!r} for a {family}; valid: "
-                + ", ".join(repr(s) for s in self.memory_strategies)
-            )
-        self.memory = strategy
+    def apply_memory(self, plan: MemoryPlan) -> None:
         for stage in self.stages:
-            stage.set_memory(strategy)
-        return self
+            stage.set_memory(plan)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """timm's switch, mapped onto a memory strategy."""
+        """timm's switch: checkpoint what is stored (RevNet: the stem, downsampling units and
+        final activation; ResNet: the stages), or stop checkpointing."""
         if self.reversible:
-            self.set_memory("reversible+checkpoint" if enable else "reversible")
+            self.set_memory(MemoryPlan(self.memory.stages, Checkpoint() if enable else Store()))
         else:
             self.set_memory("checkpoint" if enable else "none")
 
@@ -258,11 +261,6 @@ class ResidualNet(nn.Module):
         """Nothing by name: BatchNorm and bias parameters, the 1-D ones, are left out of weight
         decay by timm's optimizer factory already."""
         return set()
-
-    def _maybe_checkpoint(self, module: nn.Module, x: Tensor) -> Tensor:
-        if self.memory == "reversible+checkpoint" and self.training and torch.is_grad_enabled():
-            return checkpoint(module, x)
-        return module(x)
 
     def forward_features(self, x: Tensor) -> Tensor:
         x = self._maybe_checkpoint(self.stem, x)

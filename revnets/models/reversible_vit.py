@@ -13,10 +13,11 @@ Drop path is per sample, inside f and g, and replayed exactly in backward by the
 engine (the official code shares one seed between F's and G's drop path in a block; here each
 draws its own mask, as timm's ViT does).
 
-Memory strategies, switchable on the same weights (``set_memory``), as for the CNN zoo:
-``none`` (ordinary autograd), ``checkpoint`` (about sqrt(depth) checkpointed segments of
-blocks), ``reversible`` (the default: only the patch embedding's and the head's activations are
-stored) and ``reversible+checkpoint`` (the patch embedding and final norm checkpointed too).
+Memory plans (:class:`~revnets.plan.MemoryPlan`), switchable on the same weights
+(``set_memory``), as for the CNN zoo, by preset: ``none`` (ordinary autograd), ``checkpoint``
+(about sqrt(depth) checkpointed segments of blocks), ``reversible`` (the default: only the patch
+embedding's and the head's activations are stored) and ``reversible+checkpoint`` (the patch
+embedding and final norm checkpointed too).
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
-from revnets.checkpoint import checkpoint, run_checkpointed_segments
+from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence
 
 __all__ = ["ReversibleVisionTransformer"]
-
-MEMORY_STRATEGIES = ("none", "checkpoint", "reversible", "reversible+checkpoint")
 
 
 class TwoStreamPatchEmbed(nn.Module):
@@ -131,7 +131,7 @@ def reversible_vit_block(
     )
 
 
-class ReversibleVisionTransformer(nn.Module):
+class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
     """Rev-ViT: a ViT whose blocks are reversible couplings of two duplicated token streams.
 
     Args:
@@ -140,7 +140,8 @@ class ReversibleVisionTransformer(nn.Module):
         depth, num_heads, mlp_ratio: blocks, attention heads, MLP expansion.
         drop_rate: dropout before the head. drop_path_rate: stochastic depth, rising linearly
             from 0 over the blocks. attn_drop_rate: dropout on attention weights.
-        memory: memory strategy (module docstring); default ``reversible``.
+        memory: a :class:`~revnets.plan.MemoryPlan` or a preset's name (module docstring);
+            default ``reversible``.
         global_pool: ``"avg"`` (mean over tokens, Rev-ViT's) or ``""`` (no pooling: tokens).
     """
 
@@ -157,7 +158,7 @@ class ReversibleVisionTransformer(nn.Module):
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
-        memory: str | None = None,
+        memory: MemoryPlan | str | None = None,
         global_pool: str = "avg",
     ) -> None:
         super().__init__()
@@ -185,7 +186,8 @@ class ReversibleVisionTransformer(nn.Module):
             for i in range(depth)
         ]
         self._init_weights()
-        self.memory = "none"
+        self.family = "Rev-ViT"
+        self.memory = PRESETS["none"]
         self.set_memory(memory or "reversible")
 
     def _init_weights(self) -> None:
@@ -199,26 +201,15 @@ class ReversibleVisionTransformer(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    # -- memory strategy ----------------------------------------------------------------------
-    @property
-    def memory_strategies(self) -> tuple[str, ...]:
-        return MEMORY_STRATEGIES
-
-    def set_memory(self, strategy: str) -> ReversibleVisionTransformer:
-        """Switch how training saves memory; weights and state_dict keys stay the same."""
-        if strategy not in MEMORY_STRATEGIES:
-            raise ValueError(
-                f"unknown memory strategy {strategy!r} for a Rev-ViT; valid: "
-                + ", ".join(repr(s) for s in MEMORY_STRATEGIES)
-            )
-        self.memory = strategy
-        self.blocks.memory_efficient = strategy.startswith("reversible")
-        return self
+    # -- memory plan --------------------------------------------------------------------------
+    def apply_memory(self, plan: MemoryPlan) -> None:
+        configure_sequence(self.blocks, plan.stages)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """timm's switch: checkpoint what the reversible blocks do not reconstruct."""
-        self.set_memory("reversible+checkpoint" if enable else "reversible")
+        """timm's switch: checkpoint what the blocks' plan does not cover (the patch embedding
+        and the final norm), or stop."""
+        self.set_memory(MemoryPlan(self.memory.stages, Checkpoint() if enable else Store()))
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
@@ -244,24 +235,6 @@ class ReversibleVisionTransformer(nn.Module):
                 raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
             self.global_pool = global_pool
         self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-
-    def _saving(self) -> bool:
-        return self.training and torch.is_grad_enabled()
-
-    def _maybe_checkpoint(self, fn: nn.Module | Any, x: Tensor) -> Tensor:
-        if self.memory == "reversible+checkpoint" and self._saving():
-            return checkpoint(fn, x)
-        return fn(x)
-
-    def _run_blocks(self, x: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
-        blocks = self.blocks
-        if start != 0 or (stop is not None and stop != len(blocks)):
-            blocks = ReversibleSequence(
-                list(self.blocks)[start:stop], memory_efficient=self.blocks.memory_efficient
-            )
-        if self.memory == "checkpoint" and self._saving():
-            return run_checkpointed_segments(list(blocks), x)
-        return blocks(x)
 
     def forward_features(self, x: Tensor) -> Tensor:
         x = self._maybe_checkpoint(self.patch_embed, x)
@@ -305,9 +278,8 @@ class ReversibleVisionTransformer(nn.Module):
         self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
     ) -> list[int]:
         take, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = ReversibleSequence(
-            list(self.blocks)[: max_index + 1], memory_efficient=self.blocks.memory_efficient
-        )
+        self.blocks = ReversibleSequence(list(self.blocks)[: max_index + 1])
+        configure_sequence(self.blocks, self.memory.stages)
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:

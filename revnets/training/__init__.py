@@ -1,7 +1,8 @@
 """Training: the loop behind train.py, with its data, optimisation and checkpointing."""
 
 from revnets.training.data import DataMismatchError, DataNotFoundError, build_loaders
-from revnets.training.loop import NonFiniteLossError, Trainer, create_model, train
+from revnets.training.factory import create_model
+from revnets.training.loop import NonFiniteLossError, Trainer, train
 
 __all__ = [
     "DataMismatchError",

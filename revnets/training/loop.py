@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
@@ -29,6 +28,7 @@ from revnets.training.distributed import (
     setup_distributed,
     shard_model,
 )
+from revnets.training.factory import create_model
 from revnets.training.optim import build_optimizer, build_scheduler
 from revnets.training.progress import Progress, Throughput
 from revnets.training.report import (
@@ -47,7 +47,7 @@ from revnets.training.state import (
     save_sharded,
 )
 
-__all__ = ["NonFiniteLossError", "create_model", "train"]
+__all__ = ["NonFiniteLossError", "train"]
 
 TIMELINE_NAME = "memory_timeline.png"  # the first step's memory beside the baseline's
 CUDA_HISTORY_NAME = "cuda_memory_snapshot.pickle"  # on CUDA: the allocator's own record of it
@@ -55,22 +55,6 @@ CUDA_HISTORY_NAME = "cuda_memory_snapshot.pickle"  # on CUDA: the allocator's ow
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
-
-
-def create_model(cfg: DictConfig, device: torch.device | str = "cpu") -> nn.Module:
-    """The zoo model ``cfg.model.name``; any other key of ``cfg.model`` (``+model.units=[2,2,2]``)
-    is a keyword of its builder."""
-    extra = OmegaConf.to_container(cfg.model, resolve=True)
-    extra = {k: tuple(v) if isinstance(v, list) else v for k, v in extra.items()
-             if k not in ("name", "drop_rate")}
-    with torch.device(device):
-        return timm.create_model(
-            cfg.model.name,
-            num_classes=cfg.data.num_classes,
-            memory=cfg.memory.strategy,
-            drop_rate=cfg.model.drop_rate,
-            **extra,
-        )
 
 
 def resolve_device(choice: str, state: Distributed) -> torch.device:
@@ -142,6 +126,11 @@ class Trainer:
         self.autocast = autocast_for(cfg.trainer.precision, self.device)
         self.step = self.epoch = self.position = 0
         self.writer = self._tensorboard()
+        plan = self.model.memory
+        self._log({"event": "memory_plan", "plan": plan.name, "stages": str(plan.stages),
+                   "rest": str(plan.rest)})
+        if self.dist.is_main:
+            print(f"memory plan of {cfg.model.name}: {plan}", flush=True)
         if cfg.trainer.resume:
             self._resume(cfg.trainer.resume)
         self.net: nn.Module = self.model
@@ -238,7 +227,7 @@ class Trainer:
             unsharded = None
             if self.dist.mode == "fsdp":
                 unsharded, _ = predict_baseline(self.cfg, self.train_step_meta, x.shape,
-                                                strategy=self.model.memory)
+                                                plan=self.model.memory)
             self.memory = MemoryComparison(report, baseline, timeline, baseline_timeline,
                                            rank_peaks, unsharded)
             write_timelines(self.cfg, self.model.memory, self.memory,

@@ -10,10 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from revnets.memory import MemoryReport
+from revnets.plan import PRESETS, MemoryPlan
 from revnets.timeline import MemoryTimeline, plot_timelines, predict_timeline
+from revnets.training.factory import create_model
+from revnets.training.optim import build_optimizer
 
 __all__ = ["MemoryComparison", "predict_baseline", "summary_table", "write_timelines"]
 
@@ -35,15 +38,14 @@ class MemoryComparison:
 
 
 def predict_baseline(
-    cfg: DictConfig, step: Callable[..., Any], batch_shape: torch.Size, strategy: str = "none"
+    cfg: DictConfig,
+    step: Callable[..., Any],
+    batch_shape: torch.Size,
+    plan: MemoryPlan = PRESETS["none"],
 ) -> tuple[MemoryReport, MemoryTimeline]:
     """Peak memory of one step of the same model in one process, on meta tensors, and its
-    timeline: with every memory saving off, or under ``strategy``."""
-    from revnets.training.loop import create_model  # the loop imports this module
-    from revnets.training.optim import build_optimizer
-
-    baseline_cfg = OmegaConf.merge(cfg, {"memory": {"strategy": strategy}})
-    model = create_model(baseline_cfg, "meta")
+    timeline: with every memory saving off, or under ``plan``."""
+    model = create_model(cfg, "meta", memory=plan)
     optimizer = build_optimizer(cfg.optim, model)
     micro_batch = (batch_shape[0] // cfg.trainer.accumulate, *batch_shape[1:])
     x = torch.empty(micro_batch, device="meta")
@@ -51,11 +53,13 @@ def predict_baseline(
     return predict_timeline(step, model, optimizer, x, y)
 
 
-def write_timelines(cfg: DictConfig, strategy: str, memory: MemoryComparison, path: Path) -> Path:
+def write_timelines(
+    cfg: DictConfig, plan: MemoryPlan, memory: MemoryComparison, path: Path
+) -> Path:
     """The measured step's timeline beside the baseline's, on one scale, as a PNG."""
     return plot_timelines(
         {
-            f"{cfg.model.name} ({strategy}), measured": memory.timeline,
+            f"{cfg.model.name} ({plan.name}), measured": memory.timeline,
             f"{cfg.model.name} (none), predicted": memory.baseline_timeline,
         },
         path,
@@ -65,7 +69,7 @@ def write_timelines(cfg: DictConfig, strategy: str, memory: MemoryComparison, pa
 
 def summary_table(
     cfg: DictConfig,
-    strategy: str,
+    plan: MemoryPlan,
     memory: MemoryComparison | None,
     step_time: float,
     result: dict[str, Any],
@@ -80,7 +84,7 @@ def summary_table(
         peak = base = ratio = "-"
     row = [
         cfg.model.name,
-        strategy,
+        plan.name,
         peak,
         base,
         ratio,

@@ -1,0 +1,219 @@
+"""How a model spends memory on activations: a typed plan, one decision per part.
+
+Three things can happen to the activations of a part of a model during a training step:
+
+- :class:`Store`: kept for backward (ordinary autograd).
+- :class:`Checkpoint`: only the part's input is kept; its forward runs again in backward.
+  ``segments`` splits a run of blocks into that many checkpointed pieces (``None``: about
+  sqrt(n), Chen et al.'s optimum).
+- :class:`Reconstruct`: a reversible part recomputes its inputs from its outputs in backward;
+  ``store_last_blocks`` and ``keep_input_every`` trade some memory back for time.
+
+A :class:`MemoryPlan` gives the decision for the blocks of a model's stages and for the rest
+(stems, strided transitions, heads); a plan made by :func:`revnets.auto_checkpoint` also lists
+every part it decided on, with its predicted memory and recompute time (print it). The zoo's
+memory strategies are named presets (:data:`PRESETS`). Strings are parsed into plans once, where
+they come in (timm keyword, Hydra config, command line), by :func:`parse_memory_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+__all__ = [
+    "PRESETS",
+    "Checkpoint",
+    "Decision",
+    "MemoryPlan",
+    "PartPlan",
+    "Reconstruct",
+    "Store",
+    "parse_memory_plan",
+]
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Store:
+    """Keep the part's activations for backward."""
+
+    def __str__(self) -> str:
+        return "store"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Keep only the part's input and run its forward again in backward; a run of blocks is
+    cut into ``segments`` checkpointed pieces (None: about sqrt(n))."""
+
+    segments: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.segments is not None and (
+            isinstance(self.segments, bool) or not isinstance(self.segments, int)
+            or self.segments < 1
+        ):
+            raise ValueError(
+                f"Checkpoint: segments must be a positive integer or None (about sqrt(n)), got "
+                f"{self.segments!r}"
+            )
+
+    def segments_for(self, blocks: int) -> int | None:
+        """How many segments a run of ``blocks`` blocks is cut into (None: about sqrt(n))."""
+        return None if self.segments is None else min(self.segments, max(blocks, 1))
+
+    def __str__(self) -> str:
+        return "checkpoint" if self.segments is None else f"checkpoint(segments={self.segments})"
+
+
+@dataclass(frozen=True)
+class Reconstruct:
+    """Recompute a reversible part's inputs from its outputs in backward (see
+    :class:`~revnets.ReversibleSequence` for ``store_last_blocks`` and ``keep_input_every``)."""
+
+    store_last_blocks: int = 0
+    keep_input_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.store_last_blocks, bool) or not isinstance(self.store_last_blocks, int) \
+                or self.store_last_blocks < 0:
+            raise ValueError(
+                "Reconstruct: store_last_blocks must be a non-negative integer, got "
+                f"{self.store_last_blocks!r}"
+            )
+        if self.keep_input_every is not None and (
+            isinstance(self.keep_input_every, bool) or not isinstance(self.keep_input_every, int)
+            or self.keep_input_every < 1
+        ):
+            raise ValueError(
+                "Reconstruct: keep_input_every must be a positive integer or None, got "
+                f"{self.keep_input_every!r}"
+            )
+
+    def __str__(self) -> str:
+        options = [f"store_last_blocks={self.store_last_blocks}"] if self.store_last_blocks else []
+        if self.keep_input_every is not None:
+            options.append(f"keep_input_every={self.keep_input_every}")
+        return "reconstruct" + (f"({', '.join(options)})" if options else "")
+
+
+Decision = Store | Checkpoint | Reconstruct
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """One part of a planned model: what happens to its activations, and what that costs.
+
+    ``kept_bytes``: activations it keeps from its forward until its backward (a checkpointed
+    segment: its input), as modelled by the planner. ``recompute_seconds``: forward time run
+    again in backward (NaN where times were not measured, e.g. on the meta device).
+    """
+
+    name: str
+    decision: Decision
+    kept_bytes: int = 0
+    recompute_seconds: float = math.nan
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What happens to activations: ``stages`` for the blocks of each stage (reversible blocks
+    can be reconstructed), ``rest`` for everything else (stems, strided transitions, heads).
+
+    Plans made by :func:`revnets.auto_checkpoint` list their ``parts`` and the training step's
+    predicted ``peak_bytes`` (with the ``budget`` asked for); ``str(plan)`` is then a table.
+    """
+
+    stages: Decision = Store()
+    rest: Store | Checkpoint = Store()
+    parts: tuple[PartPlan, ...] = field(default=(), compare=False)
+    peak_bytes: int | None = field(default=None, compare=False)
+    budget: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rest, Reconstruct):
+            raise ValueError(
+                "MemoryPlan: only reversible blocks can be reconstructed; rest (stems, strided "
+                "transitions, heads) can be Store() or Checkpoint()"
+            )
+
+    @property
+    def name(self) -> str:
+        """The preset's name, or the decisions spelt out."""
+        for name, preset in PRESETS.items():
+            if preset == self:
+                return name
+        return f"stages={self.stages}, rest={self.rest}"
+
+    @property
+    def reconstructs(self) -> bool:
+        return isinstance(self.stages, Reconstruct)
+
+    def __str__(self) -> str:
+        if not self.parts:
+            return self.name
+        rows = [("part", "decision", "kept MiB", "recompute ms")]
+        for part in self.parts:
+            seconds = part.recompute_seconds
+            ms = "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f}"
+            rows.append((part.name, str(part.decision), f"{part.kept_bytes / MiB:.2f}", ms))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        lines = [
+            "  ".join(
+                cell.ljust(width) if i < 2 else cell.rjust(width)
+                for i, (cell, width) in enumerate(zip(row, widths))
+            ).rstrip()
+            for row in rows
+        ]
+        lines.insert(1, "  ".join("-" * width for width in widths))
+        if self.peak_bytes is not None:
+            within = "" if self.budget is None else f" (budget {self.budget / MiB:.2f} MiB)"
+            peak = self.peak_bytes / MiB
+            lines.append(f"predicted peak of a training step: {peak:.2f} MiB{within}")
+        return "\n".join(lines)
+
+
+PRESETS: dict[str, MemoryPlan] = {
+    "none": MemoryPlan(Store(), Store()),
+    "checkpoint": MemoryPlan(Checkpoint(), Store()),
+    "reversible": MemoryPlan(Reconstruct(), Store()),
+    "reversible+checkpoint": MemoryPlan(Reconstruct(), Checkpoint()),
+}
+_OPTIONS = re.compile(r"^(?P<name>[a-z+_]+)(?:\((?P<options>[^()]*)\))?$")
+
+
+def parse_memory_plan(value: str | MemoryPlan) -> MemoryPlan:
+    """A plan from its preset name, with options for the stages' decision in brackets:
+    ``"reversible(store_last_blocks=3)"``, ``"checkpoint(segments=4)"``. A plan is returned as is.
+    ``reversible_checkpoint`` (Hydra's file name) means ``reversible+checkpoint``."""
+    if isinstance(value, MemoryPlan):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"a memory plan is a MemoryPlan or a preset name, got {value!r}")
+    match = _OPTIONS.match(value.strip().replace(" ", ""))
+    name = match and match["name"].replace("reversible_checkpoint", "reversible+checkpoint")
+    if not match or name not in PRESETS:
+        raise ValueError(
+            f"unknown memory plan {value!r}; presets: {', '.join(PRESETS)}, options in brackets "
+            "(e.g. 'reversible(store_last_blocks=2)', 'checkpoint(segments=4)')"
+        )
+    plan = PRESETS[name]
+    if not match["options"]:
+        return plan
+    options = {}
+    for item in match["options"].split(","):
+        key, _, number = item.partition("=")
+        if not number.isdigit():
+            raise ValueError(f"memory plan {value!r}: option {item!r} needs a whole number")
+        options[key] = int(number)
+    try:
+        return replace(plan, stages=replace(plan.stages, **options))
+    except TypeError:
+        raise ValueError(
+            f"memory plan {value!r}: {type(plan.stages).__name__} takes no option "
+            f"{', '.join(options)}; it takes "
+            + (", ".join(plan.stages.__dataclass_fields__) or "none")
+        ) from None
