@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 import revnets
-from revnets.planning import predict_training_peak
 
 from common import RESULTS, provenance, results_stem, write_csv, write_markdown
 
@@ -78,6 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     L, loss = args.layers, loss_of(args.layers)
+
+    def step(model, state):
+        loss(model(state)).backward()
+
     rows = []
     for label, (hidden, steps, batch), measure in [
         ("full size, predicted", (args.hidden, args.steps, args.batch), False),
@@ -85,18 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     ]:
         chain = unrolled(L, hidden, steps, "meta" if not measure else "cpu")
         state = initial_state(L, hidden, steps, batch, "meta" if not measure else "cpu")
-        regular = predict_training_peak(chain, state, loss)
+        regular = revnets.predict_memory(step, chain, state).peak_bytes
         weights = 2 * sum(p.numel() * p.element_size() for p in chain.parameters())  # + grads
         budget = int(weights + args.fraction * (regular - weights))
         planned = revnets.auto_checkpoint(chain, state, budget, loss)
-        predicted = predict_training_peak(planned, state, loss)
+        predicted = planned.memory_plan.peak_bytes
         row = {"case": label, "layers": L, "hidden": hidden, "steps": steps, "batch": batch,
                "segments": sum(1 for _ in planned), "unplanned_mib": round(regular / MiB, 1),
                "planned_mib": round(predicted / MiB, 1)}
         if measure:
-            def step(model, state):
-                loss(model(state)).backward()
-
             measured = {}
             for name, m in (("unplanned", chain), ("planned", planned)):
                 m.zero_grad(set_to_none=True)  # as predicted: no gradients before the step

@@ -409,21 +409,36 @@ class _LikeTheDevice(TorchFunctionMode):
     - Scalar tensors asked for on the meta device are created on the CPU instead, with their
       values: optimizers create scalar state (ASGD's eta and mu) and read it back with
       ``.item()``, which a meta tensor cannot answer.
-    - For a CPU run (``cpu_attention``), ``scaled_dot_product_attention`` uses the fused CPU
-      kernel where the CPU would: on meta tensors torch falls back to the math path, which
-      materialises the attention matrix and would overstate the memory.
+    - For a CPU run (``cpu_attention``), ``scaled_dot_product_attention`` on meta tensors uses
+      the fused CPU kernel where the CPU would: on meta tensors torch falls back to the math path,
+      which materialises the attention matrix and would overstate the memory. This one is patched
+      into ``torch.nn.functional`` for the duration rather than taken from the mode, because
+      backward (checkpoints' and the reversible engine's recomputations) runs on the autograd
+      engine's thread for meta tensors, where a mode of this thread is not active.
     """
 
     def __init__(self, cpu_attention: bool) -> None:
         super().__init__()
         self.cpu_attention = cpu_attention
+        self._attention = F.scaled_dot_product_attention
+
+    def __enter__(self) -> _LikeTheDevice:
+        if self.cpu_attention:
+            original = self._attention
+
+            def attention(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
+                fused = _cpu_flash_attention(query, key, value, *args, **kwargs)
+                return fused if fused is not None else original(query, key, value, *args, **kwargs)
+
+            F.scaled_dot_product_attention = attention
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        F.scaled_dot_product_attention = self._attention
+        super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and self.cpu_attention:
-            fused = _cpu_flash_attention(*args, **kwargs)
-            if fused is not None:
-                return fused
         out = func(*args, **kwargs)
         device = kwargs.get("device")
         if (

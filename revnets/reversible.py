@@ -491,8 +491,10 @@ def _add(a: Tensor, b: Tensor | None, *live: Tensor | None) -> Tensor:
     """
     if b is None:
         return a
-    storage = b.untyped_storage().data_ptr()
-    aliased = any(t is not None and t.untyped_storage().data_ptr() == storage for t in (a, *live))
+    # Storage identity rather than data_ptr(), which is 0 for every meta tensor: predictions on
+    # the meta device must take the same in-place path as the real run.
+    storage = b.untyped_storage()._cdata
+    aliased = any(t is not None and t.untyped_storage()._cdata == storage for t in (a, *live))
     if b._base is None and b.dtype == a.dtype and not aliased:
         return b.add_(a)
     return a + b

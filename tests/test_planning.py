@@ -20,7 +20,6 @@ from revnets.planning import (
     modelled_peak,
     nested_schedule,
     optimal_plan,
-    predict_training_peak,
     profile_chain,
     recompute_cost,
     sqrt_plan,
@@ -35,7 +34,10 @@ def chain(units: int = 4, channels: int = 8) -> nn.Sequential:
 
 
 def training_peak(model, x):
+    """A training step's measured peak, from freed gradients as auto_checkpoint's budget."""
+
     def step(model, x):
+        model.zero_grad(set_to_none=True)
         model(x).float().sum().backward()
 
     return measure_memory(step, model, x).peak_bytes
@@ -103,13 +105,28 @@ def test_auto_checkpoint_names_the_smallest_reachable_budget():
         revnets.auto_checkpoint(model, x, budget=1000)
 
 
-def test_auto_checkpoint_picks_a_memory_strategy_for_a_revnet():
-    model = timm.create_model("revnet38", memory="none")
+@pytest.mark.parametrize("name", ["revnet38", "irevnet163"])
+def test_auto_checkpoint_fits_zoo_models_to_the_byte(name):
+    model = timm.create_model(name, memory="none", units=(2, 2, 2))
     x = torch.randn(8, 3, 32, 32)
-    baseline = training_peak(model, x)
-    revnets.auto_checkpoint(model, x, budget=int(0.6 * baseline))
-    assert model.memory.name in ("reversible", "reversible+checkpoint")
-    assert training_peak(model, x) <= 0.6 * baseline
+    budget = training_peak(copy.deepcopy(model).set_memory("reversible"), x)
+    assert budget < training_peak(model, x)
+    planned = revnets.auto_checkpoint(model, x, budget)
+    assert training_peak(planned, x) == planned.memory_plan.peak_bytes <= budget
+    assert planned.memory_plan.reconstructs
+
+
+def test_auto_checkpoint_picks_a_preset_for_zoo_models_it_cannot_trace():
+    # Rev-ViT's patch embedding checks the input size in Python, which torch.fx cannot trace.
+    model = timm.create_model("revvit_small_patch16_224", img_size=32, patch_size=8, depth=4,
+                              embed_dim=32, num_heads=2, memory="none")
+    x = torch.randn(8, 3, 32, 32)
+    # Slack: the prediction of Rev-ViT's reversible backward is about 5 KiB above the CPU's
+    # measurement at this size (not yet explained; the other presets predict to the byte).
+    budget = int(1.01 * training_peak(copy.deepcopy(model).set_memory("reversible"), x))
+    planned = revnets.auto_checkpoint(model, x, budget)
+    assert planned is model and model.memory_plan.name == "reversible"
+    assert training_peak(planned, x) <= model.memory_plan.peak_bytes <= budget
 
 
 class DataDependent(nn.Module):
@@ -271,7 +288,7 @@ def test_recurrent_chain_with_tuple_state():
     cell.zero_grad(set_to_none=True)
     planned = revnets.auto_checkpoint(model, state, budget, loss)
     cell.zero_grad(set_to_none=True)
-    assert peak(planned) == predict_training_peak(planned, state, loss) <= budget
+    assert peak(planned) == planned.memory_plan.peak_bytes <= budget
     cell.zero_grad(set_to_none=True)
     loss(planned(state)).backward()
     grads = [p.grad.clone() for p in cell.parameters()]

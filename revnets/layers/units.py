@@ -88,6 +88,8 @@ def shortcut(in_ch: int, out_ch: int, stride: int, bottleneck: bool) -> nn.Modul
 class ResidualUnit(nn.Module):
     """``transform(x) + shortcut(x)``: one unit of a pre-activation ResNet."""
 
+    planning_unit = True  # auto_checkpoint cuts between units, not inside them
+
     def __init__(self, transform: nn.Module, shortcut: nn.Module) -> None:
         super().__init__()
         self.transform = transform

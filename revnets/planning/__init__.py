@@ -1,11 +1,6 @@
 """Choosing what to store: profiles, checkpoint plans and automatic selection under a budget."""
 
-from revnets.planning.auto import (
-    PlannedModel,
-    PlanningError,
-    auto_checkpoint,
-    predict_training_peak,
-)
+from revnets.planning.auto import PlannedModel, PlanningError, auto_checkpoint
 from revnets.planning.chain import (
     budget_plan,
     candidate_plans,
@@ -15,10 +10,9 @@ from revnets.planning.chain import (
     recompute_cost,
     sqrt_plan,
 )
-from revnets.planning.chain_graph import NotAChainError, as_chain
-from revnets.planning.graph_chain import GraphStep, as_graph_chain
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, profile_chain
+from revnets.planning.trace import GraphStep, NotAChainError, as_graph_chain
 
 __all__ = [
     "GraphStep",
@@ -27,7 +21,6 @@ __all__ = [
     "NotAChainError",
     "PlannedModel",
     "PlanningError",
-    "as_chain",
     "as_graph_chain",
     "auto_checkpoint",
     "budget_plan",
@@ -37,7 +30,6 @@ __all__ = [
     "modelled_peak",
     "nested_schedule",
     "optimal_plan",
-    "predict_training_peak",
     "profile_chain",
     "recompute_cost",
     "sqrt_plan",

@@ -1,10 +1,11 @@
 """``auto_checkpoint``: hand over a model and a memory budget, get back a model that trains
-within it."""
+within it, and the plan it follows."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -12,18 +13,25 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from revnets.checkpoint import checkpoint_segments
-from revnets.memory import measure_memory
+from revnets.checkpoint import Checkpointed
+from revnets.memory import predict_memory
+from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.chain import candidate_plans
-from revnets.planning.graph_chain import as_graph_chain
 from revnets.planning.nested import group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
+from revnets.planning.trace import GraphStep, as_graph_chain
+from revnets.reversible import ReversibleSequence
 
-__all__ = ["PlannedModel", "PlanningError", "auto_checkpoint", "predict_training_peak"]
+__all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 
 MiB = 2**20
-LossFn = Callable[[Tensor], Tensor]
+LossFn = Callable[[Any], Tensor]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
+SPREAD = 12  # candidate plans predicted before bisecting
+
+
+Segments = tuple[tuple[int, int, bool], ...]  # (start, stop, checkpointed) covering the chain
 
 
 class PlanningError(ValueError):
@@ -34,75 +42,80 @@ def _default_loss(output: Tensor) -> Tensor:
     return output.float().sum()
 
 
-def predict_training_peak(
-    model: nn.Module, example_input: Tensor, loss_fn: LossFn = _default_loss
-) -> int:
-    """Peak bytes of forward + backward (parameters, gradients and activations), predicted on the
-    meta device: nothing is computed and ``model`` is left alone."""
-    meta = copy.deepcopy(model).to("meta") if _has_data(model) else model
-    x = _meta_like(example_input)
-
-    def step(model: nn.Module, x: Tensor) -> None:
-        loss_fn(model(x)).backward()
-
-    return measure_memory(step, meta.train(), x).peak_bytes
-
-
-def _meta_like(value: Any) -> Any:
-    """Meta tensors shaped like ``value`` (a tensor or a tuple of tensors), keeping
-    requires_grad."""
-    return tree_map(
-        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
-        if isinstance(t, Tensor) else t,
-        value,
-    )
-
-
-def _has_data(model: nn.Module) -> bool:
-    return any(t.device.type != "meta" for t in (*model.parameters(), *model.buffers()))
+def _training_step(
+    model: nn.Module, x: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """What a budget bounds: a step from freed gradients, as training loops run it."""
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(x)).backward()
+    if optimizer is not None:
+        optimizer.step()
 
 
 def auto_checkpoint(
     model: nn.Module,
-    example_input: Tensor,
+    example_input: Any,
     budget: int,
     loss_fn: LossFn = _default_loss,
+    optimizer: torch.optim.Optimizer | None = None,
     measure_time: bool = True,
 ) -> nn.Module:
-    """Return ``model`` set up to train within ``budget`` bytes, recomputing as little as possible.
+    """Return ``model`` set up to train within ``budget`` bytes, recomputing as little as
+    possible; the plan it follows is its ``memory_plan`` (print it for a table of parts).
 
-    ``budget`` bounds the peak of one forward + backward at ``example_input``'s shape: parameters,
-    gradients and activations (optimizer state is the optimizer's business). Supported models:
+    ``budget`` is the peak of one training step at ``example_input``'s shape, predicted exactly
+    on the meta device: parameters, gradients, activations, and the optimizer's state and update
+    when ``optimizer`` is given (the same meaning as ``revnets.predict_memory`` of that step).
 
-    - revnets zoo models (anything with ``set_memory``): the cheapest memory strategy that fits,
-      trying ``none``, ``reversible``, ``checkpoint``, ``reversible+checkpoint`` in that order.
-      Returned as the same object.
-    - ``nn.Sequential`` chains, and any other model torch.fx can trace, as the chain of its
-      graph nodes (:func:`as_graph_chain`: branches and concatenations included, cuts anywhere).
-      Candidates are the optimal plans of :func:`optimal_plan` over a range of budgets, Chen's
-      sqrt(n) and budgeted plans, ordered by what they recompute (forward time measured layer
-      by layer on ``example_input``'s device when ``measure_time``, else layers counted); the
-      first whose exact peak, predicted on the meta device, fits (found by bisection: a few
-      predictions). Below what one level of checkpoints reaches, nested checkpoints
-      (:func:`nested_schedule`). An ``nn.Sequential`` comes back as a new ``nn.Sequential``
-      over the same layers; any other model as a :class:`PlannedModel` that trains with the
-      plan and evaluates with the model itself (same weights, same outputs).
+    Any model torch.fx can trace, with reversible stages or without, zoo or hand-built, is
+    planned as the chain of its graph nodes (:func:`as_graph_chain`: branches and concatenations
+    included). Reversible sequences, invertible modules and modules marked ``planning_unit`` stay
+    whole. Each reversible sequence can reconstruct (one extra forward of it) or store; around
+    them, any run of steps can be checkpointed (nested where one level is not enough). For each
+    choice of reconstructing sequences (those saving the most first), the candidate checkpoint
+    plans (Chen's budgeted and sqrt(n) plans, optimal plans over a range of budgets) are ordered
+    by what they recompute (forward time measured on ``example_input``'s device when
+    ``measure_time``, else steps counted) and the first that fits is found by bisection on exact
+    predictions; the cheapest over all choices wins.
 
-    Raises :class:`PlanningError` stating the smallest reachable budget when none fits.
+    An ``nn.Sequential`` comes back as a new ``nn.Sequential`` over the same layers; any other
+    model as a :class:`PlannedModel` that trains with the plan and evaluates with the model
+    itself (same weights, same outputs), or as itself when storing everything fits. Models that
+    cannot be traced: a zoo model gets the cheapest preset that fits; anything else is refused
+    naming why. Raises :class:`PlanningError` stating the smallest reachable budget when no plan
+    fits.
     """
-    if hasattr(model, "set_memory") and hasattr(model, "memory_strategies"):
-        return _choose_strategy(model, example_input, budget, loss_fn)
+    zoo = isinstance(model, SwitchableMemory)
     if isinstance(model, nn.Sequential):
-        return _choose_plan(model, example_input, budget, loss_fn, measure_time)
-    try:
-        chain = as_graph_chain(model)
-    except Exception as error:  # torch.fx raises many kinds on code it cannot trace
-        raise TypeError(
-            f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
-            f"single-input steps ({error}); express it as an nn.Sequential of its stages"
-        ) from error
-    planned = _choose_plan(chain, example_input, budget, loss_fn, measure_time)
-    return model if planned is chain else PlannedModel(model, planned)
+        chain = model
+    else:
+        original = model.memory if zoo else None
+        if zoo:  # trace the model's plain code path; the planner decides the rest
+            model.set_memory(PRESETS["reversible" if _reconstructs(model) else "none"])
+        try:
+            chain = as_graph_chain(model)
+        except Exception as error:  # torch.fx raises many kinds on code it cannot trace
+            if zoo:
+                model.set_memory(original)
+                return _choose_preset(model, example_input, budget, loss_fn, optimizer)
+            raise TypeError(
+                f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
+                f"single-input steps ({error}); express it as an nn.Sequential of its stages"
+            ) from error
+    planner = _Planner(chain, example_input, loss_fn, optimizer, measure_time)
+    planned, plan = planner.fit(budget)
+    result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
+    if planned is chain and result is not chain:
+        # Nothing checkpointed: the model itself runs the plan, if it fits as the chain did.
+        peak = planner.peak(model)
+        if peak <= budget:
+            result, plan = model, replace(plan, peak_bytes=peak)
+    result.memory_plan = plan
+    return result
+
+
+def _reconstructs(model: SwitchableMemory) -> bool:
+    return model.memory_problem(PRESETS["reversible"]) is None
 
 
 class PlannedModel(nn.Module):
@@ -114,6 +127,8 @@ class PlannedModel(nn.Module):
     weights through ``.model``, whose state_dict keys are the original ones.
     """
 
+    memory_plan: MemoryPlan
+
     def __init__(self, model: nn.Module, plan: nn.Sequential) -> None:
         super().__init__()
         self.plan = plan
@@ -122,6 +137,10 @@ class PlannedModel(nn.Module):
     @property
     def model(self) -> nn.Module:
         return self._model[0]
+
+    @property
+    def memory(self) -> MemoryPlan:
+        return self.memory_plan
 
     def train(self, mode: bool = True) -> PlannedModel:
         super().train(mode)
@@ -134,121 +153,339 @@ class PlannedModel(nn.Module):
         return self.model(*args, **kwargs)
 
 
-def _choose_strategy(
-    model: nn.Module, example_input: Tensor, budget: int, loss_fn: LossFn
+def _sequence_of(step: nn.Module) -> ReversibleSequence | None:
+    """The reversible sequence a step of a chain runs, if it runs one."""
+    if isinstance(step, ReversibleSequence):
+        return step
+    if isinstance(step, GraphStep) and isinstance(getattr(step, "module", None),
+                                                    ReversibleSequence):
+        return step.module
+    return None
+
+
+def _step_name(step: nn.Module, index: int) -> str:
+    return step.label if isinstance(step, GraphStep) else f"{index}:{type(step).__name__}"
+
+
+class _Planner:
+    """The search of :func:`auto_checkpoint` over one chain."""
+
+    def __init__(
+        self,
+        chain: nn.Sequential,
+        example_input: Any,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None,
+        measure_time: bool,
+    ) -> None:
+        self.chain, self.example_input = chain, example_input
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.sequences = {i: s for i, step in enumerate(chain)
+                          if (s := _sequence_of(step)) is not None}
+        self.original = {i: _decision_of(s) for i, s in self.sequences.items()}
+        meta_chain = copy.deepcopy(chain).to("meta")
+        meta_input = _meta_like(example_input)
+        self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
+        # One profile with every reversible sequence stored, one with every one reconstructing;
+        # other steps profile the same in both.
+        self.profiles: dict[type, list[LayerProfile]] = {}
+        meta_sequences = {i: _sequence_of(meta_chain[i]) for i in self.sequences}
+        for decision in (Store(), Reconstruct()):
+            for sequence in meta_sequences.values():
+                configure_sequence(sequence, decision)
+            self.profiles[type(decision)] = profile_chain(list(meta_chain), meta_input)
+        if measure_time and _device_type(example_input) != "meta":
+            self._store_all()
+            times = profile_chain(list(chain), example_input, repeats=2)
+            for kind, profiles in self.profiles.items():
+                self.profiles[kind] = [replace(p, forward_seconds=t.forward_seconds)
+                                       for p, t in zip(profiles, times)]
+        self.predictions = 0
+
+    # -- predictions ------------------------------------------------------------------------
+    def peak(self, module: nn.Module) -> int:
+        self.predictions += 1
+        return predict_memory(
+            _training_step, module, self.example_input, self.loss_fn, self.optimizer
+        ).peak_bytes
+
+    def _store_all(self) -> None:
+        for sequence in self.sequences.values():
+            configure_sequence(sequence, Store())
+
+    def _assign(self, reconstructed: frozenset[int]) -> list[LayerProfile]:
+        for i, sequence in self.sequences.items():
+            decision = self.original[i] if i in reconstructed else Store()
+            configure_sequence(sequence, decision)
+        stored, rebuilt = self.profiles[Store], self.profiles[Reconstruct]
+        return [rebuilt[i] if i in reconstructed else p for i, p in enumerate(stored)]
+
+    # -- search -----------------------------------------------------------------------------
+    def fit(self, budget: int) -> tuple[nn.Module, MemoryPlan]:
+        stored, rebuilt = self.profiles[Store], self.profiles[Reconstruct]
+        # Reconstruct the sequences that save the most first: one choice per prefix.
+        order = sorted(self.sequences, key=lambda i: rebuilt[i].saved_bytes - stored[i].saved_bytes)
+        choices = [frozenset(order[:k]) for k in range(len(order) + 1)]
+        best: tuple[float, frozenset[int], Segments, int] | None = None
+        smallest: tuple[int, str] = (math.inf, "")
+        for reconstructed in choices:
+            profiles = self._assign(reconstructed)
+            plans = self._candidates(profiles, reconstructed)
+            extra = sum(_seconds(profiles, i) for i in reconstructed)
+            found = self._first_fitting(plans, budget)
+            if found is None:
+                low = min(self._peaks.values())
+                if low < smallest[0]:
+                    index = min(self._peaks, key=self._peaks.get)
+                    smallest = (low, f"{len(reconstructed)} reversible sequences reconstructing, "
+                                     f"segments {[(a, b) for a, b, _ in plans[index]]}")
+                continue
+            plan, peak = found
+            cost = self._recompute(plan, profiles) + extra
+            if best is None or cost < best[0]:
+                best = (cost, reconstructed, plan, peak)
+            if cost == 0:
+                break
+        if best is None:
+            return self._nested(frozenset(self.sequences), budget, smallest)
+        _, reconstructed, plan, peak = best
+        profiles = self._assign(reconstructed)
+        planned = self._apply(plan)
+        return planned, self._describe(plan, profiles, reconstructed, peak, budget)
+
+    # A reconstructing sequence keeps neither its input nor its internals: checkpointing it would
+    # keep its input and run it once more. So every plan cuts around it and runs it as is.
+    def _candidates(
+        self, profiles: list[LayerProfile], reconstructed: frozenset[int]
+    ) -> list[Segments]:
+        plans: set[Segments] = set()
+        for plan in candidate_plans(profiles, input_state=self.input_state):
+            segments: list[tuple[int, int, bool]] = []
+            for number, (start, stop) in enumerate(plan):
+                checkpointed = number < len(plan) - 1
+                cuts = sorted({start, stop, *(c for i in reconstructed if start <= i < stop
+                                              for c in (i, i + 1))})
+                for a, b in zip(cuts, cuts[1:]):
+                    alone = b - a == 1 and a in reconstructed
+                    segments.append((a, b, checkpointed and not alone))
+            plans.add(tuple(segments))
+        return sorted(plans, key=lambda p: (self._recompute(p, profiles), len(p)))
+
+    @staticmethod
+    def _recompute(plan: Segments, profiles: list[LayerProfile]) -> float:
+        return sum(_seconds(profiles, i) for a, b, checkpointed in plan if checkpointed
+                   for i in range(a, b))
+
+    def _apply(self, plan: Segments) -> nn.Module:
+        """The chain running ``plan``, over the same modules."""
+        if not any(checkpointed for _, _, checkpointed in plan):
+            return self.chain
+        steps: list[nn.Module] = []
+        for start, stop, checkpointed in plan:
+            run = list(self.chain)[start:stop]
+            steps += [Checkpointed(nn.Sequential(*run))] if checkpointed else run
+        return nn.Sequential(*steps)
+
+    def _first_fitting(
+        self, plans: list[Segments], budget: int
+    ) -> tuple[Segments, int] | None:
+        """Plans come in order of increasing recomputation, so memory mostly decreases along
+        them: bisect for the first that fits (each exact prediction runs on the meta device)."""
+        self._peaks: dict[int, int] = {}
+
+        def peak(i: int) -> int:
+            if i not in self._peaks:
+                self._peaks[i] = self.peak(self._apply(plans[i]))
+            return self._peaks[i]
+
+        if peak(0) <= budget:
+            return plans[0], peak(0)
+        # Memory is not monotonic along the order (tiny segments keep more checkpoints): look at
+        # a spread of plans first, then bisect before the first of them that fits.
+        spread = sorted({round(k * (len(plans) - 1) / (SPREAD - 1)) for k in range(SPREAD)})
+        fitting = [i for i in spread if peak(i) <= budget]
+        if not fitting:
+            return None
+        high = fitting[0]
+        low = max(i for i in spread if i < high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if peak(middle) <= budget:
+                high = middle
+            else:
+                low = middle
+        return plans[high], peak(high)
+
+    def _nested(
+        self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str]
+    ) -> tuple[nn.Module, MemoryPlan]:
+        """Below what one level of checkpoints reaches: checkpoints within recomputations."""
+        profiles = self._assign(reconstructed)
+        layers, grouped = group_chain(list(self.chain), profiles, NESTED_GROUPS)
+        model_state = sum(
+            t.numel() * t.element_size() * (2 if getattr(t, "requires_grad", False) else 1)
+            for t in (*self.chain.parameters(), *self.chain.buffers())
+        )
+        low_peak, how = smallest
+        # The schedule's memory model leaves out transients: shrink its budget until the exact
+        # prediction fits.
+        for share in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+            schedule = nested_schedule(grouped, int(share * (budget - model_state)))
+            if schedule is None:
+                break
+            planned = schedule.apply(layers)
+            peak = self.peak(planned)
+            if peak <= budget:
+                parts = [*self._sequence_parts(profiles, reconstructed),
+                         PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),
+                                  recompute_seconds=math.nan)]
+                return planned, _plan(parts, reconstructed, True, peak, budget)
+            if peak < low_peak:
+                low_peak, how = peak, f"nested checkpoints {schedule.tree}"
+        # Nothing fits: name the smallest budget, that of the most frugal schedule there is.
+        low, high = 0, max(int(min(low_peak, 2**62)) - model_state, 1)
+        frugal = None
+        while high - low > max(high // 64, 1):
+            middle = (low + high) // 2
+            schedule = nested_schedule(grouped, middle)
+            if schedule is None:
+                low = middle
+            else:
+                high, frugal = middle, schedule
+        if frugal is not None:
+            peak = self.peak(frugal.apply(layers))
+            if peak < low_peak:
+                low_peak, how = peak, f"nested checkpoints {frugal.tree}"
+        self._restore()
+        raise PlanningError(_no_fit(budget, low_peak, how))
+
+    def _restore(self) -> None:
+        for i, sequence in self.sequences.items():
+            configure_sequence(sequence, self.original[i])
+
+    # -- the plan as an object --------------------------------------------------------------
+    def _sequence_parts(
+        self, profiles: list[LayerProfile], reconstructed: frozenset[int]
+    ) -> list[PartPlan]:
+        return [
+            PartPlan(_step_name(self.chain[i], i),
+                     self.original[i] if i in reconstructed else Store(),
+                     profiles[i].saved_bytes,
+                     _measured(profiles, range(i, i + 1)) if i in reconstructed else 0.0)
+            for i in self.sequences
+        ]
+
+    def _describe(
+        self,
+        plan: Segments,
+        profiles: list[LayerProfile],
+        reconstructed: frozenset[int],
+        peak: int,
+        budget: int,
+    ) -> MemoryPlan:
+        names = [_step_name(step, i) for i, step in enumerate(self.chain)]
+        parts: list[PartPlan] = []
+        for start, stop, checkpointed in plan:
+            if checkpointed:
+                state = self.input_state if start == 0 else profiles[start - 1].state
+                parts.append(PartPlan(_span(names, start, stop), Checkpoint(),
+                                      sum((state or {}).values()),
+                                      _measured(profiles, range(start, stop))))
+            run: list[int] = []
+            for i in [*range(start, stop), None]:
+                if (i is None or i in self.sequences) and run and not checkpointed:
+                    parts.append(PartPlan(_span(names, run[0], run[-1] + 1), Store(),
+                                          sum(profiles[j].saved_bytes for j in run), 0.0))
+                    run = []
+                if i is not None and i in self.sequences:
+                    inside = " (inside the checkpoint)" if checkpointed else ""
+                    parts.append(PartPlan(
+                        names[i] + inside,
+                        self.original[i] if i in reconstructed else Store(),
+                        profiles[i].saved_bytes,
+                        _measured(profiles, range(i, i + 1)) if i in reconstructed else 0.0,
+                    ))
+                elif i is not None:
+                    run.append(i)
+        checkpointed = any(isinstance(part.decision, Checkpoint) for part in parts)
+        return _plan(parts, reconstructed, checkpointed, peak, budget)
+
+
+def _plan(
+    parts: Sequence[PartPlan], reconstructed: frozenset[int], checkpointed: bool, peak: int,
+    budget: int,
+) -> MemoryPlan:
+    return MemoryPlan(
+        stages=Reconstruct() if reconstructed else Store(),
+        rest=Checkpoint() if checkpointed else Store(),
+        parts=tuple(parts),
+        peak_bytes=peak,
+        budget=budget,
+    )
+
+
+def _span(names: list[str], start: int, stop: int) -> str:
+    return names[start] if stop - start == 1 else f"{names[start]} .. {names[stop - 1]}"
+
+
+def _decision_of(sequence: ReversibleSequence) -> Decision:
+    """How a sequence reconstructs when the planner lets it (its own options kept)."""
+    return Reconstruct(sequence.store_last_blocks, sequence.keep_input_every)
+
+
+def _measured(profiles: Sequence[LayerProfile], indices: range) -> float:
+    """Forward seconds of some steps, NaN where they were not measured (on the meta device)."""
+    return sum(profiles[i].forward_seconds for i in indices)
+
+
+def _seconds(profiles: Sequence[LayerProfile], index: int) -> float:
+    seconds = profiles[index].forward_seconds
+    return 1.0 if math.isnan(seconds) else seconds  # unmeasured: every step counts one
+
+
+def _choose_preset(
+    model: SwitchableMemory,
+    example_input: Any,
+    budget: int,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
 ) -> nn.Module:
-    order = [s for s in ("none", "reversible", "checkpoint", "reversible+checkpoint")
-             if s in model.memory_strategies]
+    """For zoo models torch.fx cannot trace: the cheapest preset that fits."""
     original = model.memory
     peaks = {}
-    for strategy in order:
-        model.set_memory(strategy)
-        peaks[strategy] = predict_training_peak(model, example_input, loss_fn)
-        if peaks[strategy] <= budget:
+    for name in ("none", "reversible", "checkpoint", "reversible+checkpoint"):
+        if name not in model.memory_strategies:
+            continue
+        model.set_memory(name)
+        peaks[name] = predict_memory(
+            _training_step, model, example_input, loss_fn, optimizer
+        ).peak_bytes
+        if peaks[name] <= budget:
+            model.memory_plan = replace(PRESETS[name], peak_bytes=peaks[name], budget=budget)
             return model
     model.set_memory(original)
     best = min(peaks, key=peaks.get)
-    raise PlanningError(_no_fit(budget, peaks[best], f"memory strategy {best!r}"))
+    raise PlanningError(_no_fit(budget, peaks[best], f"memory plan {best!r}"))
 
 
-def _choose_plan(
-    model: nn.Sequential,
-    example_input: Tensor,
-    budget: int,
-    loss_fn: LossFn,
-    measure_time: bool,
-) -> nn.Module:
-    meta_model = copy.deepcopy(model).to("meta")
-    meta_input = _meta_like(example_input)
-    profiles = profile_chain(list(meta_model), meta_input)
-    if measure_time and _device_type(example_input) != "meta":
-        times = profile_chain(list(model), example_input, repeats=2)
-        profiles = [replace(p, forward_seconds=t.forward_seconds) for p, t in zip(profiles, times)]
-    input_state = profiles and _input_state(model, meta_input)
-    plans = candidate_plans(profiles, input_state=input_state)
-    peaks: dict[int, int] = {}
-
-    def peak(i: int) -> int:
-        if i not in peaks:
-            planned = checkpoint_segments(meta_model, plans[i])
-            peaks[i] = predict_training_peak(planned, example_input, loss_fn)
-        return peaks[i]
-
-    # Plans come in order of increasing recomputation, so memory mostly decreases along them:
-    # bisect for the first that fits (each exact prediction runs the model on the meta device).
-    if peak(0) <= budget:
-        return model
-    low, high = 0, len(plans) - 1
-    if peak(high) > budget:
-        smallest = min(range(len(plans)), key=peak)
-        if peak(smallest) > budget:
-            # Below what one level of checkpoints reaches: checkpoints within recomputations.
-            return _nested_within(
-                model, meta_model, profiles, example_input, budget, loss_fn,
-                (peak(smallest), f"segments {plans[smallest]}"),
-            )
-        high = smallest
-    while high - low > 1:
-        middle = (low + high) // 2
-        if peak(middle) <= budget:
-            high = middle
-        else:
-            low = middle
-    return checkpoint_segments(model, plans[high])
-
-
-def _nested_within(
-    model: nn.Sequential,
-    meta_model: nn.Sequential,
-    profiles: list[LayerProfile],
-    example_input: Tensor,
-    budget: int,
-    loss_fn: LossFn,
-    best_so_far: tuple[int, str],
-) -> nn.Module:
-    layers, grouped = group_chain(list(model), profiles, NESTED_GROUPS)
-    meta_layers, _ = group_chain(list(meta_model), profiles, NESTED_GROUPS)
-    model_state = sum(
-        t.numel() * t.element_size() * (2 if getattr(t, "requires_grad", False) else 1)
-        for t in (*model.parameters(), *model.buffers())
+def _meta_like(value: Any) -> Any:
+    """Meta tensors shaped like ``value`` (a tensor or a tuple of tensors), keeping
+    requires_grad."""
+    return tree_map(
+        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        if isinstance(t, Tensor) else t,
+        value,
     )
-    smallest, how = best_so_far
-    # The schedule's memory model leaves out transients: shrink its budget until the exact
-    # prediction fits.
-    for share in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
-        schedule = nested_schedule(grouped, int(share * (budget - model_state)))
-        if schedule is None:
-            break
-        peak = predict_training_peak(schedule.apply(meta_layers), example_input, loss_fn)
-        if peak <= budget:
-            return schedule.apply(layers)
-        if peak < smallest:
-            smallest, how = peak, f"nested checkpoints {schedule.tree}"
-    # Nothing fits: name the smallest budget, that of the most frugal schedule there is.
-    low, high = 0, max(smallest - model_state, 1)
-    frugal = None
-    while high - low > max(high // 64, 1):
-        middle = (low + high) // 2
-        schedule = nested_schedule(grouped, middle)
-        if schedule is None:
-            low = middle
-        else:
-            high, frugal = middle, schedule
-    if frugal is not None:
-        peak = predict_training_peak(frugal.apply(meta_layers), example_input, loss_fn)
-        if peak < smallest:
-            smallest, how = peak, f"nested checkpoints {frugal.tree}"
-    raise PlanningError(_no_fit(budget, smallest, how))
 
 
-def _input_state(chain: nn.Sequential, example_input: Any) -> dict[str, int]:
+def _first_input(chain: nn.Sequential) -> str:
     names = getattr(chain[0], "inputs", None) or ["input"]
-    return {names[0]: _nbytes(example_input)}
+    return names[0]
 
 
-def _no_fit(budget: int, smallest: int, how: Any) -> str:
+def _no_fit(budget: int, smallest: float, how: Any) -> str:
     return (
         f"auto_checkpoint: no plan trains within {budget / MiB:.2f} MiB; the smallest budget this "
-        f"model can reach at this input size is {smallest / MiB:.2f} MiB ({smallest} bytes, "
+        f"model can reach at this input size is {smallest / MiB:.2f} MiB ({int(smallest)} bytes, "
         f"with {how}). Use a smaller batch or a reversible architecture."
     )

@@ -100,7 +100,7 @@ def optimal_plan(
     tensor), what ``[i, k)`` saves for backward, and the gradient arriving at ``k``; the last
     segment is not checkpointed. Each cut keeps a Pareto front of (checkpoint bytes, recompute
     time). Returns None when no plan fits. The model ignores transient buffers, so callers check
-    the chosen plan's real peak (``predict_training_peak``) and tighten ``budget`` if needed.
+    the chosen plan's real peak (``revnets.predict_memory``) and tighten ``budget`` if needed.
     """
     n = len(profiles)
     if n == 0:

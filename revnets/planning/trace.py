@@ -19,9 +19,15 @@ from typing import Any
 import torch.fx
 from torch import nn
 
-from revnets.planning.chain_graph import NotAChainError
+from revnets.invertible import Invertible
+from revnets.reversible import ReversibleSequence
 
-__all__ = ["GraphStep", "as_graph_chain"]
+__all__ = ["GraphStep", "NotAChainError", "as_graph_chain"]
+
+
+class NotAChainError(ValueError):
+    """The model cannot be called as one chain of steps (several required inputs, nothing to
+    compute)."""
 
 
 class GraphStep(nn.Module):
@@ -143,9 +149,16 @@ def _mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | N
 
 
 class _Tracer(torch.fx.Tracer):
-    """torch.fx's tracer, also keeping whole every module without submodules (a primitive layer:
-    nothing to cut inside) and every normalisation and dropout layer: their behaviour depends on
-    ``training``, which must be read when the step runs, not frozen when the model is traced."""
+    """torch.fx's tracer, also keeping whole:
+
+    - every module without submodules (a primitive layer: nothing to cut inside);
+    - every normalisation and dropout layer: their behaviour depends on ``training``, which must
+      be read when the step runs, not frozen when the model is traced;
+    - reversible sequences and invertible modules: the planner decides how they run (reconstruct
+      or store), which a trace through the engine would freeze;
+    - any module with ``planning_unit = True`` (the zoo's residual units): the planner cuts
+      between such units, not inside them, which keeps a 1000-layer chain short.
+    """
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         if isinstance(m, nn.Sequential):
@@ -154,7 +167,9 @@ class _Tracer(torch.fx.Tracer):
         mode_dependent = isinstance(
             m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
         )
-        return primitive or mode_dependent or super().is_leaf_module(m, qualified_name)
+        whole = isinstance(m, (ReversibleSequence, Invertible))
+        whole = whole or getattr(m, "planning_unit", False)
+        return primitive or mode_dependent or whole or super().is_leaf_module(m, qualified_name)
 
 
 def as_graph_chain(model: nn.Module) -> nn.Sequential:
