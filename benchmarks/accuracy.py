@@ -41,12 +41,11 @@ def run(model: str, memory: str, steps: int, workdir: Path) -> dict:
         cfg = compose("config", overrides=overrides)
     out = workdir / f"{model}-{memory}"
     result = train(cfg, out)
-    losses = [
-        json.loads(line)["loss"]
-        for line in (out / "metrics.jsonl").read_text().splitlines()
-        if '"loss"' in line
-    ]
-    return {"model": model, "memory": memory, "steps": steps,
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    # The plan the trainer used (the model's default when the config leaves it open).
+    plan = next(r["plan"] for r in records if r.get("event") == "memory_plan")
+    return {"model": model, "memory": plan, "steps": steps,
             "train_loss_curve": losses, **{k: result[k] for k in ("val_loss", "val_accuracy")}}
 
 
@@ -58,9 +57,6 @@ def main(argv: list[str] | None = None) -> None:
         results = [run(model, memory, args.steps, Path(tmp)) for model, memory in RUNS]
     reversible, plain = results[1]["train_loss_curve"], results[2]["train_loss_curve"]
     drifts = [abs(a - b) for a, b in zip(reversible, plain)]
-    for r in results:  # name the strategy each model actually ran with
-        if r["memory"] == "default":
-            r["memory"] = "reversible" if r["model"].startswith("revnet") else "none"
 
     stem = results_stem("accuracy")
     write_csv(RESULTS / f"{stem}.csv", [

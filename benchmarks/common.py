@@ -14,8 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
+MiB = 2**20
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """The training step every benchmark times and measures: freed gradients, cross-entropy,
+    backward, update."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), target)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
 
 
 def results_stem(name: str, device: str = "cpu", precision: str = "fp32") -> str:

@@ -17,8 +17,11 @@ import torch
 
 from revnets.timeline import plot_timelines, record_timeline
 
-from common import RESULTS, results_stem
-from zoo_memory import train_step
+from common import (
+    RESULTS,
+    results_stem,
+    train_step,
+)
 
 BATCH = 32
 

@@ -18,14 +18,20 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import revnets
 from revnets.models import ResidualNet
 
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
+from common import (
+    RESULTS,
+    MiB,
+    provenance,
+    results_stem,
+    train_step,
+    write_csv,
+    write_markdown,
+)
 
-MiB = 2**20
 STRATEGIES = ("none", "checkpoint", "reversible")
 
 
@@ -36,19 +42,13 @@ def build(units: int, strategy: str, device: str) -> ResidualNet:
                            memory=strategy)
 
 
-def step(model, optimizer, x, y):
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
-    optimizer.step()
-
-
 def peak(units: int, strategy: str, batch: int, device: str) -> int:
     model = build(units, strategy, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(batch, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
-    step(model, optimizer, x, y)  # optimizer state exists from here on
-    return revnets.measure_memory(step, model, optimizer, x, y).above_model_state_bytes
+    train_step(model, optimizer, x, y)  # optimizer state exists from here on
+    return revnets.measure_memory(train_step, model, optimizer, x, y).above_model_state_bytes
 
 
 def slope(depths: list[int], values: list[float]) -> float:

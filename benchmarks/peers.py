@@ -19,7 +19,6 @@ import sys
 import warnings
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
@@ -27,17 +26,18 @@ import revnets
 
 from common import (
     RESULTS,
+    MiB,
     interleaved_times,
     provenance,
     ratio_summary,
     results_stem,
+    train_step,
     write_csv,
     write_markdown,
 )
 from reversible_stack import unit
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # peers use deprecated torch.cuda.amp
-MiB = 2**20
 HALF, BATCH, SIZE = 64, 32, 32
 
 
@@ -105,14 +105,8 @@ class Model(nn.Module):
         return self.head(self.body(x).mean((2, 3)))
 
 
-def step(model: nn.Module, optimizer: torch.optim.Optimizer, x, target) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), target).backward()
-    optimizer.step()
-
-
 def timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, target) -> None:
-    step(model, optimizer, fresh(x), target)
+    train_step(model, optimizer, fresh(x), target)
 
 
 def available(libraries: list[str]) -> list[str]:
@@ -151,13 +145,13 @@ def fresh(x: torch.Tensor) -> torch.Tensor:
 
 
 def correctness(library: str) -> tuple[int, float]:
-    """(BatchNorm updates in one step, largest relative gradient error against autograd)."""
+    """(BatchNorm updates in one train_step, largest relative gradient error against autograd)."""
     x, target = data()
     grads = {}
     for lib in ("none", library):
         model, optimizer = build(lib, 4)
         model.train()
-        step(model, optimizer, fresh(x), target)
+        train_step(model, optimizer, fresh(x), target)
         grads[lib] = [p.grad for p in model.canonical_parameters()]
         bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
         updates = int(bn.num_batches_tracked)
@@ -178,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         row: dict = {"library": library}
         for depth in args.depths:
             model, optimizer = build(library, depth)
-            step(model, optimizer, fresh(x), target)
-            report = revnets.measure_memory(step, model, optimizer, fresh(x), target)
+            train_step(model, optimizer, fresh(x), target)
+            report = revnets.measure_memory(train_step, model, optimizer, fresh(x), target)
             row[f"mib_depth{depth}"] = round(report.above_model_state_bytes / MiB, 1)
         row["bn_updates_per_step"], row["grad_rel_error"] = correctness(library)
         rows.append(row)

@@ -21,9 +21,14 @@ from torch import Tensor, nn
 
 import revnets
 
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
-
-MiB = 2**20
+from common import (
+    RESULTS,
+    MiB,
+    provenance,
+    results_stem,
+    write_csv,
+    write_markdown,
+)
 
 
 class LSTMStep(nn.Module):

@@ -1,13 +1,12 @@
-"""auto-planned checkpoints on torchvision models, beside Feng & Huang's published cuts.
+"""auto_checkpoint on torchvision models, at Feng & Huang's published memory cut.
 
-For each model (untrained weights; nothing is downloaded) the torch.fx graph is turned into a chain
-of its nodes passing the live values (`revnets.planning.as_graph_chain`, so cuts may fall inside
-blocks); the optimal plans of `optimal_plan` over a range of budgets and Chen's sqrt(n) and
-budgeted plans are proposed and the one with the smallest activation peak (predicted on the meta
-device at a small batch) is kept. Its cut
-of activation memory (peak above parameters and gradients, one forward + backward) is predicted
-at Feng & Huang's input shapes on the meta device, and its step-time overhead measured on this CPU
-at a small batch, interleaved with the unplanned model.
+For each model (untrained weights; nothing is downloaded) `revnets.auto_checkpoint` gets as budget
+the parameters and gradients plus the share of activation memory that Feng & Huang's optimal
+checkpoints keep (their published cut applied to our unplanned peak, both predicted on the meta
+device at their input shapes); it plans on the chain of the model's graph nodes, so cuts may fall
+inside blocks, and returns the plan recomputing the least that fits. Its activation memory is
+predicted at those shapes, and its step-time overhead measured on this CPU at a small batch,
+interleaved with the unplanned model.
 
     python benchmarks/planning_torchvision.py   # writes results/planning_torchvision-*.{md,csv}
 """
@@ -15,21 +14,27 @@ at a small batch, interleaved with the unplanned model.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 
 import torch
 import torchvision
 from torch import nn
 
 import revnets
-from revnets.checkpoint import checkpoint_segments
-from revnets.planning import NotAChainError, as_graph_chain, candidate_plans, profile_chain
+from revnets.planning import PlanningError
 
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
+from common import (
+    RESULTS,
+    MiB,
+    interleaved_times,
+    provenance,
+    results_stem,
+    write_csv,
+    write_markdown,
+)
 
-MiB = 2**20
 # model, batch, image size, then Feng & Huang (CVPR 2021), published: regular MB, optimal MB,
 # cut %, time overhead %.
 MODELS = [
@@ -49,30 +54,16 @@ def build(name: str) -> nn.Module:
 
 
 def step(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
     model(x).float().sum().backward()
 
 
-def activation_peak(model: nn.Module, batch: int, size: int) -> int:
-    x = torch.empty(batch, 3, size, size, device="meta")
-    return revnets.predict_memory(step, model.train(), x).above_model_state_bytes
-
-
-def timed(models: dict[str, nn.Module], x: torch.Tensor, repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for model in models.values():
-        step(model, x)
-    for _ in range(repeats):
-        for key, model in models.items():
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            step(model, x)
-            times[key].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+def predicted(model: nn.Module, x: torch.Tensor) -> revnets.MemoryReport:
+    return revnets.predict_memory(step, model.train(), x)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--search-batch", type=int, default=2)
     parser.add_argument("--time-batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
@@ -82,30 +73,31 @@ def main(argv: list[str] | None = None) -> None:
                regular_mb, "published_optimal_mb": optimal_mb, "published_cut_pct": cut,
                "published_overhead_pct": overhead}
         model = build(name)
+        x = torch.empty(batch, 3, size, size, device="meta")
+        regular = predicted(model, x)
+        # Parameters and all their gradients: late in backward every gradient is alive.
+        state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+        budget = state + int((1 - cut / 100) * regular.above_model_state_bytes)
         try:
-            chain = as_graph_chain(model)
-        except (NotAChainError, torch.fx.proxy.TraceError) as error:
+            planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+        except (PlanningError, TypeError) as error:
             print(f"  {name}: {error}")
-            rows.append({**row, "note": f"not planned: {str(error)[:120]}"})
+            rows.append({**row, "note": f"not planned: {str(error)[:160]}"})
             continue
-        meta_chain = as_graph_chain(build(name).to("meta"))
-        profiles = profile_chain(list(meta_chain), torch.empty(args.search_batch, 3, size, size,
-                                                               device="meta"))
-        plans = candidate_plans(profiles)
-        peaks = [activation_peak(checkpoint_segments(meta_chain, p), args.search_batch, size)
-                 for p in plans]
-        best = plans[min(range(len(plans)), key=peaks.__getitem__)]
-        regular = activation_peak(meta_chain, batch, size)
-        ours = activation_peak(checkpoint_segments(meta_chain, best), batch, size)
+        ours = predicted(planned, x).above_model_state_bytes
         x = torch.randn(args.time_batch, 3, size, size)
-        times = timed({"plain": chain, "planned": checkpoint_segments(chain, best)}, x,
-                      args.repeats)
+        times = interleaved_times(
+            {"plain": functools.partial(step, model, x),
+             "planned": functools.partial(step, planned, x)},
+            args.repeats,
+        ).seconds
+        times = {key: statistics.median(seconds) for key, seconds in times.items()}
         row.update({
-            "steps": len(chain),
-            "segments": len(best),
-            "regular_mib": round(regular / MiB, 1),
+            "steps": len(planned.plan),
+            "checkpoints": sum(isinstance(m, revnets.Checkpointed) for m in planned.plan),
+            "regular_mib": round(regular.above_model_state_bytes / MiB, 1),
             "planned_mib": round(ours / MiB, 1),
-            "cut_pct": round(100 * (1 - ours / regular), 1),
+            "cut_pct": round(100 * (1 - ours / regular.above_model_state_bytes), 1),
             "overhead_pct": round(100 * (times["planned"] / times["plain"] - 1), 1),
             "note": "",
         })
@@ -113,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         print("  ", row, flush=True)
 
     stem = results_stem("planning_torchvision")
-    fields = ["model", "input", "steps", "segments", "regular_mib", "planned_mib", "cut_pct",
+    fields = ["model", "input", "steps", "checkpoints", "regular_mib", "planned_mib", "cut_pct",
               "overhead_pct", "published_regular_mb", "published_optimal_mb", "published_cut_pct",
               "published_overhead_pct", "note"]
     write_csv(RESULTS / f"{stem}.csv", [{f: r.get(f, "") for f in fields} for r in rows])
@@ -124,15 +116,15 @@ def main(argv: list[str] | None = None) -> None:
         "",
         "Activation memory = peak of one forward + backward above parameters and gradients, "
         "predicted on the meta device at Feng & Huang's input shapes (exact: the meter counts the "
-        "same tensors as on a real device). The plan is the lowest-memory one among the optimal "
-        "one-level plans (dynamic programming over a range of budgets) and Chen's sqrt(n) and "
-        "budgeted plans on the chain of the model's graph nodes (chosen at batch "
-        f"{args.search_batch}). "
+        "same tensors as on a real device). The plan is `revnets.auto_checkpoint`'s at a budget of "
+        "parameters and gradients plus the share of activations Feng & Huang's published optimal "
+        "plan keeps: the least recomputation within their memory cut, on the chain of the "
+        "model's graph nodes. "
         f"Overhead: median of {args.repeats} interleaved steps at batch {args.time_batch} on this "
         "CPU. Feng & Huang (CVPR 2021) figures are **published** (CUDA allocator peak, their "
         "optimal checkpoints on the full graph).",
         "",
-        "| model | input | chain steps | segments | regular (MiB) | planned (MiB) | cut | "
+        "| model | input | chain steps | checkpoints | regular (MiB) | planned (MiB) | cut | "
         "overhead | published regular / optimal (MB) | published cut | published overhead |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -143,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{r['published_cut_pct']} % | {r['published_overhead_pct']} % |")
             continue
         lines.append(
-            f"| {r['model']} | {r['input']} | {r['steps']} | {r['segments']} | "
+            f"| {r['model']} | {r['input']} | {r['steps']} | {r['checkpoints']} | "
             f"{r['regular_mib']:.0f} | {r['planned_mib']:.0f} | {r['cut_pct']:.0f} % | "
             f"{r['overhead_pct']:.0f} % | {r['published_regular_mb']} / "
             f"{r['published_optimal_mb']} | {r['published_cut_pct']} % | "
@@ -156,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         "A chain step is one node of the torch.fx graph (convolution, BatchNorm, ReLU, "
         "concatenation...); a checkpoint keeps every value live at its cut, so cuts fall inside "
-        "bottlenecks and dense blocks as in Feng & Huang. Plans are one-level (each node is "
-        "recomputed at most once).",
+        "bottlenecks and dense blocks as in Feng & Huang; chain steps counts the steps the plan "
+        "runs (checkpointed runs count one).",
     ]
     write_markdown(RESULTS / f"{stem}.md", lines)
 

@@ -24,15 +24,16 @@ import revnets
 
 from common import (
     RESULTS,
+    MiB,
     interleaved_times,
     provenance,
     ratio_summary,
     results_stem,
+    train_step,
     write_csv,
     write_markdown,
 )
 
-MiB = 2**20
 STORED = "reversible_store_last"  # ReversibleSequence(store_last_blocks=1); "..._3": 3 blocks
 BLOCKS_FORWARD = "blocks_forward"  # the blocks' forward alone, without a graph
 
@@ -89,14 +90,6 @@ def _transform(half: int, width: int, coupling: str) -> nn.Module:
     if coupling == "additive":
         return unit(half)
     return nn.Sequential(nn.Conv2d(half, width, 3, padding=1), nn.Tanh())
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, target) -> torch.Tensor:
-    optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), target)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
 
 
 def make(depth: int, half: int, batch: int, size: int, strategy: str, seed: int = 0):

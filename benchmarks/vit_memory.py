@@ -24,17 +24,17 @@ import revnets
 
 from common import (
     RESULTS,
+    MiB,
     interleaved_times,
     provenance,
     ratio_summary,
     results_stem,
+    train_step,
     write_csv,
     write_markdown,
 )
-from zoo_memory import train_step
 
 MB = 10**6
-MiB = 2**20
 
 # Mangalam et al. 2022, Table 1, training memory per image (MB). Quoted from a secondary source,
 # not checked against the paper itself.

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import revnets
 from revnets.training import (
     DataMismatchError,
     DataNotFoundError,
@@ -83,6 +84,16 @@ def test_default_run_reports_memory_against_baseline(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [2, 4]
     assert (tmp_path / "checkpoint.pt").is_file()
+    assert "memory plan of revnet38: reversible" in out
+    assert {"event": "memory_plan", "plan": "reversible", "stages": "reconstruct",
+            "rest": "store"} in records
+
+
+def test_plan_options_from_the_command_line_reach_the_model():
+    plan = "memory.strategy='reversible(store_last_blocks=2)'"
+    model = create_model(config("model=revnet38", plan), "meta")
+    assert model.memory.stages == revnets.Reconstruct(store_last_blocks=2)
+    assert model.stages[1].reversible.store_last_blocks == 2
 
 
 def test_synthetic_task_is_learned(tmp_path):

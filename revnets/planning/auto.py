@@ -45,11 +45,14 @@ def _default_loss(output: Tensor) -> Tensor:
 def _training_step(
     model: nn.Module, x: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None
 ) -> None:
-    """What a budget bounds: a step from freed gradients, as training loops run it."""
-    model.zero_grad(set_to_none=True)
-    loss_fn(model(x)).backward()
-    if optimizer is not None:
-        optimizer.step()
+    """What a budget bounds: a step from freed gradients, as training loops run it. An optimizer
+    without state yet (momentum, Adam's moments) takes a first step to make it: the budget holds
+    for every step, not only the first."""
+    for _ in range(2 if optimizer is not None and not optimizer.state else 1):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x)).backward()
+        if optimizer is not None:
+            optimizer.step()
 
 
 def auto_checkpoint(
@@ -304,8 +307,11 @@ class _Planner:
         # a spread of plans first, then bisect before the first of them that fits.
         spread = sorted({round(k * (len(plans) - 1) / (SPREAD - 1)) for k in range(SPREAD)})
         fitting = [i for i in spread if peak(i) <= budget]
-        if not fitting:
-            return None
+        if not fitting:  # the plans that fit may lie between: look at every one
+            spread = list(range(len(plans)))
+            fitting = [i for i in spread if peak(i) <= budget]
+            if not fitting:
+                return None
         high = fitting[0]
         low = max(i for i in spread if i < high)
         while high - low > 1:
