@@ -89,10 +89,10 @@ def auto_checkpoint(
     fits.
     """
     zoo = isinstance(model, SwitchableMemory)
+    original = model.memory if zoo else None
     if isinstance(model, nn.Sequential):
         chain = model
     else:
-        original = model.memory if zoo else None
         if zoo:  # trace the model's plain code path; the planner decides the rest
             model.set_memory(PRESETS["reversible" if _reconstructs(model) else "none"])
         try:
@@ -106,7 +106,12 @@ def auto_checkpoint(
                 f"single-input steps ({error}); express it as an nn.Sequential of its stages"
             ) from error
     planner = _Planner(chain, example_input, loss_fn, optimizer, measure_time)
-    planned, plan = planner.fit(budget)
+    try:
+        planned, plan = planner.fit(budget)
+    except PlanningError:
+        if zoo:
+            model.set_memory(original)
+        raise
     result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
     if planned is chain and result is not chain:
         # Nothing checkpointed: the model itself runs the plan, if it fits as the chain did.
