@@ -7,6 +7,7 @@ import accuracy
 import memory_timeline
 import memory_vs_depth
 import peers
+import plan_example
 import planning_torchvision
 import vit_memory
 
@@ -15,6 +16,6 @@ import zoo_memory
 
 if __name__ == "__main__":
     for script in (reversible_stack, peers, zoo_memory, vit_memory, memory_timeline,
-                   memory_vs_depth, accuracy, planning_torchvision):
+                   memory_vs_depth, accuracy, planning_torchvision, plan_example):
         print(f"== {script.__name__}", flush=True)
         script.main([])

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from revnets.invertible import SpaceToDepth
 from revnets.layers.irevnet import irevnet_bottleneck, irevnet_stage
+from revnets.models.head import PooledClassifier, check_pool
 from revnets.models.residual import cifar_cfg, imagenet_cfg
 from revnets.models.switchable import SwitchableMemory, configure_sequence
 from revnets.plan import PRESETS, MemoryPlan, Store
@@ -65,7 +66,7 @@ class PadStreams(nn.Module):
         return f"pads={self.pads}"
 
 
-class IRevNet(SwitchableMemory, nn.Module):
+class IRevNet(SwitchableMemory, PooledClassifier, nn.Module):
     """A fully invertible network.
 
     Args:
@@ -101,8 +102,7 @@ class IRevNet(SwitchableMemory, nn.Module):
                 f"IRevNet: units, channels and strides need one value per stage, got "
                 f"{len(units)}, {len(channels)} and {len(strides)}"
             )
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"IRevNet: global_pool must be 'avg' or '', got {global_pool!r}")
+        check_pool("IRevNet", global_pool)
         self.num_classes = num_classes
         self.global_pool = global_pool
         stem_channels = in_chans * stem_block_size**2
@@ -192,18 +192,6 @@ class IRevNet(SwitchableMemory, nn.Module):
     def no_weight_decay(self) -> set[str]:
         return set()
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-
     def forward_features(self, x: Tensor) -> Tensor:
         return self.final_act(self._run_blocks(self.stem(x)))
 
@@ -237,17 +225,6 @@ class IRevNet(SwitchableMemory, nn.Module):
         if start < stop:
             x = self._run_blocks(x, start, stop)
         return self.final_act(x), intermediates
-
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        if self.global_pool == "avg":
-            x = x.mean((2, 3))
-        elif self.num_classes and not pre_logits:
-            raise ValueError(
-                "IRevNet: global_pool='' returns feature maps, which a linear classifier cannot "
-                "take; use num_classes=0 or global_pool='avg'"
-            )
-        x = self.head_drop(x)
-        return x if pre_logits else self.fc(x)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))

@@ -42,6 +42,7 @@ from revnets.layers import (
     preact_bottleneck,
     shortcut,
 )
+from revnets.models.head import PooledClassifier, check_pool
 from revnets.models.switchable import SwitchableMemory, configure_sequence
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Reconstruct, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence
@@ -89,7 +90,7 @@ class _Activation(nn.Sequential):
         super().__init__(nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
 
 
-class ResidualNet(SwitchableMemory, nn.Module):
+class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
     """A pre-activation ResNet (``reversible=False``) or RevNet (``reversible=True``).
 
     Args:
@@ -123,7 +124,7 @@ class ResidualNet(SwitchableMemory, nn.Module):
                 f"ResidualNet: channels needs the stem's plus one per stage ({len(units) + 1} "
                 f"values), got {len(channels)}"
             )
-        _check_pool(global_pool)
+        check_pool("ResidualNet", global_pool)
         self.global_pool = global_pool
         self.reversible = reversible
         self.num_classes = num_classes
@@ -232,19 +233,6 @@ class ResidualNet(SwitchableMemory, nn.Module):
 
     # -- timm interface -----------------------------------------------------------------------
     @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A new classifier for ``num_classes`` (0: none); ``global_pool=''`` makes the model
-        return unpooled feature maps, as timm's CNNs do."""
-        if global_pool is not None:
-            _check_pool(global_pool)
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-
-    @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """Parameter groups for layer-wise learning-rate decay, as timm's ResNet names them."""
         if coarse:
@@ -314,28 +302,8 @@ class ResidualNet(SwitchableMemory, nn.Module):
             self.reset_classifier(0)
         return take
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        if self.global_pool == "avg":
-            x = x.mean((2, 3))
-        elif self.num_classes and not pre_logits:
-            raise ValueError(
-                "ResidualNet: global_pool='' returns feature maps, which a linear classifier "
-                "cannot take; use num_classes=0 (timm.create_model(name, num_classes=0, "
-                "global_pool='')) or global_pool='avg'"
-            )
-        x = self.head_drop(x)
-        return x if pre_logits else self.fc(x)
-
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
-
-
-def _check_pool(global_pool: str) -> None:
-    if global_pool not in ("avg", ""):
-        raise ValueError(
-            f"ResidualNet: global_pool must be 'avg' (average pooling) or '' (none: feature "
-            f"maps), got {global_pool!r}"
-        )
 
 
 def _create(
