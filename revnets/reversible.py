@@ -21,6 +21,7 @@ convolutional f and g), and activation memory does not grow with the number of b
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -485,19 +486,82 @@ class _GradRoot:
             return list(torch.autograd.grad(self.edge, inputs, grad_output, allow_unused=True))
 
 
-def _add(a: Tensor, b: Tensor | None, *live: Tensor | None) -> Tensor:
-    """``a + b``, written into ``b`` when ``b`` is a fresh gradient that aliases none of ``a`` and
-    the other ``live`` gradients (autograd passes a gradient through unchanged across identities).
+class _GradientMemory:
+    """Which gradients the sequence's backward may add into in place, so that it runs in the
+    memory of the gradient it was given plus one transient half instead of allocating a new one
+    per block.
+
+    Storage identity decides (data_ptr() is 0 for every meta tensor, and predictions on the meta
+    device must take the real run's in-place path): two gradients on one storage may overlap
+    (autograd passes a gradient through identities and views unchanged), except the two halves
+    of the incoming gradient, which are disjoint. Gradients handed to autograd (the parameters'
+    and the context's) are never written, nor the incoming gradient when others may hold it.
     """
-    if b is None:
-        return a
-    # Storage identity rather than data_ptr(), which is 0 for every meta tensor: predictions on
-    # the meta device must take the same in-place path as the real run.
-    storage = b.untyped_storage()._cdata
-    aliased = any(t is not None and t.untyped_storage()._cdata == storage for t in (a, *live))
-    if b._base is None and b.dtype == a.dtype and not aliased:
-        return b.add_(a)
-    return a + b
+
+    def __init__(self, incoming: Tensor, halves: Sequence[Tensor], unshared: bool) -> None:
+        self.incoming = _storage_id(incoming)
+        self.halves = {_region(h) for h in halves} if unshared else set()
+        self.handed: set[int] = set() if unshared else {self.incoming}
+        self.handed_halves: set[tuple] = set()
+
+    def hand_out(self, grad: Tensor) -> None:
+        storage = _storage_id(grad)
+        if storage == self.incoming and _region(grad) in self.halves:
+            self.handed_halves.add(_region(grad))
+        else:
+            self.handed.add(storage)
+
+    def all_ours(self) -> bool:
+        """Whether no gradient handed out shares the incoming gradient's memory (which can then
+        be handed on whole, without one .grad becoming a view of another)."""
+        return not self.handed_halves and self.incoming not in self.handed
+
+    def overlap(self, a: Tensor, b: Tensor) -> bool:
+        return _storage_id(a) == _storage_id(b) and self._regions_overlap(_region(a), _region(b))
+
+    def _regions_overlap(self, a: tuple, b: tuple) -> bool:
+        return a == b or not {a, b} <= self.halves
+
+    def writable(self, a: Tensor, *others: Tensor | None) -> bool:
+        storage = _storage_id(a)
+        if storage in self.handed:
+            return False
+        if storage == self.incoming:
+            region = _region(a)
+            if any(self._regions_overlap(region, h) for h in self.handed_halves):
+                return False
+        return all(o is None or not self.overlap(a, o) for o in others)
+
+    def _disjoint_elements(self, a: Tensor) -> bool:
+        # A half of the incoming gradient is a strided view that the overlap test gives up on.
+        if _storage_id(a) == self.incoming and _region(a) in self.halves:
+            return True
+        return a._base is None and torch._debug_has_internal_overlap(a) == 0
+
+    def add(self, a: Tensor, b: Tensor | None, *live: Tensor | None) -> Tensor:
+        """``a + b``, written into ``a`` or ``b`` where no other gradient shares its memory.
+        ``a`` comes first: it may be a half of the incoming gradient, which stays alive anyway,
+        while a fresh ``b`` is then freed."""
+        if b is None:
+            return a
+        if (
+            a.shape == b.shape
+            and torch.result_type(a, b) == a.dtype
+            and self._disjoint_elements(a)
+            and self.writable(a, b, *live)
+        ):
+            return a.add_(b)
+        if b._base is None and b.dtype == a.dtype and self.writable(b, a, *live):
+            return b.add_(a)
+        return a + b
+
+
+def _storage_id(tensor: Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _region(tensor: Tensor) -> tuple:
+    return (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
 
 
 def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor:
@@ -682,6 +746,7 @@ class _ReversibleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
+        references = sys.getrefcount(grad_y)  # first, as in _unshared_gradient_references
         if torch.is_grad_enabled():
             # The engine enables grad here only for create_graph=True. The gradients below come
             # from torch.autograd.grad without a graph of their own, so derivatives of them
@@ -730,12 +795,21 @@ class _ReversibleFunction(torch.autograd.Function):
         # [y1, y2, dy1, dy2] of the block being reversed; _reverse_block swaps in its input's.
         # A stored block knows its input already, and needs neither y2 nor a recomputation.
         sequence = ctx.sequence
+        # A stored block's halves are the engine's own. The output is the caller's, unless
+        # nothing but the engine refers to it any more (the usual case: the next layer's saved
+        # tensors were released by its backward): then reconstructing the top block in place
+        # spares a copy of the output, the largest tensor of the sequence's backward.
+        if stored:
+            owned = ctx.true_inputs is None and not plans[-1].hooked
+        else:
+            owned = ctx.true_inputs is None and y is not None and _only_reference(y)
         outputs = sequence.split(y) if not stored else (stored[-1].y1.detach(), None)
-        carry = [*outputs, *sequence.split(grad_y)]
+        unshared = _unshared_gradient(grad_y, references)  # before its halves are views of it
+        grad_halves = sequence.split(grad_y)
+        memory = _GradientMemory(grad_y, grad_halves, unshared)
+        carry = [*outputs, *grad_halves]
         device = grad_y.device
-        del y, outputs, grad_y
-        # The output belongs to the caller; a stored block's halves are the engine's own.
-        owned = bool(stored) and ctx.true_inputs is None and not plans[-1].hooked
+        del y, outputs
         replay_rng = ctx.end_rng is not None and device.type != "meta"
         rng_guard = forked_rng(device, ctx.generators) if replay_rng else contextlib.nullcontext()
         rng_next = ctx.end_rng  # the generators' state after the transform being replayed
@@ -769,19 +843,31 @@ class _ReversibleFunction(torch.autograd.Function):
                             ctx.autocast,
                             _kept_input(ctx, i),
                         )
+                    if owned and _same_storage(carry[0], carry[1]):
+                        carry[0], carry[1] = _alias(carry[0]), _alias(carry[1])
                     grads = _reverse_block(
                         blocks[i], carry, transforms, need_input_grad, owned, plans[i], context,
-                        context_grads,
+                        context_grads, memory,
                     )
                     del transforms
                 owned = ctx.true_inputs is None  # reconstructions are ours, unless compared
                 for p, grad in grads:
+                    memory.hand_out(grad)
                     k = position[id(p)]
                     param_grads[k] = grad if param_grads[k] is None else param_grads[k] + grad
                 if ctx.true_inputs is not None:
                     ctx.report.record(i, len(blocks), ctx.true_inputs[i], carry[0], carry[1])
 
-        grad_x = sequence.merge(carry[2], carry[3]) if ctx.needs_input_grad[0] else None
+        for grad in context_grads:
+            if grad is not None:
+                memory.hand_out(grad)
+        if not ctx.needs_input_grad[0]:
+            grad_x = None
+        elif carry[2] is grad_halves[0] and carry[3] is grad_halves[1] and memory.all_ours():
+            grad_x = grad_y  # every block added into the gradient it was given
+        else:
+            grad_x = sequence.merge(carry[2], carry[3])
+        del grad_halves, grad_y
         grads_by_leaf = iter(context_grads)
         grad_context = [
             next(grads_by_leaf) if _requires_grad(c) else None for c in context.values
@@ -1143,21 +1229,18 @@ def _reverse_block(
     plan: _BlockPlan,
     context: _Context,
     context_grads: list[Tensor | None],
+    memory: _GradientMemory,
 ) -> list[tuple[Tensor, Tensor]]:
     """Reconstruct the block's input from its output and backpropagate through it.
 
     ``carry`` holds ``[y1, y2, dy1, dy2]`` and is overwritten with ``[x1, x2, dx1, dx2]``; working
     on the caller's list lets each tensor be freed the moment it is no longer needed. ``owned``
-    says whether ``y1`` and ``y2`` may be overwritten. Returns the (parameter, gradient) pairs of
-    f and g; the context's gradients are added to ``context_grads``.
+    says whether ``y1`` and ``y2`` may be overwritten, ``memory`` which gradients may be. Returns
+    the (parameter, gradient) pairs of f and g; the context's gradients are added to
+    ``context_grads``.
     """
     coupling = block.coupling
     f_params, g_params = plan.f_params, plan.g_params
-    if owned and _same_storage(carry[0], carry[1]):
-        # Two views of one tensor (halves split from an invertible module's output, or kept
-        # inputs made from them): writing into one would show in the other's version counter,
-        # which a graph built on it checks.
-        owned = False
     if isinstance(transforms, _StoredTransforms):
         context = transforms.context
     leaves = context.leaves
@@ -1185,7 +1268,7 @@ def _reverse_block(
     _accumulate(context_grads, g_grads[:n])
     g_grads = g_grads[n:]
     carry[3] = None  # dy2
-    grad_y1 = _add(carry[2], grad_y1, grad_x2, *g_grads)
+    grad_y1 = memory.add(carry[2], grad_y1, grad_x2, *g_grads, *context_grads)
     carry[2] = None  # dy1
 
     # First half, y1 = combine(x1, f(x2)): one run of f gives both x1 and the gradients through f.
@@ -1208,13 +1291,75 @@ def _reverse_block(
         grad_x1 = grads.pop(0) if need_input_grad else None
     del root
     if need_input_grad:
-        grad_x2 = _add(grad_x2, grads.pop(0), grad_x1, *grads, *g_grads)
+        grad_x2 = memory.add(grad_x2, grads.pop(0), grad_x1, *grads, *g_grads, *context_grads)
     _accumulate(context_grads, grads[:n])
     f_grads = grads[n:]
 
     carry[:] = [x1.detach(), x2.detach(), grad_x1, grad_x2]
     pairs = list(zip(g_params, g_grads)) + list(zip(f_params, f_grads))
     return [(p, grad) for p, grad in pairs if grad is not None]
+
+
+def _unshared_gradient(grad: Tensor, references: int) -> bool:
+    """Whether the gradient handed to the sequence's backward is held by nothing else (no other
+    branch it was passed through to, no tensor hook that kept it, no view of it), so that the
+    backward may add into it. ``references``: its Python reference count on entering backward."""
+    if torch.compiler.is_compiling() or grad._base is not None or not grad.is_contiguous():
+        return False
+    fresh = torch.empty(0, device=grad.device)
+    return (
+        references <= _UNSHARED_GRADIENT_REFERENCES
+        and grad._use_count() == 1
+        and _storage_use_count(grad) == _storage_use_count(fresh)
+    )
+
+
+def _unshared_gradient_references() -> int:
+    """The Python reference count of a gradient nothing else holds, on entering a Function's
+    backward: measured once on this interpreter and torch rather than assumed."""
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: Tensor) -> Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad: Tensor):
+            references = sys.getrefcount(grad)
+            ctx.references = references
+            return grad * 2
+
+    x = torch.zeros(2, requires_grad=True)
+    y = Probe.apply(x)
+    node = y.grad_fn
+    (y * x).sum().backward()
+    return node.references
+
+
+_UNSHARED_GRADIENT_REFERENCES = _unshared_gradient_references()
+
+
+def _only_reference(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor on its storage: no other holder of it or of a view
+    of it (the caller's variables, saved tensors of a graph kept with ``retain_graph=True``)."""
+    if torch.compiler.is_compiling() or tensor._base is not None:
+        return False
+    # The count includes the temporary storage object that asks, as it does for a fresh tensor.
+    fresh = torch.empty(0, device=tensor.device)
+    return _storage_use_count(tensor) == _storage_use_count(fresh)
+
+
+def _storage_use_count(tensor: Tensor) -> int:
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def _alias(half: Tensor) -> Tensor:
+    """``half``'s memory under a tensor with a version counter of its own. Two halves that are
+    views of one tensor share its counter: writing into one would show in the other's, which a
+    graph built on it checks."""
+    return half.new_empty(0).set_(
+        half.untyped_storage(), half.storage_offset(), half.size(), half.stride()
+    )
 
 
 def _same_storage(a: Tensor | None, b: Tensor | None) -> bool:

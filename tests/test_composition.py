@@ -4,7 +4,6 @@ modules under ordinary autograd (float64, 1e-10), or expects an error that names
 
 import itertools
 import random
-import weakref
 
 import pytest
 import torch
@@ -60,11 +59,11 @@ def inputs(batch=4):
 
 
 def step(model, *args, seed=0, wrap=lambda fn, *a: fn(*a)):
+    """One training step whose output nothing holds during backward, as in a training loop (the
+    engine may then reconstruct into the output's memory and add into the incoming gradient)."""
     torch.manual_seed(seed)
     random.seed(seed)
-    out = wrap(model, *args)
-    out.square().sum().backward()
-    return out
+    wrap(model, *args).square().sum().backward()
 
 
 def assert_same_training(model, plain, args, args_plain):
@@ -581,23 +580,105 @@ def test_two_forwards_before_backward_train_like_ordinary_autograd():
 # -- 7. memory -----------------------------------------------------------------------------------
 
 
-def test_the_output_is_released_early_when_f_and_g_draw_random_numbers():
+def test_the_reconstruction_reuses_the_output_memory_when_f_and_g_draw_random_numbers():
+    """Nothing holds the output during backward: the blocks' inputs are reconstructed into its
+    memory (no copy of it), the random draws replayed all the same."""
     model = film_sequence(depth=3, dropout=0.3)
-    alive_during_backward = []
-    output = []
+    plain = twin(model)
+    output, reconstructed = [], []
 
     def remember(module, args, out):
-        output.append(weakref.ref(out.untyped_storage()))
+        output.append(out.data_ptr())
 
     def look(module, args):
         if revnets.is_recomputing():
-            alive_during_backward.append(output[0]() is not None)
+            reconstructed.append(args[0].untyped_storage().data_ptr())
 
     model.register_forward_hook(remember)
     model[0].f.register_forward_pre_hook(look)
     x, t = inputs()
-    model(*leaves(x, t)).square().sum().backward()
-    assert alive_during_backward == [False]
+    args, args_plain = leaves(x, t), leaves(x, t)
+    step(model, *args), step(plain, *args_plain)
+    assert reconstructed == output
+    assert_same_training(model, plain, args, args_plain)
+
+
+def test_an_output_the_caller_holds_is_left_intact():
+    model = film_sequence(depth=3, dropout=0.3)
+    plain = twin(model)
+    x, t = inputs()
+    args, args_plain = leaves(x, t), leaves(x, t)
+    torch.manual_seed(0)
+    out = model(*args)
+    kept = out.detach().clone()
+    out.square().sum().backward()
+    step(plain, *args_plain)
+    assert torch.equal(out.detach(), kept)
+    assert_same_training(model, plain, args, args_plain)
+
+
+def test_the_incoming_gradient_is_added_into_when_nothing_else_holds_it():
+    """The backward runs in the memory of the gradient it is given and hands that on as its
+    input's gradient, instead of allocating a gradient per block."""
+    model = film_sequence(depth=3)
+    x, t = leaves(*inputs())
+    incoming, returned = [], []
+    x.register_hook(lambda grad: returned.append(grad.data_ptr()))
+    out = model(x, t)
+    out.register_hook(lambda grad: incoming.append(grad.data_ptr()))
+    loss = out.square().sum()
+    del out
+    loss.backward()
+    assert returned == incoming
+
+
+class FullShapeShift(nn.Module):
+    """``x / 2 + p`` with ``p`` of the input's full shape: autograd hands ``p`` the very gradient
+    tensor that flows into ``x``."""
+
+    def __init__(self, shape) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(shape, dtype=torch.float64))
+
+    def forward(self, x, context):
+        return x / 2 + self.p
+
+
+@pytest.mark.parametrize("held", ["tensor hook", "other branch", "parameter"])
+def test_gradients_others_hold_are_never_added_into(held):
+    """The incoming gradient kept by a tensor hook or also flowing to another branch, and
+    parameter gradients that are the very tensors the blocks pass down (within a block and to
+    the blocks below), stay as autograd made them, over two accumulating steps."""
+    x, t = inputs()
+    shape = (x.shape[0], WIDTH)
+    model = revnets.ReversibleSequence(
+        [revnets.ReversibleBlock(FiLM(), FiLM(), split_dim=-1),
+         revnets.ReversibleBlock(FullShapeShift(shape), FiLM(), split_dim=-1),
+         revnets.ReversibleBlock(FiLM(), FullShapeShift(shape), split_dim=-1)]
+    ).double()
+    plain = twin(model)
+    other = torch.randn_like(x, requires_grad=True)
+    weight = torch.randn_like(x)
+    results = []
+    for m in (model, plain):
+        kept = []
+        args = leaves(x, t)
+        branch = leaves(other)[0]
+        for _ in range(2):  # accumulating: no .grad may share another's memory
+            out = m(*args)
+            if held == "tensor hook":
+                out.register_hook(kept.append)
+            elif held == "other branch":
+                out = out + branch
+            (out * weight).sum().backward()
+            del out
+        results.append((args, branch, kept))
+    (args, branch, kept), (args_plain, branch_plain, kept_plain) = results
+    assert_same_training(model, plain, args, args_plain)
+    if held == "tensor hook":
+        assert torch.equal(kept[0], kept_plain[0])
+    if held == "other branch":
+        assert torch.equal(branch.grad, branch_plain.grad)
 
 
 # -- 8. smaller ----------------------------------------------------------------------------------
