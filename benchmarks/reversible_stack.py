@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import revnets
+from revnets.checkpoint import segment_bounds
+from revnets.models.switchable import SwitchableMemory, configure_sequence
 
 from common import (
     RESULTS,
@@ -34,8 +36,10 @@ from common import (
     write_markdown,
 )
 
-STORED = "reversible_store_last"  # ReversibleSequence(store_last_blocks=1); "..._3": 3 blocks
 BLOCKS_FORWARD = "blocks_forward"  # the blocks' forward alone, without a graph
+# The memory plans compared, as a user writes them (timm keyword, Hydra, command line).
+PLANS = ["none", "checkpoint", "reversible", "reversible(store_last_blocks=1)",
+         "reversible(store_last_blocks=2)", "reversible(store_last_blocks=3)"]
 
 
 def unit(channels: int) -> nn.Module:
@@ -46,8 +50,10 @@ def unit(channels: int) -> nn.Module:
     )
 
 
-class Stack(nn.Module):
-    """Reversible blocks plus a head; ``strategy`` picks how the blocks save memory."""
+class Stack(SwitchableMemory, nn.Module):
+    """Reversible blocks plus a head, following a memory plan the way the zoo's models do."""
+
+    family = "reversible stack"
 
     def __init__(self, depth: int, half: int, coupling: str = "additive", classes: int = 10):
         super().__init__()
@@ -59,31 +65,24 @@ class Stack(nn.Module):
             for _ in range(depth)
         )
         self.head = nn.Linear(2 * half, classes)
-        # A plain tuple, not a registered submodule: same blocks, no duplicate state_dict keys.
-        self.checkpointed = tuple(revnets.Checkpointed(b) for b in self.blocks)
-        self.strategy = "reversible"
+        self.set_memory("reversible")
 
-    def set_strategy(self, strategy: str) -> None:
-        self.strategy = strategy
-        self.blocks.memory_efficient = strategy.startswith("reversible")
-        self.blocks.store_last_blocks = stored_blocks(strategy)
+    def apply_memory(self, plan: revnets.MemoryPlan) -> None:
+        configure_sequence(self.blocks, plan.stages)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.strategy == "checkpoint":
-            # torch.utils.checkpoint on every block, the common alternative to reversibility.
-            for block in self.checkpointed:
-                x = block(x)
-        else:
-            x = self.blocks(x)
-        return self.head(x.mean((2, 3)))
+        return self.head(self._run_blocks(x).mean((2, 3)))
 
 
-def stored_blocks(strategy: str) -> int:
-    """How many of the last blocks keep their graphs: ``reversible_store_last_3`` -> 3."""
-    if not strategy.startswith(STORED):
-        return 0
-    count = strategy.removeprefix(STORED).removeprefix("_")
-    return int(count) if count else 1
+def recomputed_share(plan: revnets.MemoryPlan, depth: int) -> float:
+    """The share of the blocks whose forward runs again in backward under ``plan``."""
+    stages = plan.stages
+    if isinstance(stages, revnets.Reconstruct):
+        return max(0.0, 1 - stages.store_last_blocks / depth)
+    if isinstance(stages, revnets.Checkpoint):  # every segment but the last
+        start, stop = segment_bounds(depth, stages.segments_for(depth))[-1]
+        return 1 - (stop - start) / depth
+    return 0.0
 
 
 def _transform(half: int, width: int, coupling: str) -> nn.Module:
@@ -95,7 +94,7 @@ def _transform(half: int, width: int, coupling: str) -> nn.Module:
 def make(depth: int, half: int, batch: int, size: int, strategy: str, seed: int = 0):
     torch.manual_seed(seed)
     model = Stack(depth, half)
-    model.set_strategy(strategy)
+    model.set_memory(strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(batch, 2 * half, size, size)
     target = torch.randint(0, 10, (batch,))
@@ -142,11 +141,7 @@ def speed_table(
     timings = interleaved_times(steps, repeats)
     times = timings.seconds
     forward_share = statistics.median(times[BLOCKS_FORWARD]) / statistics.median(times["none"])
-    recomputed_share = {
-        s: max(0.0, 1 - stored_blocks(s) / depth) if s.startswith("reversible") else 0.0
-        for s in strategies
-    }
-    recomputed_share["checkpoint"] = 1.0
+    shares = {s: recomputed_share(revnets.parse_memory_plan(s), depth) for s in strategies}
     trials = [slice(start, start + trial) for start in range(0, repeats - trial + 1, trial)]
     rows = []
     for strategy in strategies:
@@ -162,7 +157,7 @@ def speed_table(
                 "trial_ratio_best": min(trial_ratios),
                 "trial_ratio_worst": max(trial_ratios),
                 "page_faults_per_step": int(statistics.median(timings.page_faults[strategy])),
-                "recompute_floor": round(1 + recomputed_share[strategy] * forward_share, 3),
+                "recompute_floor": round(1 + shares[strategy] * forward_share, 3),
             }
         )
         print(f"  speed   {condition:<6} {strategy:<23} {rows[-1]['ratio']:.3f}x (paired min "
@@ -210,7 +205,7 @@ def gradient_errors(
     """
     torch.manual_seed(depth)
     reference = Stack(depth, half, coupling).double()
-    reference.set_strategy("none")
+    reference.set_memory("none")
     x = torch.randn(4, 2 * half, 8, 8, dtype=torch.float64)
     target = torch.randint(0, 10, (4,))
     exact = _gradients(reference, x, target)
@@ -220,8 +215,8 @@ def gradient_errors(
     for strategy in ("none", "reversible"):
         model = Stack(depth, half, coupling).to(weights)
         model.load_state_dict(reference.state_dict())
-        model.set_strategy(strategy)
-        model.blocks.keep_input_every = keep_input_every
+        kept = f"(keep_input_every={keep_input_every})" if keep_input_every else ""
+        model.set_memory(strategy + kept if strategy == "reversible" else strategy)
         if strategy == "none" and dtype == torch.float64:
             continue  # it is the reference
         with revnets.check_reconstruction() as drift, torch.autocast("cpu", enabled=autocast):
@@ -252,13 +247,13 @@ def write_results(memory_rows, speed_rows, error_rows, config) -> None:
         f"Stack: N additive blocks, f = g = conv3x3({config['half']})-BatchNorm-ReLU, input "
         f"{config['batch']}x{2 * config['half']}x{config['size']}x{config['size']}, then global "
         "average pooling, a linear head and cross-entropy. One training step = forward, backward, "
-        "SGD (momentum 0.9). `none` is ordinary autograd on the same blocks; `checkpoint` is "
-        "`revnets.Checkpointed` (non-reentrant torch.utils.checkpoint) around every block; "
-        f"`reversible` is `ReversibleSequence` as is, `{STORED}` the same with "
-        "`store_last_blocks=1` (the last block's graph kept from the forward pass instead of "
-        f"recomputed first thing in backward), `{STORED}_k` with `store_last_blocks=k` (the "
-        "last k blocks' graphs kept: less recomputation for k - 1 more blocks' activations, "
-        "still flat in depth).",
+        "SGD (momentum 0.9). The columns are memory plans (`revnets.parse_memory_plan`), "
+        "followed by the stack as by the zoo's models: `none` is ordinary autograd on the same "
+        "blocks; `checkpoint` cuts the blocks into about sqrt(n) segments and checkpoints all "
+        "but the last (non-reentrant torch.utils.checkpoint); `reversible` is "
+        "`ReversibleSequence` as is, `reversible(store_last_blocks=k)` keeps the last k blocks' "
+        "graphs from the forward pass instead of recomputing them in backward (less "
+        "recomputation for k - 1 more blocks' activations, still flat in depth).",
         "",
         "## Peak memory of a training step above parameters, gradients and optimizer state (MiB)",
         "",
@@ -317,7 +312,8 @@ def write_results(memory_rows, speed_rows, error_rows, config) -> None:
     lines += [
         "",
         "Reference ratios measured on this machine type (../shared/references.md): RevTorch "
-        "1.27x, revlib 1.33x, torch checkpoint per block 1.27x, MemCNN 1.71x.",
+        "1.27x, revlib 1.33x, torch checkpoint per block 1.27x, MemCNN 1.71x "
+        "(benchmarks/peers.py compares them in one run).",
         "",
         "## Gradient error",
         "",
@@ -358,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trial", type=int, default=9, help="repetitions per trial")
     args = parser.parse_args(argv)
 
-    strategies = ["none", "checkpoint", "reversible", STORED, f"{STORED}_2", f"{STORED}_3"]
+    strategies = PLANS
     if args.quick:
         config = dict(depths=[4, 16], half=16, batch=8, size=16, speed_depth=8, repeats=5,
                       trial=5)

@@ -844,7 +844,7 @@ class _ReversibleFunction(torch.autograd.Function):
                             _kept_input(ctx, i),
                         )
                     if owned and _same_storage(carry[0], carry[1]):
-                        carry[0], carry[1] = _alias(carry[0]), _alias(carry[1])
+                        _own_halves(carry, top=i == len(blocks) - 1)
                     grads = _reverse_block(
                         blocks[i], carry, transforms, need_input_grad, owned, plans[i], context,
                         context_grads, memory,
@@ -1351,6 +1351,19 @@ def _only_reference(tensor: Tensor) -> bool:
 
 def _storage_use_count(tensor: Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def _own_halves(carry: list, top: bool) -> None:
+    """Make the two halves ``carry[0]`` and ``carry[1]``, views of one tensor, writable one
+    without the other. The top block reconstructs into the output's memory as it is; for the
+    blocks below, copies in contiguous memory (freeing the tensor once both are made) spare every
+    kernel of f and g a strided input, which they would copy anyway, unseen and slower."""
+    if top:
+        carry[0], carry[1] = _alias(carry[0]), _alias(carry[1])
+    else:
+        for k in (0, 1):
+            half = carry[k].contiguous()
+            carry[k] = half if half is not carry[k] else _alias(half)
 
 
 def _alias(half: Tensor) -> Tensor:

@@ -23,8 +23,8 @@ def run_quick(script: str) -> str:
 
 def test_reversible_stack_demo_compares_every_strategy():
     out = run_quick("reversible_stack.py")
-    strategies = ("none", "checkpoint", "reversible", "reversible_store_last")
-    for strategy in (*strategies, "reversible_store_last_3"):
+    plans = ("none", "checkpoint", "reversible", "reversible(store_last_blocks=1)")
+    for strategy in (*plans, "reversible(store_last_blocks=3)"):
         assert f"memory  depth  16  {strategy} " in out
         assert f"speed   fresh  {strategy} " in out
     # The float64 gradient check of both couplings, exact to round-off.

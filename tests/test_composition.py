@@ -581,7 +581,7 @@ def test_two_forwards_before_backward_train_like_ordinary_autograd():
 
 
 def test_the_reconstruction_reuses_the_output_memory_when_f_and_g_draw_random_numbers():
-    """Nothing holds the output during backward: the blocks' inputs are reconstructed into its
+    """Nothing holds the output during backward: the top block's input is reconstructed into its
     memory (no copy of it), the random draws replayed all the same."""
     model = film_sequence(depth=3, dropout=0.3)
     plain = twin(model)
@@ -595,7 +595,7 @@ def test_the_reconstruction_reuses_the_output_memory_when_f_and_g_draw_random_nu
             reconstructed.append(args[0].untyped_storage().data_ptr())
 
     model.register_forward_hook(remember)
-    model[0].f.register_forward_pre_hook(look)
+    model[-1].f.register_forward_pre_hook(look)
     x, t = inputs()
     args, args_plain = leaves(x, t), leaves(x, t)
     step(model, *args), step(plain, *args_plain)
