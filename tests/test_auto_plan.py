@@ -145,6 +145,73 @@ def test_zoo_revnet_planned_part_by_part_below_reconstruction_alone():
     assert Checkpoint() in [part.decision for part in planned.memory_plan.parts]
 
 
+def planned_below_reconstruction(dtype=torch.float64):
+    """HandBuilt planned under a budget that needs checkpoints beside its reversible stages."""
+    torch.manual_seed(0)
+    model = HandBuilt().to(dtype)
+    x = torch.randn(8, 3, 16, 16, dtype=dtype)
+    _, reversible = budgets(model, x)
+    model_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = model_state + int(0.8 * (reversible - model_state))
+    reference = ordinary_autograd(model)
+    planned = revnets.auto_checkpoint(model, x, budget, loss_of, measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    return planned, model, reference, x
+
+
+def test_a_planned_model_fires_hooks_as_ordinary_autograd_does():
+    """Forward hooks inside checkpointed parts and reversible stages fire once per forward (not
+    again when backward recomputes), and a module's full backward hook sees the same gradients."""
+    planned, model, reference, x = planned_below_reconstruction()
+    seen = {}
+    for name, net in (("planned", model), ("reference", reference)):
+        calls, grads = [], []
+        for module in (net.stem[0], net.stage1[0].f[2], net.transition[0], net.stage2[1].g[2]):
+            module.register_forward_hook(lambda m, args, out, calls=calls: calls.append(m))
+        net.head.register_full_backward_hook(lambda m, gi, go, grads=grads: grads.append(gi[0]))
+        seen[name] = calls, grads
+    assert_trains_like(planned, model, reference, x)
+    (calls, grads), (reference_calls, reference_grads) = seen.values()
+    assert len(calls) == len(reference_calls) == 2 * 4
+    for a, b in zip(grads, reference_grads, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+
+
+def test_a_planned_model_trains_under_autocast_as_it_does_unplanned():
+    """Under bfloat16 autocast the checkpoints the plan adds replay autocast: the planned model's
+    gradients and statistics are those of the same model unplanned, whose reconstruction in turn
+    differs from ordinary autograd by less than bfloat16 itself does from float32."""
+    planned, model, reference, x = planned_below_reconstruction(torch.float32)
+    unplanned = copy.deepcopy(model)
+
+    def gradients(net, owner, autocast=True):
+        owner.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_of(net(x))
+        loss.backward()
+        return [p.grad.clone() for p in owner.parameters()]
+
+    def error(grads, exact):
+        return max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, exact))
+
+    planned_grads = gradients(planned, model)
+    unplanned_grads = gradients(unplanned, unplanned)
+    assert error(planned_grads, unplanned_grads) == 0
+    for (name, a), (_, b) in zip(model.named_buffers(), unplanned.named_buffers()):
+        assert torch.equal(a, b), name
+    exact = copy.deepcopy(reference)
+    float32 = gradients(exact, exact, autocast=False)
+    ordinary = gradients(reference, reference)
+    assert error(unplanned_grads, ordinary) < error(ordinary, float32)
+
+
+def test_a_compiled_planned_model_matches_ordinary_autograd():
+    planned, model, reference, x = planned_below_reconstruction()
+    compiled = torch.compile(planned, backend="aot_eager")
+    assert_trains_like(compiled, model, reference, x)
+
+
 def test_budget_counts_the_optimizer_when_one_is_given():
     torch.manual_seed(0)
     model = HandBuilt()
