@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         planned = revnets.auto_checkpoint(chain, state, budget, loss)
         predicted = planned.memory_plan.peak_bytes
         row = {"case": label, "layers": L, "hidden": hidden, "steps": steps, "batch": batch,
-               "segments": sum(1 for _ in planned), "unplanned_mib": round(regular / MiB, 1),
+               "segments": sum(isinstance(m, revnets.Checkpointed) for m in planned.modules()),
+               "unplanned_mib": round(regular / MiB, 1),
                "planned_mib": round(predicted / MiB, 1)}
         if measure:
             measured = {}
@@ -137,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         "activation memory; `auto_checkpoint` "
         "returns the plan with the fewest recomputed steps that fits.",
         "",
-        "| case | hidden | steps | batch | segments | unplanned (MiB) | planned (MiB) | "
-        "measured unplanned / planned (MiB) | step-time overhead |",
+        "| case | hidden | steps | batch | checkpointed segments | unplanned (MiB) | "
+        "planned (MiB) | measured unplanned / planned (MiB) | step-time overhead |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

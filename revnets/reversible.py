@@ -15,7 +15,10 @@ A :class:`ReversibleSequence` runs a list of blocks as one autograd Function. It
 nothing but the final output. Its backward walks the blocks in reverse, recomputing g(y1) and
 f(x2) once each with grad enabled; the same results serve both to reconstruct the block input and
 to backpropagate, so f and g run twice per step in all (4/3 of the cost of ordinary backprop for
-convolutional f and g), and activation memory does not grow with the number of blocks.
+convolutional f and g), and activation memory does not grow with the number of blocks. The
+backward works in the memory it is given where nobody else can see it: the top block is
+reconstructed into the output's memory when nothing else holds the output, and the gradients are
+added into the incoming one when nothing else holds that (:class:`_GradientMemory`).
 """
 
 from __future__ import annotations
@@ -1316,7 +1319,8 @@ def _unshared_gradient(grad: Tensor, references: int) -> bool:
 
 def _unshared_gradient_references() -> int:
     """The Python reference count of a gradient nothing else holds, on entering a Function's
-    backward: measured once on this interpreter and torch rather than assumed."""
+    backward: measured on this interpreter and torch rather than assumed, once at import (inside a
+    backward the probe would run under whatever modes and hooks are active there)."""
 
     class Probe(torch.autograd.Function):
         @staticmethod
