@@ -62,10 +62,10 @@ def wrap(library: str, pairs: list[tuple[nn.Module, nn.Module]]) -> nn.Module:
     """The stack of (f, g) pairs as ``library`` builds a reversible sequence."""
     if library in ("revnets", REVNETS_STORED, "none"):
         blocks = [revnets.ReversibleBlock(f, g) for f, g in pairs]
+        if library == "none":
+            return revnets.ReversibleSequence(blocks, revnets.Store())
         stored = int(library == REVNETS_STORED)
-        return revnets.ReversibleSequence(
-            blocks, memory_efficient=library != "none", store_last_blocks=stored
-        )
+        return revnets.ReversibleSequence(blocks, revnets.Reconstruct(store_last_blocks=stored))
     if library == "torch checkpoint":
         return TorchCheckpointPerBlock([revnets.ReversibleBlock(f, g) for f, g in pairs])
     if library == "memcnn":

@@ -22,7 +22,7 @@ from torch import nn
 
 import revnets
 from revnets.checkpoint import segment_bounds
-from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.models.switchable import SwitchableMemory
 
 from common import (
     RESULTS,
@@ -68,7 +68,7 @@ class Stack(SwitchableMemory, nn.Module):
         self.set_memory("reversible")
 
     def apply_memory(self, plan: revnets.MemoryPlan) -> None:
-        configure_sequence(self.blocks, plan.stages)
+        self.blocks.set_memory(plan.stages)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self._run_blocks(x).mean((2, 3)))

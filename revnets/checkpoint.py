@@ -1,9 +1,10 @@
 """Checkpointing for what is not invertible: recompute in backward instead of storing.
 
-Built on non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which already replays RNG and
-autocast state. What it does not do is keep BatchNorm from updating its running statistics a
-second time during the recomputation; :class:`Checkpointed` adds that, so a checkpointed model
-trains exactly like the plain one.
+Built on non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which replays the default
+generators and autocast. Its recomputation here is a replay in the sense of NOTE [ Replay ]
+(:mod:`revnets.replay`, shared with the reversible engine): every generator, the module state the
+forward found with every update made once, and forward hooks, so a checkpointed model trains
+exactly like the plain one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
-from revnets.replay import ModuleState, RngState, module_generators, recomputing
+from revnets.plan import Checkpoint, Store
+from revnets.replay import Recording
 
 __all__ = [
     "Checkpointed",
@@ -33,11 +35,13 @@ def checkpoint(
     """``module(*args, **kwargs)``, storing only the inputs; the internals are recomputed in
     backward.
 
-    Non-reentrant :func:`torch.utils.checkpoint.checkpoint`, whose recomputation also replays
-    Python's ``random`` and the ``torch.Generator`` objects the module keeps, reads the buffers
-    as the forward found them and updates them once (BatchNorm statistics, spectral norm, moving
-    averages), fires forward hooks once, and is refused if the module's weights were swapped or
-    modified in place after the forward (``torch.func.functional_call``, an optimizer step).
+    Non-reentrant :func:`torch.utils.checkpoint.checkpoint` whose recomputation is a replay
+    (NOTE [ Replay ] in :mod:`revnets.replay`): it draws from every generator as the forward did
+    (wherever the module keeps it), reads the module state the forward found and updates it once
+    (BatchNorm statistics, spectral norm, moving averages, modified in place or reassigned),
+    replays forward hooks that changed an output and silences the others, and is refused if the
+    module's weights were swapped or modified in place after the forward
+    (``torch.func.functional_call``, an optimizer step).
     """
     if torch.compiler.is_compiling():
         # Dynamo turns the region into part of the graph, whose compiled backward recomputes
@@ -58,43 +62,24 @@ def checkpoint(
 
 
 class _Replay:
-    """What the recomputation of one checkpointed call must see again, captured by its forward.
-
-    torch.utils.checkpoint replays the CPU and accelerator generators itself."""
+    """The recording of one checkpointed call's forward, for its recomputation."""
 
     def __init__(self, module: nn.Module, preserve_rng_state: bool) -> None:
         self.module = module
-        self.preserve_rng_state = preserve_rng_state
-        self.state: ModuleState | None = None
-        self.rng: RngState | None = None
+        self.recording = Recording([module], preserve_rng_state)
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
         # The first context wraps the original forward, the second the recomputation.
-        return self._forward(), self._recomputation()
-
-    @contextlib.contextmanager
-    def _forward(self) -> Iterator[None]:
-        self.state = ModuleState(self.module)
-        if self.preserve_rng_state:
-            self.rng = RngState(torch.device("cpu"), module_generators([self.module]))
-        yield
-        self.state.forward_done()
+        return self.recording, self._recomputation()
 
     @contextlib.contextmanager
     def _recomputation(self) -> Iterator[None]:
-        self.state.check(
+        self.recording.check(
             f"checkpointed {type(self.module).__name__}",
             "Call the module without checkpointing there.",
         )
-        current = RngState(torch.device("cpu"), self.rng.generators) if self.rng else None
-        if self.rng is not None:
-            self.rng.restore()
-        try:
-            with self.state.replayed(), recomputing([self.module]):
-                yield
-        finally:
-            if current is not None:
-                current.restore()
+        with self.recording.replayed():
+            yield
 
 
 class Checkpointed(nn.Module):
@@ -103,27 +88,54 @@ class Checkpointed(nn.Module):
 
     Args:
         module: the module to wrap (its state_dict keys gain a ``module.`` prefix).
-        enabled: the off switch; ``False`` runs ``module`` as is.
+        memory: :class:`~revnets.Checkpoint` (the default) or :class:`~revnets.Store`, the off
+            switch, which runs ``module`` as is.
         preserve_rng_state: replay RNG (dropout masks) in the recomputation.
 
-    Gradients, outputs and BatchNorm running statistics equal those of the unwrapped module.
+    Gradients, outputs and module state (BatchNorm running statistics and every other buffer)
+    equal those of the unwrapped module.
     """
 
-    def __init__(self, module: nn.Module, enabled: bool = True, preserve_rng_state: bool = True):
+    def __init__(
+        self,
+        module: nn.Module,
+        memory: Checkpoint | Store = Checkpoint(),
+        preserve_rng_state: bool = True,
+        **renamed: Any,
+    ) -> None:
         super().__init__()
+        if renamed:
+            name = next(iter(renamed))
+            hint = ": use memory=revnets.Store() for enabled=False" if name == "enabled" else ""
+            raise TypeError(f"Checkpointed got an unexpected keyword argument {name!r}{hint}")
         self.module = module
-        self.enabled = enabled
+        self.memory = memory
         self.preserve_rng_state = preserve_rng_state
 
+    @property
+    def memory(self) -> Checkpoint | Store:
+        return self._memory
+
+    @memory.setter
+    def memory(self, memory: Checkpoint | Store) -> None:
+        if not isinstance(memory, (Checkpoint, Store)):
+            raise TypeError(
+                "Checkpointed: memory must be revnets.Checkpoint() or revnets.Store(), got "
+                f"{memory!r}"
+            )
+        self._memory = memory
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.enabled and self.training and torch.is_grad_enabled()):
+        if not (
+            isinstance(self.memory, Checkpoint) and self.training and torch.is_grad_enabled()
+        ):
             return self.module(*args, **kwargs)
         return checkpoint(
             self.module, *args, preserve_rng_state=self.preserve_rng_state, **kwargs
         )
 
     def extra_repr(self) -> str:
-        return f"enabled={self.enabled}"
+        return f"memory={self.memory}"
 
 
 def segment_bounds(n: int, segments: int | None = None) -> list[tuple[int, int]]:

@@ -20,14 +20,21 @@ def conv_unit(in_channels: int, out_channels: int | None = None, dropout: float 
 
 
 def make_stack(
-    depth: int, half: int = 4, coupling: str = "additive", dropout: float = 0.0
+    depth: int,
+    half: int = 4,
+    coupling: str = "additive",
+    dropout: float = 0.0,
+    memory: revnets.Reconstruct | revnets.Store = revnets.Reconstruct(),
 ) -> revnets.ReversibleSequence:
     out = 2 * half if coupling == "affine" else half
     return revnets.ReversibleSequence(
-        revnets.ReversibleBlock(
-            conv_unit(half, out, dropout), conv_unit(half, out, dropout), coupling=coupling
-        )
-        for _ in range(depth)
+        (
+            revnets.ReversibleBlock(
+                conv_unit(half, out, dropout), conv_unit(half, out, dropout), coupling=coupling
+            )
+            for _ in range(depth)
+        ),
+        memory,
     )
 
 
@@ -35,10 +42,8 @@ def twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` (same weights) with every memory saving switched off."""
     plain = copy.deepcopy(model)
     for m in plain.modules():
-        if isinstance(m, revnets.ReversibleSequence):
-            m.memory_efficient = False
-        if isinstance(m, revnets.Checkpointed):
-            m.enabled = False
+        if isinstance(m, (revnets.ReversibleSequence, revnets.Checkpointed)):
+            m.memory = revnets.Store()
     return plain
 
 

@@ -68,12 +68,14 @@ def ordinary_autograd(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model)
     for module in twin.modules():
         if isinstance(module, revnets.ReversibleSequence):
-            module.memory_efficient = False
+            module.memory = revnets.Store()
     return twin
 
 
 def assert_trains_like(planned, model, reference, x):
-    """Two steps' gradients (float64, 1e-10) and every buffer equal ordinary autograd's."""
+    """Two steps' gradients (float64, 1e-10) and every buffer equal ordinary autograd's (to
+    round-off: the first block's statistics are reduced over a dense copy of its strided input
+    half, NOTE [ Layout ])."""
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
@@ -83,7 +85,7 @@ def assert_trains_like(planned, model, reference, x):
         step(reference, x)
         assert max_grad_error(model, reference) < 1e-10
     for (name, a), (_, b) in zip(model.named_buffers(), reference.named_buffers()):
-        assert torch.equal(a, b), name
+        assert torch.allclose(a, b, rtol=1e-12, atol=0), name
 
 
 def budgets(model, x):
@@ -140,7 +142,7 @@ def test_zoo_revnet_planned_part_by_part_below_reconstruction_alone():
     assert_trains_like(planned, model, reference, x)
     planned.eval()
     with torch.no_grad():
-        assert torch.equal(planned(x), reference.eval()(x))
+        assert torch.allclose(planned(x), reference.eval()(x), rtol=1e-12, atol=0)
     assert peak(planned.train(), x) == planned.memory_plan.peak_bytes <= budget
     assert Checkpoint() in [part.decision for part in planned.memory_plan.parts]
 
@@ -226,10 +228,10 @@ def test_budget_counts_the_optimizer_when_one_is_given():
     adam_step(model, optimizer, x)  # Adam's moments exist from here on, as in every later step
     sequences = [model.stage1, model.stage2]
     for sequence in sequences:
-        sequence.memory_efficient = False
+        sequence.memory = revnets.Store()
     stored = measure_memory(adam_step, model, optimizer, x).peak_bytes
     for sequence in sequences:
-        sequence.memory_efficient = True
+        sequence.memory = revnets.Reconstruct()
     planned = revnets.auto_checkpoint(model, x, stored - 1, loss_of, optimizer=optimizer)
     measured = measure_memory(adam_step, planned, optimizer, x)
     assert measured.peak_bytes == planned.memory_plan.peak_bytes <= stored - 1

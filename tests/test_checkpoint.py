@@ -76,14 +76,14 @@ def test_checkpointed_saves_memory_and_switches_off():
 
     x = torch.randn(4, 8, 16, 16, requires_grad=True)  # 32 KiB, like every activation here
 
-    def peak(n, enabled):
-        model = nn.Sequential(*(revnets.Checkpointed(conv_unit(8), enabled) for _ in range(n)))
+    def peak(n, memory):
+        model = nn.Sequential(*(revnets.Checkpointed(conv_unit(8), memory) for _ in range(n)))
         return measure_memory(step, model, x).above_model_state_bytes
 
     # Each unit more stores its conv and ReLU outputs (64 KiB) and BatchNorm's batch mean and
     # inverse std (2 x 8 floats) when plain; only its input (32 KiB) when checkpointed.
-    assert peak(12, False) - peak(8, False) == 4 * (64 * 1024 + 2 * 8 * 4)
-    assert peak(12, True) - peak(8, True) == 4 * 32 * 1024
+    assert peak(12, revnets.Store()) - peak(8, revnets.Store()) == 4 * (64 * 1024 + 2 * 8 * 4)
+    assert peak(12, revnets.Checkpoint()) - peak(8, revnets.Checkpoint()) == 4 * 32 * 1024
 
 
 def test_checkpoint_segments_sqrt_plan():

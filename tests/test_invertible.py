@@ -75,8 +75,7 @@ def invertible_network(depth=2, stages=3, dropout=0.1, **kwargs):
 @pytest.mark.parametrize("store_last_blocks,keep_input_every", [(0, None), (1, None), (0, 2)])
 def test_a_fully_invertible_network_trains_like_ordinary_autograd(store_last_blocks,
                                                                   keep_input_every):
-    model = invertible_network(store_last_blocks=store_last_blocks,
-                               keep_input_every=keep_input_every)
+    model = invertible_network(memory=revnets.Reconstruct(store_last_blocks, keep_input_every))
     plain = twin(model)
     x = torch.randn(3, 8, 16, 16, dtype=torch.float64)
     x_model, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -71,10 +71,9 @@ def test_memory_plan_validation_and_state_dict_unchanged():
     model.set_memory("reversible(store_last_blocks=2, keep_input_every=3)")
     assert model.memory.stages == revnets.Reconstruct(store_last_blocks=2, keep_input_every=3)
     sequence = model.stages[0].reversible
-    assert (sequence.memory_efficient, sequence.store_last_blocks, sequence.keep_input_every) == (
-        True, 2, 3)
+    assert sequence.memory == revnets.Reconstruct(store_last_blocks=2, keep_input_every=3)
     model.set_memory(revnets.MemoryPlan(revnets.Checkpoint(segments=2)))
-    assert not sequence.memory_efficient
+    assert sequence.memory == revnets.Store()  # its blocks are checkpointed by the model
 
 
 def small_revnet(bottleneck: bool) -> ResidualNet:
@@ -164,7 +163,7 @@ def test_timm_features_only(name, size, reductions):
     assert [f.shape[1] for f in features] == model.feature_info.channels()
     assert [size // f.shape[-1] for f in features] == reductions == model.feature_info.reduction()
     # The stages still train reversibly behind the feature taps.
-    assert features[2].grad_fn.name() == "_ReversibleFunctionBackward"
+    assert features[2].grad_fn.name() == "ReversibleFunctionBackward"
     picked = timm.create_model(name, features_only=True, out_indices=(1, 2))
     assert [f.shape[1] for f in picked(torch.randn(2, 3, size, size))] == [
         model.feature_info.channels()[i] for i in (1, 2)
@@ -185,7 +184,7 @@ def test_timm_forward_intermediates_and_getter():
     assert len(getter.model.stages) == 2  # pruned behind the last tap
     features = getter(x)
     assert [f.shape[1] for f in features] == [32, 64]
-    assert features[1].grad_fn.name() == "_ReversibleFunctionBackward"
+    assert features[1].grad_fn.name() == "ReversibleFunctionBackward"
 
 
 def test_timm_feature_interface():

@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 import revnets
+from revnets import Reconstruct, Store
 from revnets.memory import measure_memory
 
 from conftest import make_stack, max_grad_error, rel_error, twin
@@ -10,20 +11,14 @@ from conftest import make_stack, max_grad_error, rel_error, twin
 COUPLINGS = ["additive", "affine"]
 
 
-@pytest.fixture(
-    autouse=True, params=[0, 1, 2], ids=["recompute_all", "store_last_block", "store_last_2"]
-)
-def store_last_blocks(request, monkeypatch):
-    """Every test here runs three times: with all blocks recomputed in backward, with the last
+RECONSTRUCT = [Reconstruct(), Reconstruct(store_last_blocks=1), Reconstruct(store_last_blocks=2)]
+
+
+@pytest.fixture(params=RECONSTRUCT, ids=["recompute_all", "store_last_block", "store_last_2"])
+def memory(request):
+    """Tests that take this run three times: with all blocks recomputed in backward, with the last
     block's graph kept from the forward pass instead, and with the last two blocks' graphs kept
     (a mix of stored and recomputed blocks in the deeper stacks, all stored in depth-2 ones)."""
-    init = revnets.ReversibleSequence.__init__
-
-    def init_with_mode(self, blocks, *args, **kwargs):
-        kwargs.setdefault("store_last_blocks", request.param)
-        init(self, blocks, *args, **kwargs)
-
-    monkeypatch.setattr(revnets.ReversibleSequence, "__init__", init_with_mode)
     return request.param
 
 
@@ -49,8 +44,8 @@ def run_released(model, x, seed=1):
 @pytest.mark.parametrize("output", ["held", "released"])
 @pytest.mark.parametrize("depth", [1, 6])
 @pytest.mark.parametrize("coupling", COUPLINGS)
-def test_float64_gradients_equal_ordinary_backprop(coupling, depth, output):
-    model = make_stack(depth, coupling=coupling).double()
+def test_float64_gradients_equal_ordinary_backprop(coupling, depth, output, memory):
+    model = make_stack(depth, coupling=coupling, memory=memory).double()
     plain = twin(model)
     x = torch.randn(3, 8, 5, 5, dtype=torch.float64, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
@@ -60,7 +55,7 @@ def test_float64_gradients_equal_ordinary_backprop(coupling, depth, output):
     else:
         out, node = run_released(model, x)
     out_plain = run(plain, x_plain)
-    assert node == "_ReversibleFunctionBackward"
+    assert node == "ReversibleFunctionBackward"
     assert torch.equal(out, out_plain)
     assert rel_error(x.grad, x_plain.grad) <= 1e-10
     assert max_grad_error(model, plain) <= 1e-10
@@ -76,13 +71,13 @@ class SubtractCoupling(revnets.Coupling):
         return y + 2 * h
 
 
-def test_user_coupling_protocol():
+def test_user_coupling_protocol(memory):
     blocks = [
         revnets.ReversibleBlock(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
                                 coupling=SubtractCoupling(), split_dim=-1)
         for _ in range(4)
     ]
-    model = revnets.ReversibleSequence(blocks).double()
+    model = revnets.ReversibleSequence(blocks, memory).double()
     plain = twin(model)
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
@@ -104,10 +99,8 @@ class Counted(nn.Module):
 
 
 @pytest.mark.parametrize("coupling", COUPLINGS)
-def test_each_transform_runs_once_in_forward_and_at_most_once_in_backward(
-    coupling, store_last_blocks
-):
-    model = make_stack(4, coupling=coupling)
+def test_each_transform_runs_once_in_forward_and_at_most_once_in_backward(coupling, memory):
+    model = make_stack(4, memory=memory, coupling=coupling)
     calls = {}
     for i, block in enumerate(model):
         for name in "fg":
@@ -115,7 +108,7 @@ def test_each_transform_runs_once_in_forward_and_at_most_once_in_backward(
             setattr(block, name, Counted(getattr(block, name), calls, (i, name)))
     run(model, torch.randn(2, 8, 4, 4, requires_grad=True))
     for (i, name), count in calls.items():
-        expected = 1 if i >= len(model) - store_last_blocks else 2
+        expected = 1 if i >= len(model) - memory.store_last_blocks else 2
         assert count == expected, (i, name)
 
 
@@ -138,8 +131,8 @@ def test_affine_scale_is_bounded_away_from_zero():
     assert torch.allclose(coupling.uncombine(coupling.combine(x, h), h), x, atol=1e-5)
 
 
-def test_batchnorm_statistics_updated_once_per_step():
-    model = make_stack(4).double()
+def test_batchnorm_statistics_updated_once_per_step(memory):
+    model = make_stack(4, memory=memory).double()
     plain = twin(model)
     for step in range(3):
         x = torch.randn(4, 8, 5, 5, dtype=torch.float64, requires_grad=True)
@@ -151,8 +144,8 @@ def test_batchnorm_statistics_updated_once_per_step():
         assert torch.allclose(a, b, rtol=0, atol=1e-12), name
 
 
-def test_dropout_masks_replayed():
-    model = make_stack(4, dropout=0.5).double()
+def test_dropout_masks_replayed(memory):
+    model = make_stack(4, memory=memory, dropout=0.5).double()
     plain = twin(model)
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
@@ -162,8 +155,8 @@ def test_dropout_masks_replayed():
     assert max_grad_error(model, plain) <= 1e-10
 
 
-def test_rng_left_as_after_plain_forward_backward():
-    model = make_stack(2, dropout=0.5)
+def test_rng_left_as_after_plain_forward_backward(memory):
+    model = make_stack(2, memory=memory, dropout=0.5)
     plain = twin(model)
     x = torch.randn(2, 8, 4, 4)
     run(model, x, seed=3)
@@ -172,8 +165,8 @@ def test_rng_left_as_after_plain_forward_backward():
     assert torch.equal(after_reversible, torch.rand(3))
 
 
-def test_bfloat16_autocast_on_cpu():
-    model = make_stack(4)
+def test_bfloat16_autocast_on_cpu(memory):
+    model = make_stack(4, memory=memory)
     plain = twin(model)
     x = torch.randn(2, 8, 6, 6, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
@@ -201,8 +194,8 @@ def test_eval_and_no_grad_run_plain_forward():
     assert out.grad_fn is not None and "Reversible" not in out.grad_fn.name()
 
 
-def test_input_without_grad_and_frozen_parameters():
-    model = make_stack(3).double()
+def test_input_without_grad_and_frozen_parameters(memory):
+    model = make_stack(3, memory=memory).double()
     plain = twin(model)
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
     run(model, x), run(plain, x)
@@ -217,8 +210,8 @@ def test_input_without_grad_and_frozen_parameters():
     assert rel_error(x.grad, x_plain.grad) <= 1e-10
 
 
-def test_gradient_accumulation():
-    model = make_stack(3).double()
+def test_gradient_accumulation(memory):
+    model = make_stack(3, memory=memory).double()
     plain = twin(model)
     for seed in range(3):
         x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
@@ -226,8 +219,8 @@ def test_gradient_accumulation():
     assert max_grad_error(model, plain) <= 1e-10
 
 
-def test_autograd_grad_leaves_dot_grad_alone():
-    model = make_stack(3).double()
+def test_autograd_grad_leaves_dot_grad_alone(memory):
+    model = make_stack(3, memory=memory).double()
     plain = twin(model)
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
     grads = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
@@ -236,8 +229,8 @@ def test_autograd_grad_leaves_dot_grad_alone():
     assert max(rel_error(a, b) for a, b in zip(grads, grads_plain)) <= 1e-10
 
 
-def test_partly_used_output():
-    model = make_stack(3).double()
+def test_partly_used_output(memory):
+    model = make_stack(3, memory=memory).double()
     plain = twin(model)
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
@@ -247,10 +240,10 @@ def test_partly_used_output():
     assert max_grad_error(model, plain) <= 1e-10
 
 
-def test_parameters_shared_between_blocks():
+def test_parameters_shared_between_blocks(memory):
     shared = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     blocks = [revnets.ReversibleBlock(shared, nn.Linear(4, 4), split_dim=-1) for _ in range(3)]
-    model = revnets.ReversibleSequence(blocks).double()
+    model = revnets.ReversibleSequence(blocks, memory).double()
     plain = twin(model)
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     run(model, x), run(plain, x.detach().clone().requires_grad_())
@@ -258,7 +251,7 @@ def test_parameters_shared_between_blocks():
     assert max_grad_error(model, plain) <= 1e-10
 
 
-def test_identity_transforms():
+def test_identity_transforms(memory):
     model = revnets.ReversibleSequence(
         [revnets.ReversibleBlock(nn.Identity(), nn.Identity(), split_dim=-1) for _ in range(3)]
     ).double()
@@ -268,8 +261,8 @@ def test_identity_transforms():
     assert rel_error(x.grad, x_plain.grad) <= 1e-10
 
 
-def test_caller_tensors_untouched():
-    model = make_stack(4)
+def test_caller_tensors_untouched(memory):
+    model = make_stack(4, memory=memory)
     x = torch.randn(2, 8, 4, 4, requires_grad=True)
     before, version = x.detach().clone(), x._version
     out = model(x)
@@ -283,19 +276,16 @@ def square_mean_step(model, x):
     model(x).square().mean().backward()
 
 
-def stack_peak(depth: int, **settings) -> int:
-    """Activation peak of a training step of a stack with 8-channel halves, ``settings`` (such as
-    ``store_last_blocks``) set on the sequence."""
-    model = make_stack(depth, half=8)
-    for name, value in settings.items():
-        setattr(model, name, value)
+def stack_peak(depth: int, memory: Reconstruct | Store = Reconstruct()) -> int:
+    """Activation peak of a training step of a stack with 8-channel halves under ``memory``."""
+    model = make_stack(depth, half=8, memory=memory)
     x = torch.randn(4, 16, 16, 16, requires_grad=True)
     return measure_memory(square_mean_step, model, x).above_model_state_bytes
 
 
 def test_memory_flat_in_depth():
     assert stack_peak(16) == stack_peak(4)
-    assert stack_peak(16, memory_efficient=False) > 3 * stack_peak(4, memory_efficient=False)
+    assert stack_peak(16, Store()) > 3 * stack_peak(4, Store())
 
 
 def test_reconstruction_check_reports_every_block():
@@ -322,8 +312,7 @@ def test_reconstruction_drift_grows_in_float32():
 @pytest.mark.parametrize("every", [1, 3])
 @pytest.mark.parametrize("coupling", COUPLINGS)
 def test_kept_inputs_give_float64_gradients_of_ordinary_backprop(coupling, every):
-    model = make_stack(7, coupling=coupling).double()
-    model.keep_input_every = every
+    model = make_stack(7, coupling=coupling, memory=Reconstruct(keep_input_every=every)).double()
     plain = twin(model)
     x = torch.randn(3, 8, 5, 5, dtype=torch.float64, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
@@ -337,8 +326,7 @@ def test_kept_inputs_give_float64_gradients_of_ordinary_backprop(coupling, every
 def test_kept_inputs_bound_the_drift():
     def drifts(every):
         torch.manual_seed(0)
-        model = make_stack(12)
-        model.keep_input_every = every
+        model = make_stack(12, memory=Reconstruct(keep_input_every=every))
         x = torch.randn(2, 8, 4, 4, requires_grad=True)
         with revnets.check_reconstruction() as report:
             model(x).sum().backward()
@@ -351,7 +339,7 @@ def test_kept_inputs_bound_the_drift():
 
 def test_kept_inputs_cost_one_input_each():
     def activation_peak(depth):
-        return stack_peak(depth, keep_input_every=4)
+        return stack_peak(depth, Reconstruct(keep_input_every=4))
 
     input_bytes = 4 * 16 * 16 * 16 * 4
     # Blocks 0 and 4 keep their inputs at depth 8, blocks 0, 4, 8 and 12 at depth 16; block 0's
@@ -361,7 +349,7 @@ def test_kept_inputs_cost_one_input_each():
 
 def test_stored_blocks_trade_memory_for_recomputation():
     def activation_peak(depth, stored):
-        return stack_peak(depth, store_last_blocks=stored)
+        return stack_peak(depth, Reconstruct(store_last_blocks=stored))
 
     peaks = [activation_peak(8, stored) for stored in range(4)]
     # The last block's graph costs nothing where the peak falls in backward (the benchmark
@@ -371,12 +359,7 @@ def test_stored_blocks_trade_memory_for_recomputation():
     assert activation_peak(16, 3) == peaks[3]  # still flat in depth
 
 
-def test_parameter_gradients_cost_nothing_after_zero_grad_and_one_copy_when_accumulating(
-    store_last_blocks,
-):
-    if store_last_blocks:
-        pytest.skip("with stored blocks this stack's peak falls at the loss, before any gradient")
-
+def test_parameter_gradients_cost_nothing_after_zero_grad_and_one_copy_when_accumulating():
     def step(model, x, set_to_none):
         model.zero_grad(set_to_none=set_to_none)
         square_mean_step(model, x)
@@ -396,8 +379,7 @@ def test_parameter_gradients_cost_nothing_after_zero_grad_and_one_copy_when_accu
 
 
 def test_more_stored_blocks_than_blocks_is_ordinary_backprop():
-    model = make_stack(3).double()
-    model.store_last_blocks = 5
+    model = make_stack(3, memory=Reconstruct(store_last_blocks=5)).double()
     plain = twin(model)
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
@@ -409,13 +391,13 @@ def test_more_stored_blocks_than_blocks_is_ordinary_backprop():
 @pytest.mark.parametrize("stored", [-1, 1.5, "2"])
 def test_bad_store_last_blocks_is_named(stored):
     with pytest.raises(ValueError, match="store_last_blocks must be a non-negative integer"):
-        revnets.ReversibleSequence(make_stack(2).blocks, store_last_blocks=stored)
+        revnets.ReversibleSequence(make_stack(2).blocks, Reconstruct(store_last_blocks=stored))
 
 
 @pytest.mark.parametrize("every", [0, -2, 1.5, True])
 def test_bad_keep_input_every_is_named(every):
     with pytest.raises(ValueError, match="keep_input_every must be a positive integer"):
-        revnets.ReversibleSequence(make_stack(2).blocks, keep_input_every=every)
+        revnets.ReversibleSequence(make_stack(2).blocks, Reconstruct(keep_input_every=every))
 
 # -- bad input ------------------------------------------------------------------------------------
 
@@ -475,11 +457,15 @@ def test_second_backward_is_refused_clearly():
         loss.backward()
 
 
-def test_nested_sequences_match_ordinary_backprop():
+def test_nested_sequences_match_ordinary_backprop(memory):
     """A reversible sequence as f and g of an outer one: the inner ones run plainly in the outer
     forward (no grad) and reversibly in its recomputation."""
     model = revnets.ReversibleSequence(
-        revnets.ReversibleBlock(make_stack(2, half=2), make_stack(2, half=2)) for _ in range(3)
+        (
+            revnets.ReversibleBlock(make_stack(2, half=2), make_stack(2, half=2))
+            for _ in range(3)
+        ),
+        memory,
     ).double()
     plain = twin(model)
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
@@ -492,8 +478,8 @@ def test_nested_sequences_match_ordinary_backprop():
         assert torch.allclose(a, b, rtol=0, atol=1e-12), name  # statistics updated once
 
 
-def test_compiled_model_matches_ordinary_backprop():
-    model = make_stack(3).double()
+def test_compiled_model_matches_ordinary_backprop(memory):
+    model = make_stack(3, memory=memory).double()
     plain = twin(model)
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
@@ -516,23 +502,23 @@ def test_double_backward_is_refused_clearly():
         torch.autograd.grad(loss, x, create_graph=True)
 
 
-def test_output_modified_in_place_is_refused(store_last_blocks):
-    model = make_stack(2)
+def test_output_modified_in_place_is_refused(memory):
+    model = make_stack(2, memory=memory)
     out = model(torch.randn(1, 8, 4, 4, requires_grad=True))
     loss = out.sum()
     with torch.no_grad():
         out.mul_(2)
-    if store_last_blocks:  # nothing is reconstructed from the output: harmless
+    if memory.store_last_blocks:  # nothing is reconstructed from the output: harmless
         loss.backward()
         return
     with pytest.raises(RuntimeError, match="modified in place after the forward pass"):
         loss.backward()
 
 
-def test_weights_swapped_for_the_forward_only_are_refused():
+def test_weights_swapped_for_the_forward_only_are_refused(memory):
     """torch.func.functional_call puts other weights in for the forward call only; recomputing
     with the module's own would silently differentiate the wrong weights."""
-    model = make_stack(4)  # blocks 0 and 1 are recomputed, whatever store_last_blocks
+    model = make_stack(4, memory=memory)  # blocks 0 and 1 are recomputed whatever is stored
     weights = {name: p.detach() * 2 for name, p in model.named_parameters()}
     weights["blocks.1.g.0.weight"].requires_grad_()
     out = torch.func.functional_call(model, weights, (torch.randn(1, 8, 4, 4),))
@@ -542,8 +528,7 @@ def test_weights_swapped_for_the_forward_only_are_refused():
 
 
 def test_kept_input_modified_in_place_is_refused():
-    model = make_stack(4)
-    model.keep_input_every = 2
+    model = make_stack(4, memory=Reconstruct(keep_input_every=2))
     x = torch.randn(1, 8, 4, 4)
     out = model(x)
     x.mul_(2)  # the caller's input, which block 0 kept
@@ -551,8 +536,8 @@ def test_kept_input_modified_in_place_is_refused():
         out.sum().backward()
 
 
-def test_parameters_modified_between_forward_and_backward_is_refused():
-    model = make_stack(2)
+def test_parameters_modified_between_forward_and_backward_is_refused(memory):
+    model = make_stack(2, memory=memory)
     loss = model(torch.randn(1, 8, 4, 4, requires_grad=True)).sum()
     with torch.no_grad():
         next(model.parameters()).add_(1)
@@ -577,10 +562,10 @@ class AddParameter(nn.Module):
         return (x + self.p) * 2
 
 
-def test_gradients_that_alias_each_other():
+def test_gradients_that_alias_each_other(memory):
     blocks = [revnets.ReversibleBlock(AddParameter(3), AddParameter(3), split_dim=-1)
               for _ in range(3)]
-    model = revnets.ReversibleSequence(blocks).double()
+    model = revnets.ReversibleSequence(blocks, memory).double()
     plain = twin(model)
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()

@@ -93,7 +93,7 @@ def test_plan_options_from_the_command_line_reach_the_model():
     plan = "memory.strategy='reversible(store_last_blocks=2)'"
     model = create_model(config("model=revnet38", plan), "meta")
     assert model.memory.stages == revnets.Reconstruct(store_last_blocks=2)
-    assert model.stages[1].reversible.store_last_blocks == 2
+    assert model.stages[1].reversible.memory == revnets.Reconstruct(store_last_blocks=2)
 
 
 def test_synthetic_task_is_learned(tmp_path):

@@ -35,7 +35,7 @@ from revnets.invertible import SpaceToDepth
 from revnets.layers.irevnet import irevnet_bottleneck, irevnet_stage
 from revnets.models.head import PooledClassifier, check_pool
 from revnets.models.residual import cifar_cfg, imagenet_cfg
-from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, MemoryPlan, Store
 from revnets.reversible import ReversibleSequence
 
@@ -172,7 +172,7 @@ class IRevNet(SwitchableMemory, PooledClassifier, nn.Module):
         return None
 
     def apply_memory(self, plan: MemoryPlan) -> None:
-        configure_sequence(self.blocks, plan.stages)
+        self.blocks.set_memory(plan.stages)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:

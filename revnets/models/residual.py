@@ -43,7 +43,7 @@ from revnets.layers import (
     shortcut,
 )
 from revnets.models.head import PooledClassifier, check_pool
-from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Reconstruct, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence
 
@@ -68,7 +68,7 @@ class Stage(SwitchableMemory, nn.Module):
 
     def apply_memory(self, plan: MemoryPlan) -> None:
         if self.reversible is not None:
-            configure_sequence(self.reversible, plan.stages)
+            self.reversible.set_memory(plan.stages)
 
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.memory.stages, Checkpoint) and self._saving():

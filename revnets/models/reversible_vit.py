@@ -33,7 +33,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
-from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence
 
@@ -203,7 +203,7 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
 
     # -- memory plan --------------------------------------------------------------------------
     def apply_memory(self, plan: MemoryPlan) -> None:
-        configure_sequence(self.blocks, plan.stages)
+        self.blocks.set_memory(plan.stages)
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -279,7 +279,7 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
     ) -> list[int]:
         take, max_index = feature_take_indices(len(self.blocks), indices)
         self.blocks = ReversibleSequence(list(self.blocks)[: max_index + 1])
-        configure_sequence(self.blocks, self.memory.stages)
+        self.blocks.set_memory(self.memory.stages)
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:

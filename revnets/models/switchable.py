@@ -9,19 +9,10 @@ import torch
 from torch import Tensor
 
 from revnets.checkpoint import checkpoint, run_checkpointed_segments
-from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, Reconstruct, parse_memory_plan
+from revnets.plan import PRESETS, Checkpoint, MemoryPlan, parse_memory_plan
 from revnets.reversible import ReversibleSequence
 
-__all__ = ["SwitchableMemory", "configure_sequence"]
-
-
-def configure_sequence(sequence: ReversibleSequence, decision: Decision) -> None:
-    """Make a reversible sequence reconstruct (with the decision's options) or run its blocks
-    under ordinary autograd (stored, or checkpointed by whoever runs it)."""
-    sequence.memory_efficient = isinstance(decision, Reconstruct)
-    if isinstance(decision, Reconstruct):
-        sequence.store_last_blocks = decision.store_last_blocks
-        sequence.keep_input_every = decision.keep_input_every
+__all__ = ["SwitchableMemory"]
 
 
 class SwitchableMemory:
@@ -65,7 +56,7 @@ class SwitchableMemory:
         blocks = self.blocks
         if start != 0 or stop not in (None, len(blocks)):
             blocks = ReversibleSequence(list(self.blocks)[start:stop])
-            configure_sequence(blocks, self.memory.stages)
+            blocks.set_memory(self.memory.stages)
         if isinstance(self.memory.stages, Checkpoint) and self._saving():
             segments = self.memory.stages.segments_for(len(blocks))
             return run_checkpointed_segments(list(blocks), x, segments)

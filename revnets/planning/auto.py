@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 
 from revnets.checkpoint import Checkpointed
 from revnets.memory import predict_memory
-from revnets.models.switchable import SwitchableMemory, configure_sequence
+from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.chain import candidate_plans
 from revnets.planning.nested import group_chain, nested_schedule
@@ -191,6 +191,7 @@ class _Planner:
         self.sequences = {i: s for i, step in enumerate(chain)
                           if (s := _sequence_of(step)) is not None}
         self.original = {i: _decision_of(s) for i, s in self.sequences.items()}
+        self.found = {i: s.memory for i, s in self.sequences.items()}
         meta_chain = copy.deepcopy(chain).to("meta")
         meta_input = _meta_like(example_input)
         self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
@@ -200,7 +201,7 @@ class _Planner:
         meta_sequences = {i: _sequence_of(meta_chain[i]) for i in self.sequences}
         for decision in (Store(), Reconstruct()):
             for sequence in meta_sequences.values():
-                configure_sequence(sequence, decision)
+                sequence.set_memory(decision)
             self.profiles[type(decision)] = profile_chain(list(meta_chain), meta_input)
         if measure_time and _device_type(example_input) != "meta":
             self._store_all()
@@ -219,12 +220,12 @@ class _Planner:
 
     def _store_all(self) -> None:
         for sequence in self.sequences.values():
-            configure_sequence(sequence, Store())
+            sequence.set_memory(Store())
 
     def _assign(self, reconstructed: frozenset[int]) -> list[LayerProfile]:
         for i, sequence in self.sequences.items():
             decision = self.original[i] if i in reconstructed else Store()
-            configure_sequence(sequence, decision)
+            sequence.set_memory(decision)
         stored, rebuilt = self.profiles[Store], self.profiles[Reconstruct]
         return [rebuilt[i] if i in reconstructed else p for i, p in enumerate(stored)]
 
@@ -372,7 +373,7 @@ class _Planner:
 
     def _restore(self) -> None:
         for i, sequence in self.sequences.items():
-            configure_sequence(sequence, self.original[i])
+            sequence.memory = self.found[i]
 
     # -- the plan as an object --------------------------------------------------------------
     def _sequence_parts(
@@ -441,7 +442,7 @@ def _span(names: list[str], start: int, stop: int) -> str:
 
 def _decision_of(sequence: ReversibleSequence) -> Decision:
     """How a sequence reconstructs when the planner lets it (its own options kept)."""
-    return Reconstruct(sequence.store_last_blocks, sequence.keep_input_every)
+    return sequence.memory if isinstance(sequence.memory, Reconstruct) else Reconstruct()
 
 
 def _measured(profiles: Sequence[LayerProfile], indices: range) -> float:

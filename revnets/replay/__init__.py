@@ -1,0 +1,306 @@
+"""Replaying a forward computation exactly during backward: random numbers, autocast, module state
+and forward hooks.
+
+Both memory strategies in revnets (reconstruction in :mod:`revnets.reversible` and recomputation in
+:mod:`revnets.checkpoint`) run user code a second time in backward. Both record the first run with
+:class:`Recording` and replay it with :meth:`Recording.replayed`; nothing else in revnets captures
+or restores state.
+
+# NOTE [ Replay ]
+# A replay computes what the recorded run computed, and the step's side effects happen once:
+#
+# 1. Randomness. The recording watches every operator at the dispatcher: the first time an
+#    operator draws from a generator (the device's default one, or any torch.Generator passed to
+#    it, wherever user code keeps it), that generator's state is kept. The replay restores each of
+#    them, and Python's ``random`` (the module's and the ``random.Random`` objects modules hold as
+#    attributes), then puts every generator back as it found it.
+# 2. Module state, by slot. A slot is a parameter, buffer or tensor attribute of a module. The
+#    recording notes what each slot held and, at the dispatcher, copies a buffer just before the
+#    run first writes into it (copy on write). A slot the run reassigned keeps its old tensor
+#    intact, a slot it wrote into has its copy: the replay runs on those (copies of them), so it
+#    computes with the state the run found, and whatever it writes is dropped: every update
+#    happens once. An inverse (``left_state``) runs with the state the run left.
+#    Training-mode BatchNorm is the one exception: its output does not depend on its running
+#    statistics, so the replay leaves them alone instead of copying them.
+# 3. Anything else the run read must be unchanged when the replay runs, by identity and version
+#    counter: a parameter updated in place or swapped (an optimizer step, functional_call) is
+#    refused by name. A run that writes into a parameter is refused too.
+# 4. Forward hooks fire once, in the recorded run. A hook that replaced a module's output or
+#    changed it in place is part of the computation: the replay runs it again (it can tell, with
+#    :func:`is_recomputing`); every other forward hook is silenced. Forward pre-hooks always run
+#    (they compute weights: weight_norm, spectral_norm, pruning).
+# 5. Parametrizations' caches (``torch.nn.utils.parametrize.cached``) are suspended in both runs:
+#    a weight cached without a graph would reach backward without a path to its original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from revnets.replay.hooks import (
+    HookWatch,
+    has_forward_hooks,
+    is_recomputing,
+    recomputing,
+    silenced_tensor_hooks,
+)
+from revnets.replay.state import (
+    _python_generators,
+    _Slot,
+    _slots,
+    _storage_key,
+    _tracked_norms,
+    _version,
+    forked_rng,
+    frozen_running_stats,
+    state_tensors,
+)
+from revnets.replay.watch import Watch
+
+__all__ = [
+    "AutocastState",
+    "Recording",
+    "forked_rng",
+    "frozen_running_stats",
+    "has_forward_hooks",
+    "is_recomputing",
+    "recomputing",
+    "silenced_tensor_hooks",
+    "state_tensors",
+]
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The autocast settings in force when a forward ran, to be re-entered for its replay."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device_type: str) -> AutocastState:
+        if not torch.amp.is_autocast_available(device_type):  # e.g. the meta device
+            return cls(device_type, False, torch.float32, False)
+        return cls(
+            device_type=device_type,
+            enabled=torch.is_autocast_enabled(device_type),
+            dtype=torch.get_autocast_dtype(device_type),
+            cache_enabled=torch.is_autocast_cache_enabled(),
+        )
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        if not torch.amp.is_autocast_available(self.device_type):
+            return contextlib.nullcontext()
+        if not self.enabled:
+            if not torch.is_autocast_enabled(self.device_type):
+                return contextlib.nullcontext()
+            # Replay must also switch autocast *off* if backward happens to run inside one.
+            return torch.autocast(self.device_type, enabled=False)
+        return torch.autocast(
+            self.device_type, dtype=self.dtype, enabled=True, cache_enabled=self.cache_enabled
+        )
+
+
+class Recording:
+    """One run of user code (a transform f or g, an invertible module, a checkpointed module) and
+    what its replay needs (NOTE [ Replay ]).
+
+    Use it around the run, then replay with :meth:`replayed`::
+
+        recording = Recording([module], preserve_rng=True)
+        with recording:
+            out = module(x)
+        ...
+        recording.check("owner", "remedy")
+        with recording.replayed():
+            out_again = module(x)
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        preserve_rng: bool = True,
+        keep_left_state: bool = False,
+        root_owner: str | None = None,
+    ) -> None:
+        self.modules = list(modules)
+        self.preserve_rng = preserve_rng
+        self.keep_left_state = keep_left_state
+        self.root_owner = root_owner
+        self.slots: list[_Slot] = []
+        self.changed: list[_Slot] = []
+        self.norms: list[nn.Module] = []
+        self.generators: list[tuple[Any, Tensor | None]] = []
+        self.python: list[tuple[random.Random, Any]] = []
+        self.hooks: list[tuple[nn.Module | None, Any]] = []
+        self._run: contextlib.ExitStack | None = None
+
+    # -- the recorded run ----------------------------------------------------------------------
+    def __enter__(self) -> Recording:
+        self.norms = _tracked_norms(self.modules)
+        frozen = {id(b) for m in self.norms for b in m._buffers.values()}
+        self.slots = [s for s in _slots(self.modules) if id(s.tensor) not in frozen]
+        watched: dict[int, list[_Slot]] = {}
+        for s in self.slots:
+            key = _storage_key(s.tensor)
+            if key is not None:
+                watched.setdefault(key, []).append(s)
+        if self.preserve_rng:
+            self.python = [(g, g.getstate()) for g in _python_generators(self.modules)]
+        self._watch = Watch(watched, self.preserve_rng)
+        self._hooks = HookWatch(self.modules, self.root_owner)
+        self._run = contextlib.ExitStack()
+        self._run.enter_context(_uncached_parametrizations())
+        self._run.enter_context(self._hooks)
+        self._run.enter_context(self._watch)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        run, self._run = self._run, None
+        run.__exit__(*exc)
+        watch, self._watch = self._watch, None
+        self.hooks = self._hooks.transforming
+        self._hooks = None
+        if exc[0] is not None:
+            return
+        if watch.params_written:
+            names = _names(self.modules)
+            raise RuntimeError(
+                f"{watch.params_written[0].name(names)} was written in place during the forward "
+                "pass; its gradient would be taken with respect to a value it no longer has. "
+                "Change it outside the forward (before or after the training step)."
+            )
+        self.generators = list(watch.generators.values())
+        self.python = [(g, state) for g, state in self.python if g.getstate() != state]
+        for s in self.slots:
+            now = s.current()
+            copy = watch.written.get(_storage_key(s.tensor))
+            if now is s.tensor and copy is None:
+                continue
+            s.found = copy if copy is not None else s.tensor
+            self.changed.append(s)
+            if self.keep_left_state:
+                s.left = now.detach().clone() if isinstance(now, Tensor) else now
+        changed = {id(s) for s in self.changed}
+        # Unchanged slots are checked later by identity and version only: the tensor itself
+        # stays where it is (no reference beyond the module's own).
+        self.slots = [s for s in self.slots if id(s) not in changed]
+
+    # -- before a replay -----------------------------------------------------------------------
+    def check(self, owner: str, remedy: str, prefix: str = "") -> None:
+        """Raise if a tensor the run read was swapped or modified in place since (NOTE
+        [ Replay ], rule 3); ``prefix`` is the module's dotted name, for the message."""
+        for s in self.slots:
+            now = s.current()
+            if now is s.tensor and (s.version is None or _version(now) == s.version):
+                continue
+            name = prefix + s.name(_names(self.modules))
+            if now is not s.tensor:
+                raise RuntimeError(
+                    f"{owner}: {name} is not the tensor the forward pass used, so recomputing in "
+                    "backward would differentiate other weights than the forward used. Something "
+                    "swapped the module's parameters or buffers between forward and backward "
+                    "(torch.func.functional_call and other stateless calls swap them for the "
+                    f"forward call only). {remedy}"
+                )
+            raise RuntimeError(
+                f"{owner}: {name} was modified in place between the forward pass and backward "
+                "(an optimizer step, a manual update, a frozen weight or an eval-mode statistic "
+                "changed by hand), so the recomputation would not see what the forward saw. "
+                "Ordinary autograd refuses the same for the tensors it saves. Run backward before "
+                "changing it, or change it out of place. " + remedy
+            )
+
+    # -- the replay ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Run the replay: same random numbers, the module state the run found, transforming
+        hooks only; everything put back afterwards."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._random_replayed())
+            stack.enter_context(self._state_as(lambda s: s.found.clone()))
+            stack.enter_context(frozen_running_stats(self.norms))
+            stack.enter_context(recomputing(self.modules, self.hooks))
+            stack.enter_context(_uncached_parametrizations())
+            yield
+
+    @contextlib.contextmanager
+    def left_state(self) -> Iterator[None]:
+        """Run an inverse with the module state the run left (recorded with
+        ``keep_left_state``), and the random numbers the run drew."""
+        with (
+            self._random_replayed(),
+            self._state_as(lambda s: s.left),
+            frozen_running_stats(self.norms),
+            recomputing(self.modules),
+        ):
+            yield
+
+    def restore_random(self) -> None:
+        """Set the generators to where the run found them (inside :meth:`replayed` or
+        :meth:`left_state`, to replay a second piece of code with the same numbers)."""
+        for generator, state in self.generators:
+            if generator is not None:
+                generator.set_state(state)
+        for g, state in self.python:
+            g.setstate(state)
+
+    @contextlib.contextmanager
+    def _random_replayed(self) -> Iterator[None]:
+        live = [g for g, _ in self.generators if g is not None]
+        if not live and not self.python:
+            yield
+            return
+        current = [(g, g.get_state()) for g in live]
+        python = [(g, g.getstate()) for g, _ in self.python]
+        self.restore_random()
+        try:
+            yield
+        finally:
+            for g, state in current:
+                g.set_state(state)
+            for g, state in python:
+                g.setstate(state)
+
+    @contextlib.contextmanager
+    def _state_as(self, value: Any) -> Iterator[None]:
+        current = [(s, s.current()) for s in self.changed]
+        for s in self.changed:
+            s.put(value(s))
+        try:
+            yield
+        finally:
+            for s, now in current:
+                s.put(now)
+
+    def drop(self) -> None:
+        """Forget what the replay needed (the copies of changed state, the generators' states)."""
+        self.changed, self.generators, self.python, self.slots = [], [], [], []
+
+
+def _names(modules: Sequence[nn.Module]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for root in modules:
+        for name, m in root.named_modules():
+            names.setdefault(id(m), f"{name}." if name else "")
+    return names
+
+
+@contextlib.contextmanager
+def _uncached_parametrizations() -> Iterator[None]:
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled

@@ -1,0 +1,151 @@
+"""Forward hooks in a replay: which fire, which are replayed (NOTE [ Replay ], rule 4)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from revnets.replay.state import _version
+
+__all__ = [
+    "HookWatch",
+    "has_forward_hooks",
+    "is_recomputing",
+    "recomputing",
+    "silenced_tensor_hooks",
+]
+
+
+class HookWatch:
+    """Wraps the forward hooks of a run's modules (and the global ones) to see which of them
+    replaced an output or changed it in place (NOTE [ Replay ], rule 4)."""
+
+    def __init__(self, modules: Sequence[nn.Module], root_owner: str | None) -> None:
+        self.root_owner = root_owner  # None: the roots' own hooks may transform too
+        self.roots = {id(m) for m in modules}
+        self.transforming: list[tuple[nn.Module | None, Any]] = []
+        self.wrapped: list[tuple[nn.Module | None, dict]] = []
+        self.modules = [m for root in modules for m in root.modules() if m._forward_hooks]
+
+    def __enter__(self) -> HookWatch:
+        for m in self.modules:
+            self._wrap(m, m._forward_hooks)
+        global_hooks = nn.modules.module._global_forward_hooks
+        if global_hooks:
+            self._wrap(None, global_hooks)
+        return self
+
+    def _wrap(self, module: nn.Module | None, hooks: dict) -> None:
+        saved = dict(hooks)
+        for key, hook in saved.items():
+            hooks[key] = self._watching(module, hook)
+        self.wrapped.append((module, saved))
+
+    def _watching(self, module: nn.Module | None, hook: Any) -> Any:
+        def watched(*args: Any) -> Any:
+            target, output = args[0], args[-1]
+            tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
+            versions = [_version(t) for t in tensors]
+            result = hook(*args)
+            replaced = result is not None and result is not output
+            edited = any(_version(t) != v for t, v in zip(tensors, versions))
+            if replaced or edited:
+                if self.root_owner is not None and id(target) in self.roots:
+                    raise RuntimeError(
+                        f"{self.root_owner}: a forward hook on {type(target).__name__} "
+                        f"{'replaced' if replaced else 'changed in place'} its output, so the "
+                        "output is no longer what the module computes and cannot be inverted. "
+                        "Register the hook on a module inside f or g (it is then replayed in "
+                        "backward), or on the sequence."
+                    )
+                self.transforming.append((module, hook))
+            return result
+
+        return watched
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, saved in self.wrapped:
+            hooks = module._forward_hooks if module is not None else (
+                nn.modules.module._global_forward_hooks
+            )
+            for key in list(hooks):
+                if key in saved:
+                    hooks[key] = saved[key]
+
+
+class _Recomputing(threading.local):
+    depth = 0  # a class default: every thread starts outside any replay
+
+
+_RECOMPUTING = _Recomputing()
+
+
+def is_recomputing() -> bool:
+    """True while revnets runs user code a second time in backward (a reversible block's f and g,
+    or a checkpointed module). Forward pre-hooks run in both passes (they may compute weights, as
+    weight_norm, spectral_norm and pruning do); one that observes should return early here."""
+    return _RECOMPUTING.depth > 0
+
+
+@contextlib.contextmanager
+def recomputing(
+    modules: Sequence[nn.Module] = (), replay_hooks: Sequence[tuple[Any, Any]] = ()
+) -> Iterator[None]:
+    """Mark a replay for :func:`is_recomputing`, with the forward hooks of ``modules`` (and the
+    global ones) silenced but those in ``replay_hooks`` ((module or None for global, hook) pairs
+    that changed an output in the recorded run: NOTE [ Replay ], rule 4)."""
+    _RECOMPUTING.depth += 1
+    silenced = [
+        (m, m._forward_hooks) for root in modules for m in root.modules() if m._forward_hooks
+    ]
+    global_hooks = nn.modules.module._global_forward_hooks
+    saved_global = dict(global_hooks)
+    for m, _ in silenced:
+        m._forward_hooks = type(m._forward_hooks)()
+    global_hooks.clear()
+    replayed = {}
+    for k, (module, hook) in enumerate(replay_hooks):
+        hooks = module._forward_hooks if module is not None else global_hooks
+        key = ("revnets-replay", k)
+        hooks[key] = hook
+        replayed[key] = hooks
+    try:
+        yield
+    finally:
+        for key, hooks in replayed.items():
+            hooks.pop(key, None)
+        global_hooks.clear()
+        global_hooks.update(saved_global)
+        for m, hooks in silenced:
+            m._forward_hooks = hooks
+        _RECOMPUTING.depth -= 1
+
+
+@contextlib.contextmanager
+def silenced_tensor_hooks(tensors: Iterable[Tensor]) -> Iterator[None]:
+    """Keep the ``register_hook`` hooks of leaf ``tensors`` from firing on the partial gradients
+    that an internal ``torch.autograd.grad`` computes for them: they fire once, on the total that
+    reaches the tensor through the autograd graph, as under ordinary autograd."""
+    silenced = []
+    for t in tensors:
+        hooks = t._backward_hooks
+        if hooks:
+            silenced.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in silenced:
+            hooks.update(saved)
+
+
+def has_forward_hooks(modules: Iterable[nn.Module]) -> bool:
+    """True if a forward hook or pre-hook is registered on any of ``modules`` (or globally)."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)

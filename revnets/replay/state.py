@@ -1,0 +1,192 @@
+"""Module state by slot, and the generators user code draws from (NOTE [ Replay ], rules 1-3)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["forked_rng", "frozen_running_stats", "state_tensors"]
+
+
+def _default_generator(device: torch.device) -> Any:
+    """The generator an operator on ``device`` draws from when it is given none."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    generators = getattr(module, "default_generators", None)
+    if not generators:
+        return _ModuleGenerator(module)
+    return generators[device.index if device.index is not None else module.current_device()]
+
+
+class _ModuleGenerator:
+    """A device whose generator is reached through its module's get/set_rng_state only (mps)."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def get_state(self) -> Tensor:
+        return self.module.get_rng_state()
+
+    def set_state(self, state: Tensor) -> None:
+        self.module.set_rng_state(state)
+
+
+_CPU_STATE_BYTES = torch.default_generator.get_state().numel()
+
+
+def _python_generators(modules: Iterable[nn.Module]) -> list[random.Random]:
+    """Python's global generator and the ``random.Random`` objects the modules hold."""
+    found = {id(random._inst): random._inst}
+    for root in modules:
+        for m in root.modules():
+            for value in vars(m).values():
+                if isinstance(value, random.Random):
+                    found[id(value)] = value
+    return list(found.values())
+
+
+def _device_of_op(args: Any, kwargs: dict) -> torch.device:
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device)
+    for value in tree_leaves((args, kwargs)):
+        if isinstance(value, Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def forked_rng(device: torch.device) -> Iterator[None]:
+    """Run code without disturbing the CPU's, ``device``'s and Python's generators (they are put
+    back on exit)."""
+    generators = [torch.default_generator]
+    if device.type not in ("cpu", "meta"):
+        generators.append(_default_generator(device))
+    states = [g.get_state() for g in generators]
+    python = random.getstate()
+    try:
+        yield
+    finally:
+        for g, state in zip(generators, states):
+            g.set_state(state)
+        random.setstate(python)
+
+
+def state_tensors(
+    module: nn.Module, buffers: bool = True, names: bool = False
+) -> list[Any]:
+    """Every parameter (and buffer) slot of ``module`` and its submodules, depth first in a fixed
+    order, ``None`` slots included; their dotted names instead if ``names``.
+
+    Walks the modules' own dictionaries: ``named_parameters`` and ``parameters`` build every name
+    on the way, which costs more than a small block's arithmetic when it runs every step.
+    """
+    found: list[Any] = []
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        tables = (m._parameters, m._buffers) if buffers else (m._parameters,)
+        for table in tables:
+            found += [prefix + key for key in table] if names else table.values()
+        stack += [
+            (f"{prefix}{key}." if names else "", child)
+            for key, child in reversed(m._modules.items())
+            if child is not None
+        ]
+    return found
+
+
+def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._NormBase]:
+    return [
+        m
+        for root in modules
+        for m in root.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def frozen_running_stats(modules: nn.Module | Sequence[nn.Module]) -> Iterator[None]:
+    """Within this context, BatchNorm layers in training mode normalise with batch statistics as
+    usual but leave ``running_mean``, ``running_var`` and ``num_batches_tracked`` as they were
+    (NOTE [ Replay ], rule 2)."""
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    frozen = [(m, m.momentum, m.num_batches_tracked.clone()) for m in _tracked_norms(modules)]
+    for m, _, _ in frozen:
+        # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0, exactly.
+        # Everything else stays as in the original forward, down to which tensors autograd saves
+        # (torch.utils.checkpoint checks that the recomputation saves the same ones).
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, momentum, count in frozen:
+                m.momentum = momentum
+                m.num_batches_tracked.copy_(count)
+
+
+@dataclass
+class _Slot:
+    """One place a module keeps a tensor: ``table`` is ``_parameters``, ``_buffers`` or
+    ``__dict__`` (a plain tensor attribute)."""
+
+    module: nn.Module
+    table: str
+    key: str
+    tensor: Tensor
+    version: int | None
+    found: Tensor | None = None  # what the replay runs with, where the run changed the slot
+    left: Tensor | None = None  # what the run left, for an inverse
+
+    def current(self) -> Any:
+        return _table(self.module, self.table).get(self.key)
+
+    def put(self, value: Any) -> None:
+        _table(self.module, self.table)[self.key] = value
+
+    def name(self, names: dict[int, str]) -> str:
+        return names.get(id(self.module), type(self.module).__name__) + self.key
+
+
+def _table(module: nn.Module, table: str) -> dict:
+    return vars(module) if table == "__dict__" else getattr(module, table)
+
+
+def _version(t: Tensor) -> int | None:
+    # Inference tensors keep no version counter.
+    return None if t.is_inference() else t._version
+
+
+def _slots(modules: Sequence[nn.Module]) -> list[_Slot]:
+    slots = []
+    seen: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for table in ("_parameters", "_buffers"):
+                for key, t in getattr(m, table).items():
+                    if t is not None:
+                        slots.append(_Slot(m, table, key, t, _version(t)))
+            for key, t in vars(m).items():
+                if isinstance(t, Tensor):
+                    slots.append(_Slot(m, "__dict__", key, t, _version(t)))
+    return slots
+
+
+def _storage_key(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # storage-less tensors (sparse, nested)
+        return None

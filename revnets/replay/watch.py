@@ -1,0 +1,104 @@
+"""The dispatcher's view of a run: what it draws and what it writes (NOTE [ Replay ], rules 1
+and 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from revnets.replay.state import (
+    _CPU_STATE_BYTES,
+    _default_generator,
+    _device_of_op,
+    _Slot,
+    _storage_key,
+)
+
+__all__ = ["Watch"]
+
+
+_aten = torch.ops.aten
+# Kernels whose schemas do not declare what they write: batch norm's running statistics (the
+# arguments written, from the arguments), updated in training only.
+_UNDECLARED_WRITES = {
+    op: lambda args: (3, 4) if len(args) > 5 and args[5] else ()
+    for op in (
+        _aten.native_batch_norm.default,
+        _aten.cudnn_batch_norm.default,
+        _aten.miopen_batch_norm.default,
+    )
+}
+
+
+def _draws(func: Any, args: tuple) -> bool:
+    """Whether a seeded operator draws here: attention kernels take a ``dropout_p`` and draw
+    nothing when it is 0 (the other seeded operators draw whatever their probabilities)."""
+    for k, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            return (args[k] if k < len(args) else argument.default_value) != 0
+    return True
+
+
+
+class Watch(TorchDispatchMode):
+    """Sees every operator of one run: keeps each generator's state at its first draw (NOTE
+    [ Replay ], rule 1) and copies a watched slot's tensor before the run first writes into it
+    (rule 2)."""
+
+    def __init__(self, watched: dict[int, list[_Slot]], draws: bool) -> None:
+        super().__init__()
+        self.watched = watched
+        self.draws = draws
+        self.generators: dict[int, tuple[Any, Tensor | None]] = {}
+        self.written: dict[int, Tensor] = {}  # storage key -> copy made before the first write
+        self.params_written: list[_Slot] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.draws and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args):
+            self._note_draw(args, kwargs)
+        if self.watched and (func._schema.is_mutable or func in _UNDECLARED_WRITES):
+            self._note_writes(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _note_draw(self, args: Any, kwargs: dict) -> None:
+        generator = next(
+            (v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Generator)), None
+        )
+        device = generator.device if generator is not None else _device_of_op(args, kwargs)
+        if device.type == "meta":
+            # Nothing is drawn on the meta device; keep a placeholder the size of the CPU's state,
+            # so that a prediction on meta counts what a real run keeps.
+            key = ("meta",)
+            if key not in self.generators:
+                placeholder = torch.empty(_CPU_STATE_BYTES, dtype=torch.uint8, device="meta")
+                self.generators[key] = (None, placeholder)
+            return
+        if generator is None:
+            generator = _default_generator(device)
+        if id(generator) not in self.generators:
+            # detach() shows the kept state to a memory tracker below (get_state is not an
+            # operator), as the meta placeholder is shown.
+            self.generators[id(generator)] = (generator, generator.get_state().detach())
+
+    def _note_writes(self, func, args: Any, kwargs: dict) -> None:
+        schema = func._schema
+        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+        undeclared = _UNDECLARED_WRITES[func](args) if func in _UNDECLARED_WRITES else ()
+        for k, (argument, value) in enumerate(zip(schema.arguments, values)):
+            declared = argument.alias_info is not None and argument.alias_info.is_write
+            if not declared and k not in undeclared:
+                continue
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if not isinstance(t, Tensor):
+                    continue
+                key = _storage_key(t)
+                if key in self.watched and key not in self.written:
+                    slots = self.watched[key]
+                    if any(s.table == "_parameters" for s in slots):
+                        self.params_written += slots
+                    self.written[key] = slots[0].tensor.detach().clone()

@@ -1,0 +1,220 @@
+"""The reversible sequence: a run of blocks whose activations are reconstructed, not stored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from revnets.invertible import Invertible
+from revnets.plan import Checkpoint, Decision, Reconstruct, Store
+from revnets.reversible.block import ReversibleBlock, split_halves
+from revnets.reversible.function import ReversibleFunction
+from revnets.reversible.steps import BlockPlan
+
+__all__ = ["ReversibleSequence"]
+
+_RENAMED = {
+    "memory_efficient": "memory=revnets.Store() (for memory_efficient=False)",
+    "store_last_blocks": "memory=revnets.Reconstruct(store_last_blocks=k)",
+    "keep_input_every": "memory=revnets.Reconstruct(keep_input_every=k)",
+}
+
+
+class ReversibleSequence(nn.Module):
+    """A run of :class:`ReversibleBlock` (and :class:`~revnets.Invertible` modules) whose
+    activations are reconstructed, not stored.
+
+    Args:
+        blocks: the blocks, applied in order. All must split along the same dimension.
+        memory: :class:`~revnets.Reconstruct` (the default) or :class:`~revnets.Store`, the off
+            switch: ``Store()`` runs the very same blocks with ordinary autograd (storing every
+            activation), the reference the reversible path must match and the baseline its
+            memory is compared with. ``Reconstruct`` has two dials:
+
+            - ``store_last_blocks``: how many of the last blocks keep their autograd graphs from
+              the forward pass instead of being recomputed in backward (``checkpoint_sequential``
+              leaves its last segment unrecomputed for the same reason). Each saves 1/depth of
+              the recomputation for one block's activations, whatever the depth: a dial from
+              speed to memory that keeps memory flat in depth.
+            - ``keep_input_every``: keep the true input of every k-th block (blocks 0, k, 2k,
+              ...) and start backward's reconstruction afresh from it, so that no block input is
+              more than k - 1 inverse steps from a true one. Bounds the round-off drift of very
+              deep float32 or bfloat16 runs (see :func:`revnets.check_reconstruction`) for
+              depth / k stored inputs.
+        preserve_rng_state: replay the random number generators so that dropout and any other
+            randomness in f and g draw the same numbers in the backward recomputation.
+        reuse_memory: let backward add the blocks' gradients into the gradient it is given, where
+            nothing else can see it (NOTE [ Gradient memory ]); ``False`` always allocates.
+
+    ``sequence(x, *context)`` passes the context arguments to every f and g after their half
+    (``f(x2, *context)``), as conditioning (FiLM, time embeddings, cross-attention memory); tensors
+    among them get exact gradients, summed over the blocks.
+
+    The reversible path is taken in training mode with grad enabled. In eval mode or under
+    ``torch.no_grad`` the blocks run as plain modules, with no overhead.
+
+    .. note::
+        Gradients flow to the input, the context and the parameters of f and g (shared
+        parameters included). A tensor that f or g read any other way (an attribute, a closure, a
+        parameter kept in a plain list) and that requires grad is refused in backward by name:
+        pass it as context. Only the sequence's output is kept, and it is released during
+        backward, so a second backward through the same forward (``retain_graph=True``) raises
+        an error: run the forward again. Modifying parameters, buffers the forward read, the
+        context or the output in place between forward and backward is an error too, as it would
+        make the reconstruction wrong, and so is double backward (``create_graph=True``).
+
+        The whole sequence is one autograd Function, so its blocks' parameter gradients reach
+        autograd together when its backward ends (tensor hooks on parameters fire once, on the
+        total). After ``zero_grad(set_to_none=True)`` (the default) they become the ``.grad``
+        tensors at no extra cost; when accumulating into existing ``.grad`` tensors, a copy of
+        the sequence's parameter gradients is briefly alive as well.
+    """
+
+    def __init__(
+        self,
+        blocks: Iterable[ReversibleBlock | Invertible],
+        memory: Reconstruct | Store = Reconstruct(),
+        *,
+        preserve_rng_state: bool = True,
+        reuse_memory: bool = True,
+        **renamed: Any,
+    ) -> None:
+        super().__init__()
+        if renamed:
+            name = next(iter(renamed))
+            raise TypeError(
+                f"ReversibleSequence got an unexpected keyword argument {name!r}"
+                + (f": use {_RENAMED[name]}" if name in _RENAMED else "")
+            )
+        blocks = list(blocks)
+        for i, block in enumerate(blocks):
+            _check_block(i, block)
+        split_dims = {block.split_dim for block in blocks if isinstance(block, ReversibleBlock)}
+        if len(split_dims) > 1:
+            raise ValueError(
+                f"ReversibleSequence: all blocks must split along the same dimension, got "
+                f"split_dim values {sorted(split_dims)}"
+            )
+        self.blocks = nn.ModuleList(blocks)
+        self.split_dim = split_dims.pop() if split_dims else 1
+        self.memory = memory
+        self.preserve_rng_state = preserve_rng_state
+        self.reuse_memory = reuse_memory
+
+    @property
+    def memory(self) -> Reconstruct | Store:
+        """How the sequence saves memory in training: :class:`~revnets.Reconstruct` or
+        :class:`~revnets.Store`."""
+        return self._memory
+
+    @memory.setter
+    def memory(self, memory: Reconstruct | Store) -> None:
+        if not isinstance(memory, (Reconstruct, Store)):
+            hint = (
+                "; a Checkpoint is carried out around the sequence (set_memory runs the blocks "
+                "with Store() for it)" if isinstance(memory, Checkpoint) else ""
+            )
+            raise TypeError(
+                "ReversibleSequence: memory must be revnets.Reconstruct(...) or revnets.Store(), "
+                f"got {memory!r}{hint}"
+            )
+        self._memory = memory
+
+    def set_memory(self, decision: Decision) -> ReversibleSequence:
+        """Follow a plan's decision for this sequence: reconstruct (with its options), or run the
+        blocks with ordinary autograd, stored or checkpointed by whoever runs the sequence."""
+        self.memory = decision if isinstance(decision, Reconstruct) else Store()
+        return self
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[ReversibleBlock]:
+        return iter(self.blocks)
+
+    def __getitem__(self, index: int) -> ReversibleBlock:
+        return self.blocks[index]
+
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The two halves the blocks work on (views along ``split_dim``)."""
+        return split_halves(x, self.split_dim)
+
+    def merge(self, a: Tensor, b: Tensor) -> Tensor:
+        return torch.cat((a, b), dim=self.split_dim)
+
+    def forward(self, x: Tensor, *context: Any) -> Tensor:
+        if not self.blocks:
+            return x
+        if not (isinstance(self.memory, Reconstruct) and self.training and torch.is_grad_enabled()):
+            return self.forward_plain(x, *context)
+        # Looked up once per step: backward needs each block's own, and autograd needs them all.
+        plans = [BlockPlan(block) for block in self.blocks]
+        if any(plan.lazy for plan in plans):
+            # Lazy modules create their parameters in their first call, which must therefore be
+            # an ordinary one: the engine hands autograd the parameters before running anything.
+            return self.forward_plain(x, *context)
+        params = list(dict.fromkeys(p for plan in plans for p in plan.params))
+        needs_grad = x.requires_grad or params or any(_requires_grad(c) for c in context)
+        if not needs_grad:
+            return self.forward_plain(x, *context)
+        return _reversible(self, x, plans, context, params)
+
+    def forward_plain(self, x: Tensor, *context: Any) -> Tensor:
+        """The blocks as ordinary modules (what autograd would store, it stores)."""
+        x1, x2 = self.split(x)
+        for block in self.blocks:
+            if isinstance(block, Invertible):
+                x1, x2 = self.split(block(self.merge(x1, x2)))
+            elif block._forward_hooks or block._forward_pre_hooks:
+                x1, x2 = self.split(block(self.merge(x1, x2), *context))
+            else:
+                x1, x2 = block.forward_halves(x1, x2, *context)
+        return self.merge(x1, x2)
+
+    def inverse(self, y: Tensor, *context: Any) -> Tensor:
+        y1, y2 = self.split(y)
+        for block in reversed(self.blocks):
+            if isinstance(block, Invertible):
+                y1, y2 = self.split(block.inverse(self.merge(y1, y2)))
+            else:
+                y1, y2 = block.inverse_halves(y1, y2, *context)
+        return self.merge(y1, y2)
+
+    def extra_repr(self) -> str:
+        return f"memory={self.memory}"
+
+
+@torch.compiler.disable
+def _reversible(
+    sequence: ReversibleSequence, x: Tensor, plans: list[BlockPlan], context: tuple, params: list
+) -> Tensor:
+    # The engine runs user code under dispatch modes and replays it by hand: torch.compile runs
+    # it eagerly between the graphs it compiles around the sequence.
+    return ReversibleFunction.apply(x, sequence, plans, len(context), *context, *params)
+
+
+def _check_block(i: int, block: nn.Module) -> None:
+    if isinstance(block, Invertible):
+        return
+    if not isinstance(block, ReversibleBlock):
+        raise TypeError(
+            f"ReversibleSequence: block {i} is a {type(block).__name__}, neither a "
+            "ReversibleBlock nor a revnets.Invertible. Only invertible blocks can sit in a "
+            "reversible sequence; run a non-invertible module before or after it (wrap it in "
+            "revnets.Checkpointed to save its memory)"
+        )
+    inner = {id(p) for transform in (block.f, block.g) for p in transform.parameters()}
+    stray = [name for name, p in block.named_parameters() if id(p) not in inner]
+    if stray:
+        raise ValueError(
+            f"ReversibleSequence: block {i} has parameters outside f and g ({', '.join(stray)}); "
+            "the reversible backward computes gradients for the parameters of f and g only. "
+            "Move them into f or g"
+        )
+
+
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
