@@ -30,8 +30,8 @@ from revnets.memory import (
     MemoryReport,
     MemoryTracker,
     _measure,
-    _predict,
 )
+from revnets.prediction import _predict
 
 __all__ = [
     "MemoryTimeline",

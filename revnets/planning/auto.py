@@ -14,13 +14,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from revnets.checkpoint import Checkpointed
-from revnets.memory import predict_memory
 from revnets.models.switchable import SwitchableMemory, configure_sequence
 from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.chain import candidate_plans
 from revnets.planning.nested import group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
 from revnets.planning.trace import GraphStep, as_graph_chain
+from revnets.prediction import predict_memory
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
