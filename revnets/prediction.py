@@ -188,7 +188,8 @@ def _optimizer_to_fake(
 # - mkldnn_rnn_layer (each layer and direction of nn.LSTM) returns a oneDNN workspace whose size
 #   oneDNN computes from the shapes, the instruction set and its version (the meta kernel: empty).
 #   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
-#   and the size is remembered for those shapes.
+#   and the size is remembered for those shapes. Its backward returns the gradients of the two
+#   biases in two tensors (the meta kernel: one).
 
 
 def _batch_norm(out: Any, args: tuple, kwargs: dict) -> Any:
@@ -235,9 +236,9 @@ def _rnn_layer(out: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _rnn_layer_backward(out: Any, args: tuple, kwargs: dict) -> Any:
-    # Both bias gradients are the one tensor, which the real kernel hands out as two tensors
-    # (so that each parameter can take it as its gradient without a copy).
-    return (*out[:4], out[4].detach(), *out[5:])
+    # The meta kernel returns one tensor as the gradient of both biases; the CPU kernel returns
+    # two, which the two parameters keep as their gradients.
+    return (*out[:4], out[4].new_empty(out[4].shape), *out[5:])
 
 
 _CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
