@@ -20,6 +20,7 @@ from revnets.planning.chain import candidate_plans
 from revnets.planning.nested import group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
 from revnets.planning.trace import GraphStep, as_graph_chain
+from revnets.planning.untouched import ModelState
 from revnets.prediction import predict_memory
 from revnets.reversible import ReversibleSequence
 
@@ -88,6 +89,22 @@ def auto_checkpoint(
     naming why. Raises :class:`PlanningError` stating the smallest reachable budget when no plan
     fits.
     """
+    kept = ModelState(model)
+    try:
+        return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer, measure_time)
+    except BaseException:  # no plan, the user's loss function failing, an interrupt
+        kept.restore()
+        raise
+
+
+def _auto_checkpoint(
+    model: nn.Module,
+    example_input: Any,
+    budget: int,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    measure_time: bool,
+) -> nn.Module:
     zoo = isinstance(model, SwitchableMemory)
     original = model.memory if zoo else None
     if isinstance(model, nn.Sequential):
@@ -106,12 +123,7 @@ def auto_checkpoint(
                 f"single-input steps ({error}); express it as an nn.Sequential of its stages"
             ) from error
     planner = _Planner(chain, example_input, loss_fn, optimizer, measure_time)
-    try:
-        planned, plan = planner.fit(budget)
-    except PlanningError:
-        if zoo:
-            model.set_memory(original)
-        raise
+    planned, plan = planner.fit(budget)
     result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
     if planned is chain and result is not chain:
         # Nothing checkpointed: the model itself runs the plan, if it fits as the chain did.
@@ -367,12 +379,7 @@ class _Planner:
             peak = self.peak(frugal.apply(layers))
             if peak < low_peak:
                 low_peak, how = peak, f"nested checkpoints {frugal.tree}"
-        self._restore()
         raise PlanningError(_no_fit(budget, low_peak, how))
-
-    def _restore(self) -> None:
-        for i, sequence in self.sequences.items():
-            configure_sequence(sequence, self.original[i])
 
     # -- the plan as an object --------------------------------------------------------------
     def _sequence_parts(
