@@ -21,8 +21,9 @@ _SEQUENCE_OPTIONS = ("memory_efficient", "store_last_blocks", "keep_input_every"
 
 
 class ModelState:
-    """How ``model`` and its modules run (memory plan, sequences' options, training flags) and
-    which gradient tensors its parameters hold, as they were at construction."""
+    """How ``model`` and its modules run (memory plan, sequences' options, training flags), as
+    they were at construction. It holds no tensors: an exception kept by the caller (and with it
+    this state) keeps no memory alive."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -33,7 +34,6 @@ class ModelState:
             if isinstance(m, ReversibleSequence)
         ]
         self.training = [(m, m.training) for m in model.modules()]
-        self.grads = [(p, p.grad) for p in model.parameters()]
 
     def restore(self) -> None:
         if self.memory is not None and self.model.memory is not self.memory:
@@ -43,5 +43,3 @@ class ModelState:
                 setattr(sequence, key, value)
         for module, training in self.training:
             module.training = training
-        for parameter, grad in self.grads:
-            parameter.grad = grad
