@@ -102,6 +102,9 @@ class _Storage:
         self.module: str | None = None  # the top-level module whose forward allocated it
 
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
 class MemoryTracker(TorchDispatchMode):
     """Context manager recording every tensor storage alive while it is active.
 
@@ -155,6 +158,8 @@ class MemoryTracker(TorchDispatchMode):
                 self._end_labels.setdefault(id(storage), label)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:  # asked of fake tensors only: not an operator of the run
+            return func(*args, **(kwargs or {}))
         self._clock += 1
         inputs, _ = tree_flatten((args, kwargs))
         for t in inputs:

@@ -57,8 +57,6 @@ def _predict(
     device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
     # A tensor the call reaches outside its arguments (a closure) is made fake on first use.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    # Its dispatch cache can keep an output's storage alive past the tensor's last use.
-    mode.cache_enabled = False
     memo: dict[int, Any] = {}
     fake_args = tuple(_to_fake(a, mode, memo) for a in args)
     fake_kwargs = {k: _to_fake(v, mode, memo) for k, v in kwargs.items()}
@@ -106,7 +104,17 @@ class _LikeTheDevice(TorchDispatchMode):
                 device = generator.device if generator is not None else self.device
                 torch.empty(1, device=device).uniform_(generator=generator)
             return func(*args, **kwargs)
-        out = func(*args, **kwargs)
+        if func.is_view or func._schema.is_mutable:
+            # Outputs the fake mode's dispatch cache rebuilds for views and in-place operators
+            # differ from the kernel's own (the reversible engine, which reuses memory only a
+            # tensor holds alone, sees the difference): computed each time.
+            cached, self.mode.cache_enabled = self.mode.cache_enabled, False
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.mode.cache_enabled = cached
+        else:
+            out = func(*args, **kwargs)
         if self.device.type == "cpu" and func in _CPU_KERNELS:
             return _CPU_KERNELS[func](out, args, kwargs)
         if not tensors and isinstance(out, FakeTensor) and out.dim() == 0 and out.is_cpu:
