@@ -68,8 +68,9 @@ def auto_checkpoint(
     possible; the plan it follows is its ``memory_plan`` (print it for a table of parts).
 
     ``budget`` is the peak of one training step at ``example_input``'s shape, predicted exactly
-    on the meta device: parameters, gradients, activations, and the optimizer's state and update
-    when ``optimizer`` is given (the same meaning as ``revnets.predict_memory`` of that step).
+    on fake tensors of its device: parameters, gradients, activations, and the optimizer's state
+    and update when ``optimizer`` is given (the same meaning as ``revnets.predict_memory`` of
+    that step).
 
     Any model torch.fx can trace, with reversible stages or without, zoo or hand-built, is
     planned as the chain of its graph nodes (:func:`as_graph_chain`: branches and concatenations
