@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,9 +68,15 @@ def _predict(
 
 @contextlib.contextmanager
 def _random_state_kept(device: torch.device) -> Iterator[None]:
+    """A prediction draws nothing the user's generators remember (Python's included: code that
+    drops layers at random draws from it)."""
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        yield
+    python = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
+    finally:
+        random.setstate(python)
 
 
 class _LikeTheDevice(TorchDispatchMode):
