@@ -97,8 +97,10 @@ def test_untraceable_and_randomly_drawing_modules_are_kept_whole():
     assert "blocks_3_0" in steps  # traced into where it can
 
     x = torch.randn(256, 16)
-    planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.7),
-                                      measure_time=False)
+    random.seed(0)  # the layers the measured step drops are those the predictions drop
+    budget = activation_budget(model, x, 0.8)
+    random.seed(0)
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
     assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
     model.zero_grad(set_to_none=True)
     reference = copy.deepcopy(model)
