@@ -59,8 +59,8 @@ def _predict(
     # A tensor the call reaches outside its arguments (a closure) is made fake on first use.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     memo: dict[int, Any] = {}
-    fake_args = tuple(_to_fake(a, mode, memo) for a in args)
-    fake_kwargs = {k: _to_fake(v, mode, memo) for k, v in kwargs.items()}
+    fake_args = tuple(_to_fake(a, mode, memo, device) for a in args)
+    fake_kwargs = {k: _to_fake(v, mode, memo, device) for k, v in kwargs.items()}
     with _random_state_kept(device), mode, _LikeTheDevice(mode, device):
         report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch)
     return report
@@ -135,7 +135,7 @@ class _LikeTheDevice(TorchDispatchMode):
         return out
 
 
-def _to_fake(obj: Any, mode: FakeTensorMode, memo: dict[int, Any]) -> Any:
+def _to_fake(obj: Any, mode: FakeTensorMode, memo: dict[int, Any], device: torch.device) -> Any:
     if id(obj) in memo:
         return memo[id(obj)]
     if isinstance(obj, nn.Module):
@@ -148,18 +148,22 @@ def _to_fake(obj: Any, mode: FakeTensorMode, memo: dict[int, Any]) -> Any:
     elif isinstance(obj, torch.optim.Optimizer):
         fake = _optimizer_to_fake(obj, mode, memo)
     elif isinstance(obj, Tensor):
-        fake = _tensor_to_fake(obj, mode)
+        fake = _tensor_to_fake(obj, mode, device)
     elif isinstance(obj, (list, tuple)):
-        fake = type(obj)(_to_fake(o, mode, memo) for o in obj)
+        fake = type(obj)(_to_fake(o, mode, memo, device) for o in obj)
     elif isinstance(obj, dict):
-        fake = {k: _to_fake(v, mode, memo) for k, v in obj.items()}
+        fake = {k: _to_fake(v, mode, memo, device) for k, v in obj.items()}
     else:
         return obj
     memo[id(obj)] = fake
     return fake
 
 
-def _tensor_to_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
+def _tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:
+    if tensor.is_meta and device.type != "meta":
+        # A meta input stands for one on the model's device (a batch too large to allocate).
+        fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor, device)
+        return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake
     if tensor.dim() == 0 and tensor.device.type == "cpu":
         # Scalars keep their value: optimizers read their step counts with ``.item()``.
         return mode.fake_tensor_converter.from_real_tensor(mode, tensor, make_constant=True)
@@ -190,7 +194,8 @@ def _optimizer_to_fake(
     fake.state = collections.defaultdict(dict)
     for p, state in optimizer.state.items():
         fake.state[memo[id(p)]] = {
-            k: _tensor_to_fake(v, mode) if isinstance(v, Tensor) else v for k, v in state.items()
+            k: _tensor_to_fake(v, mode, v.device) if isinstance(v, Tensor) else v
+            for k, v in state.items()
         }
     return fake
 

@@ -191,3 +191,13 @@ def test_recurrent_layers_are_predicted(kind):
     model = kind(16, 32, num_layers=2, bidirectional=True, batch_first=True)
     x = torch.randn(4, 10, 16)
     assert_predicted_exactly(lambda m, x: train_step(m, x, lambda out: out[0].sum()), model, x)
+
+
+def test_a_meta_batch_stands_for_one_on_the_models_device():
+    """A batch too large to allocate is passed on the meta device; the model is on the CPU."""
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
+                              num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    assert predict_memory(train_step, model, x.to("meta")).peak_bytes == measure_memory(
+        train_step, model, x
+    ).peak_bytes
