@@ -3,7 +3,7 @@
 from revnets import models  # registers the zoo with timm
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
-from revnets.memory import MemoryReport, MemoryTracker, measure_memory, predict_memory
+from revnets.memory import MemoryReport, MemoryTracker, measure_memory
 from revnets.models import ResidualNet
 from revnets.plan import (
     PRESETS,
@@ -15,6 +15,7 @@ from revnets.plan import (
     parse_memory_plan,
 )
 from revnets.planning import PlanningError, auto_checkpoint
+from revnets.prediction import predict_memory
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
 from revnets.replay import is_recomputing
 from revnets.reversible import (

@@ -3,9 +3,9 @@
 On CPU, process RSS says little (freed memory stays in the heap), so revnets counts live tensor
 storage instead: a ``TorchDispatchMode`` sees every tensor every operator returns and touches,
 holds a weak reference to each storage, and notes when it is freed. That is exact and repeatable on
-any device, including the meta device, where nothing is computed: running a step on meta tensors
-*predicts* its peak memory, which is how 1000-layer, large-batch figures are obtained on a small
-machine. On CUDA the allocator's own peak statistic gives the total.
+any device, including fake tensors, where nothing is computed: running a step on them *predicts*
+its peak memory (:mod:`revnets.prediction`), which is how 1000-layer, large-batch figures are
+obtained on a small machine. On CUDA the allocator's own peak statistic gives the total.
 
 Memory that kernels allocate privately (workspaces, im2col buffers) is not tensor storage and is
 not counted; on CUDA it is included in the allocator peak.
@@ -13,23 +13,19 @@ not counted; on CUDA it is included in the allocator peak.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend
-from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryReport", "MemoryTracker", "measure_memory", "predict_memory"]
+__all__ = ["MemoryReport", "MemoryTracker", "measure_memory"]
 
 MiB = 2**20
 
@@ -69,7 +65,7 @@ class MemoryReport:
     above_model_state_bytes: int  # the peak over time of inputs + activations
     retained_bytes: int  # activations still alive when the call returned (e.g. a forward's graph)
     device: str
-    method: str  # "tensor-storage" or "cuda-allocator"
+    method: str  # "tensor-storage", "cuda-allocator" or "fake-tensor-storage" (predicted)
     result: Any = None
 
     @property
@@ -106,6 +102,9 @@ class _Storage:
         self.module: str | None = None  # the top-level module whose forward allocated it
 
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
 class MemoryTracker(TorchDispatchMode):
     """Context manager recording every tensor storage alive while it is active.
 
@@ -128,7 +127,6 @@ class MemoryTracker(TorchDispatchMode):
         self.owners = owners
         self.inputs = list(inputs)
         self.device = _indexed(torch.device(device)) if device is not None else None
-        self.also_counted: set[torch.device] = set()  # e.g. CPU scalars beside a meta run
         self._allocator_peak = 0
         self.allocator_peak_at = 0  # the tick of the allocator's peak, on CUDA
         self._clock = 0
@@ -160,6 +158,8 @@ class MemoryTracker(TorchDispatchMode):
                 self._end_labels.setdefault(id(storage), label)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:  # asked of fake tensors only: not an operator of the run
+            return func(*args, **(kwargs or {}))
         self._clock += 1
         inputs, _ = tree_flatten((args, kwargs))
         for t in inputs:
@@ -194,7 +194,9 @@ class MemoryTracker(TorchDispatchMode):
             record.freed = self._clock
         if self.device is None:
             self.device = _indexed(tensor.device)
-        record = _Storage(nbytes, allocated, None, storage.device)  # type: ignore[arg-type]
+        # A fake tensor's storage is a meta storage; the tensor names the device it stands for.
+        device = tensor.device if isinstance(tensor, FakeTensor) else storage.device
+        record = _Storage(nbytes, allocated, None, device)  # type: ignore[arg-type]
         record.module = self.module
         record.ref = weakref.ref(storage, self._freed_callback(key, record))
         self._storages[key] = record
@@ -221,7 +223,7 @@ class MemoryTracker(TorchDispatchMode):
         return [
             r
             for r in self._history
-            if (self.device is None or r.device == self.device or r.device in self.also_counted)
+            if (self.device is None or r.device == self.device)
             and (wanted is None or self._label(r) in wanted)
         ]
 
@@ -330,23 +332,26 @@ def _measure(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict,
-    also_counted: Iterable[str] = (),
+    predicted: bool = False,
     watch: Watch | None = None,
 ) -> MemoryReport:
     """measure_memory's work; ``watch(tracker, owners)``, if given, is a context entered around
-    the call inside the tracker (a timeline attributes storages to modules with it)."""
+    the call inside the tracker (a timeline attributes storages to modules with it).
+    ``predicted``: the call runs on fake tensors, whose storage is all there is to count."""
     owners = _owners_in(*args, **kwargs)
     device = _indexed(_device_of(owners, args, kwargs))
-    if device.type == "cuda":
+    allocator = device.type == "cuda" and not predicted
+    if allocator:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     leaves, _ = tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
     tracker = MemoryTracker(*owners, inputs=tensors, device=str(device))
-    tracker.also_counted = {torch.device(d) for d in also_counted}
     with tracker, watch(tracker, owners) if watch else contextlib.nullcontext():
         result = fn(*args, **kwargs)
-    if device.type != "cuda":
+    if predicted:
+        return replace(tracker.report(result), method="fake-tensor-storage")
+    if not allocator:
         return tracker.report(result)
     torch.cuda.synchronize(device)
     report = tracker.report(result, at=tracker.allocator_peak_at)
@@ -377,170 +382,3 @@ def _device_of(owners: list, args: tuple, kwargs: dict) -> torch.device:
         if isinstance(leaf, Tensor):
             return leaf.device
     return torch.device("cpu")
-
-
-def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
-    """Predict the peak memory of ``fn(*args, **kwargs)`` without computing anything.
-
-    Modules, optimizers and tensors among the arguments are copied to the meta device (the
-    originals are left alone), then the call is measured there. ``fn`` must not read tensor
-    values (``.item()``, printing, data-dependent control flow). For very large models, build the
-    model on the meta device to begin with (``with torch.device("meta"): ...``).
-    """
-    return _predict(fn, args, kwargs)
-
-
-def _predict(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
-) -> MemoryReport:
-    memo: dict[int, Any] = {}
-    device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
-    meta_args = tuple(_to_meta(a, memo) for a in args)
-    meta_kwargs = {k: _to_meta(v, memo) for k, v in kwargs.items()}
-    # Optimizers keep scalar state (step counts) on the CPU, where a CPU run counts it too.
-    also = ("cpu",) if device.type == "cpu" else ()
-    with _LikeTheDevice(cpu_attention=device.type == "cpu"):
-        return _measure(fn, meta_args, meta_kwargs, also_counted=also, watch=watch)
-
-
-class _LikeTheDevice(TorchFunctionMode):
-    """Makes a run on the meta device take the paths the predicted device would take.
-
-    - Scalar tensors asked for on the meta device are created on the CPU instead, with their
-      values: optimizers create scalar state (ASGD's eta and mu) and read it back with
-      ``.item()``, which a meta tensor cannot answer.
-    - For a CPU run (``cpu_attention``), ``scaled_dot_product_attention`` on meta tensors uses
-      the fused CPU kernel where the CPU would: on meta tensors torch falls back to the math path,
-      which materialises the attention matrix and would overstate the memory. This one is patched
-      into ``torch.nn.functional`` for the duration rather than taken from the mode, because
-      backward (checkpoints' and the reversible engine's recomputations) runs on the autograd
-      engine's thread for meta tensors, where a mode of this thread is not active.
-    """
-
-    def __init__(self, cpu_attention: bool) -> None:
-        super().__init__()
-        self.cpu_attention = cpu_attention
-        self._attention = F.scaled_dot_product_attention
-
-    def __enter__(self) -> _LikeTheDevice:
-        if self.cpu_attention:
-            original = self._attention
-
-            def attention(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
-                fused = _cpu_flash_attention(query, key, value, *args, **kwargs)
-                return fused if fused is not None else original(query, key, value, *args, **kwargs)
-
-            F.scaled_dot_product_attention = attention
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        F.scaled_dot_product_attention = self._attention
-        super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        device = kwargs.get("device")
-        if (
-            device is not None
-            and torch.device(device).type == "meta"
-            and isinstance(out, Tensor)
-            and out.dim() == 0
-        ):
-            return func(*args, **{**kwargs, "device": torch.device("cpu")})
-        return out
-
-
-def _cpu_flash_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor | None:
-    """What ``scaled_dot_product_attention`` computes on the CPU, run on meta tensors, if the CPU
-    would pick its fused flash kernel (asked of torch's own choice on tiny CPU stand-ins, which
-    have the same dtypes, ranks and head sizes); else None."""
-    if query.device.type != "meta" or enable_gqa:
-        return None
-
-    def stand_in(t: Tensor) -> Tensor:
-        return torch.empty([1] * (t.dim() - 1) + [t.shape[-1]], dtype=t.dtype).requires_grad_(
-            t.requires_grad
-        )
-
-    mask = None if attn_mask is None else torch.empty([1] * attn_mask.dim(), dtype=attn_mask.dtype)
-    choice = torch._fused_sdp_choice(
-        stand_in(query), stand_in(key), stand_in(value), attn_mask=mask, dropout_p=dropout_p,
-        is_causal=is_causal, scale=scale,
-    )
-    if choice != SDPBackend.FLASH_ATTENTION.value:
-        return None
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )[0]
-
-
-def _to_meta(obj: Any, memo: dict[int, Any]) -> Any:
-    if id(obj) in memo:
-        return memo[id(obj)]
-    if isinstance(obj, nn.Module):
-        meta = copy.deepcopy(obj).to("meta") if _not_meta(obj) else obj
-        for old, new in zip(obj.parameters(), meta.parameters()):
-            memo[id(old)] = new
-            if old.grad is not None and new.grad is None:
-                # Gradients left from an earlier step are alive until zero_grad, or accumulate.
-                new.grad = torch.empty_like(old.grad, device="meta")
-    elif isinstance(obj, torch.optim.Optimizer):
-        meta = _optimizer_to_meta(obj, memo)
-    elif isinstance(obj, Tensor):
-        meta = torch.empty_like(obj, device="meta").requires_grad_(obj.requires_grad)
-    elif isinstance(obj, (list, tuple)):
-        meta = type(obj)(_to_meta(o, memo) for o in obj)
-    elif isinstance(obj, dict):
-        meta = {k: _to_meta(v, memo) for k, v in obj.items()}
-    else:
-        return obj
-    memo[id(obj)] = meta
-    return meta
-
-
-def _not_meta(module: nn.Module) -> bool:
-    return any(t.device.type != "meta" for t in (*module.parameters(), *module.buffers()))
-
-
-def _optimizer_to_meta(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> Any:
-    """The same optimizer over the meta copies of its parameters, with its state.
-
-    A shallow copy rather than a new instance: constructors differ (AdamW's defaults hold a key
-    its constructor does not take), and some create state. Scalar state (step counts, ASGD's
-    eta and mu) stays real, on the CPU, since optimizers read it with ``.item()``.
-    """
-    groups = []
-    for group in optimizer.param_groups:
-        params = []
-        for p in group["params"]:
-            if id(p) not in memo:
-                raise ValueError(
-                    "predict_memory: pass the model whose parameters the optimizer updates "
-                    "before the optimizer in the argument list"
-                )
-            params.append(memo[id(p)])
-        groups.append({**group, "params": params})
-    meta = copy.copy(optimizer)
-    meta.param_groups = groups
-    meta.state = collections.defaultdict(dict)
-    for p, state in optimizer.state.items():
-        meta.state[memo[id(p)]] = {k: _state_to_meta(v) for k, v in state.items()}
-    return meta
-
-
-def _state_to_meta(value: Any) -> Any:
-    if not isinstance(value, Tensor):
-        return value
-    if value.dim() == 0:
-        return value.detach().to("cpu", copy=True)
-    return torch.empty_like(value, device="meta")

@@ -30,8 +30,8 @@ from revnets.memory import (
     MemoryReport,
     MemoryTracker,
     _measure,
-    _predict,
 )
+from revnets.prediction import _predict
 
 __all__ = [
     "MemoryTimeline",
@@ -81,7 +81,7 @@ def record_timeline(
 def predict_timeline(
     fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> tuple[MemoryReport, MemoryTimeline]:
-    """The timeline of ``fn(*args, **kwargs)`` on the meta device, as
+    """The timeline of ``fn(*args, **kwargs)`` on fake tensors, as
     :func:`revnets.predict_memory` predicts its memory: nothing is computed."""
     trackers: list[MemoryTracker] = []
     report = _predict(fn, args, kwargs, watch=_watching(trackers))

@@ -14,13 +14,14 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from revnets.checkpoint import Checkpointed
-from revnets.memory import predict_memory
 from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.chain import candidate_plans
-from revnets.planning.nested import group_chain, nested_schedule
+from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
 from revnets.planning.trace import GraphStep, as_graph_chain
+from revnets.planning.untouched import ModelState
+from revnets.prediction import predict_memory
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
@@ -67,8 +68,9 @@ def auto_checkpoint(
     possible; the plan it follows is its ``memory_plan`` (print it for a table of parts).
 
     ``budget`` is the peak of one training step at ``example_input``'s shape, predicted exactly
-    on the meta device: parameters, gradients, activations, and the optimizer's state and update
-    when ``optimizer`` is given (the same meaning as ``revnets.predict_memory`` of that step).
+    on fake tensors of its device: parameters, gradients, activations, and the optimizer's state
+    and update when ``optimizer`` is given (the same meaning as ``revnets.predict_memory`` of
+    that step).
 
     Any model torch.fx can trace, with reversible stages or without, zoo or hand-built, is
     planned as the chain of its graph nodes (:func:`as_graph_chain`: branches and concatenations
@@ -88,6 +90,22 @@ def auto_checkpoint(
     naming why. Raises :class:`PlanningError` stating the smallest reachable budget when no plan
     fits.
     """
+    kept = ModelState(model)
+    try:
+        return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer, measure_time)
+    except BaseException:  # no plan, the user's loss function failing, an interrupt
+        kept.restore()
+        raise
+
+
+def _auto_checkpoint(
+    model: nn.Module,
+    example_input: Any,
+    budget: int,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    measure_time: bool,
+) -> nn.Module:
     zoo = isinstance(model, SwitchableMemory)
     original = model.memory if zoo else None
     if isinstance(model, nn.Sequential):
@@ -106,12 +124,7 @@ def auto_checkpoint(
                 f"single-input steps ({error}); express it as an nn.Sequential of its stages"
             ) from error
     planner = _Planner(chain, example_input, loss_fn, optimizer, measure_time)
-    try:
-        planned, plan = planner.fit(budget)
-    except PlanningError:
-        if zoo:
-            model.set_memory(original)
-        raise
+    planned, plan = planner.fit(budget)
     result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
     if planned is chain and result is not chain:
         # Nothing checkpointed: the model itself runs the plan, if it fits as the chain did.
@@ -191,7 +204,6 @@ class _Planner:
         self.sequences = {i: s for i, step in enumerate(chain)
                           if (s := _sequence_of(step)) is not None}
         self.original = {i: _decision_of(s) for i, s in self.sequences.items()}
-        self.found = {i: s.memory for i, s in self.sequences.items()}
         meta_chain = copy.deepcopy(chain).to("meta")
         meta_input = _meta_like(example_input)
         self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
@@ -241,11 +253,11 @@ class _Planner:
             profiles = self._assign(reconstructed)
             plans = self._candidates(profiles, reconstructed)
             extra = sum(_seconds(profiles, i) for i in reconstructed)
-            found = self._first_fitting(plans, budget)
-            if found is None:
-                low = min(self._peaks.values())
+            found, peaks = self._first_fitting(plans, budget)
+            if found is None:  # every candidate was predicted: the smallest is exact
+                low = min(peaks.values())
                 if low < smallest[0]:
-                    index = min(self._peaks, key=self._peaks.get)
+                    index = min(peaks, key=peaks.get)
                     smallest = (low, f"{len(reconstructed)} reversible sequences reconstructing, "
                                      f"segments {[(a, b) for a, b, _ in plans[index]]}")
                 continue
@@ -268,7 +280,11 @@ class _Planner:
         self, profiles: list[LayerProfile], reconstructed: frozenset[int]
     ) -> list[Segments]:
         plans: set[Segments] = set()
-        for plan in candidate_plans(profiles, input_state=self.input_state):
+        # Which plans are candidates depends on sizes only, never on measured times, so that
+        # whether a budget can be met (and the smallest budget a refusal names) is the same
+        # from run to run; times only order the candidates.
+        unmeasured = [replace(p, forward_seconds=math.nan) for p in profiles]
+        for plan in candidate_plans(unmeasured, input_state=self.input_state):
             segments: list[tuple[int, int, bool]] = []
             for number, (start, stop) in enumerate(plan):
                 checkpointed = number < len(plan) - 1
@@ -297,18 +313,20 @@ class _Planner:
 
     def _first_fitting(
         self, plans: list[Segments], budget: int
-    ) -> tuple[Segments, int] | None:
+    ) -> tuple[tuple[Segments, int] | None, dict[int, int]]:
         """Plans come in order of increasing recomputation, so memory mostly decreases along
-        them: bisect for the first that fits (each exact prediction runs on the meta device)."""
-        self._peaks: dict[int, int] = {}
+        them: bisect for the first that fits (each exact prediction runs on fake tensors).
+        Returns it with its peak (None if none fits, after predicting every plan) and the peaks
+        predicted, by plan index."""
+        peaks: dict[int, int] = {}
 
         def peak(i: int) -> int:
-            if i not in self._peaks:
-                self._peaks[i] = self.peak(self._apply(plans[i]))
-            return self._peaks[i]
+            if i not in peaks:
+                peaks[i] = self.peak(self._apply(plans[i]))
+            return peaks[i]
 
         if peak(0) <= budget:
-            return plans[0], peak(0)
+            return (plans[0], peak(0)), peaks
         # Memory is not monotonic along the order (tiny segments keep more checkpoints): look at
         # a spread of plans first, then bisect before the first of them that fits.
         spread = sorted({round(k * (len(plans) - 1) / (SPREAD - 1)) for k in range(SPREAD)})
@@ -317,7 +335,7 @@ class _Planner:
             spread = list(range(len(plans)))
             fitting = [i for i in spread if peak(i) <= budget]
             if not fitting:
-                return None
+                return None, peaks
         high = fitting[0]
         low = max(i for i in spread if i < high)
         while high - low > 1:
@@ -326,7 +344,7 @@ class _Planner:
                 high = middle
             else:
                 low = middle
-        return plans[high], peak(high)
+        return (plans[high], peak(high)), peaks
 
     def _nested(
         self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str]
@@ -339,41 +357,32 @@ class _Planner:
             for t in (*self.chain.parameters(), *self.chain.buffers())
         )
         low_peak, how = smallest
+
+        def nested(schedule: NestedSchedule, peak: int) -> tuple[nn.Module, MemoryPlan]:
+            parts = [*self._sequence_parts(profiles, reconstructed),
+                     PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),
+                              recompute_seconds=math.nan)]
+            return schedule.apply(layers), _plan(parts, reconstructed, True, peak, budget)
+
         # The schedule's memory model leaves out transients: shrink its budget until the exact
         # prediction fits.
         for share in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
             schedule = nested_schedule(grouped, int(share * (budget - model_state)))
             if schedule is None:
                 break
-            planned = schedule.apply(layers)
-            peak = self.peak(planned)
+            peak = self.peak(schedule.apply(layers))
             if peak <= budget:
-                parts = [*self._sequence_parts(profiles, reconstructed),
-                         PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),
-                                  recompute_seconds=math.nan)]
-                return planned, _plan(parts, reconstructed, True, peak, budget)
-            if peak < low_peak:
-                low_peak, how = peak, f"nested checkpoints {schedule.tree}"
-        # Nothing fits: name the smallest budget, that of the most frugal schedule there is.
-        low, high = 0, max(int(min(low_peak, 2**62)) - model_state, 1)
-        frugal = None
-        while high - low > max(high // 64, 1):
-            middle = (low + high) // 2
-            schedule = nested_schedule(grouped, middle)
-            if schedule is None:
-                low = middle
-            else:
-                high, frugal = middle, schedule
+                return nested(schedule, peak)
+        # The most frugal schedule there is, found from sizes alone (not from the budget, not
+        # from measured times): always the same, so the budget a refusal names plans when asked.
+        frugal = _most_frugal(grouped)
         if frugal is not None:
             peak = self.peak(frugal.apply(layers))
+            if peak <= budget:
+                return nested(frugal, peak)
             if peak < low_peak:
                 low_peak, how = peak, f"nested checkpoints {frugal.tree}"
-        self._restore()
         raise PlanningError(_no_fit(budget, low_peak, how))
-
-    def _restore(self) -> None:
-        for i, sequence in self.sequences.items():
-            sequence.memory = self.found[i]
 
     # -- the plan as an object --------------------------------------------------------------
     def _sequence_parts(
@@ -421,6 +430,28 @@ class _Planner:
                     run.append(i)
         checkpointed = any(isinstance(part.decision, Checkpoint) for part in parts)
         return _plan(parts, reconstructed, checkpointed, peak, budget)
+
+
+def _most_frugal(profiles: Sequence[LayerProfile]) -> NestedSchedule | None:
+    """The nested schedule of the least memory (to 1/64 of it) in rotor's model, every layer
+    counting one unit of time."""
+    unmeasured = [replace(p, forward_seconds=math.nan) for p in profiles]
+    high = max(sum(p.saved_bytes + p.output_bytes for p in profiles), 1)
+    for _ in range(8):  # storing everything fits rotor's model, give or take its gradients
+        if nested_schedule(unmeasured, high) is not None:
+            break
+        high *= 2
+    else:
+        return None
+    low, frugal = 0, nested_schedule(unmeasured, high)
+    while high - low > max(high // 64, 1):
+        middle = (low + high) // 2
+        schedule = nested_schedule(unmeasured, middle)
+        if schedule is None:
+            low = middle
+        else:
+            high, frugal = middle, schedule
+    return frugal
 
 
 def _plan(

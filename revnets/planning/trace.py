@@ -14,6 +14,7 @@ outputs of each layer need recomputing.
 from __future__ import annotations
 
 import operator
+import random
 from typing import Any
 
 import torch.fx
@@ -121,6 +122,8 @@ def _resolve(value: Any, env: dict[str, Any], step: nn.Module) -> Any:
         return type(value)(_resolve(v, env, step) for v in value)
     if isinstance(value, dict):
         return {k: _resolve(v, env, step) for k, v in value.items()}
+    if isinstance(value, slice):  # x[:, :h] with h computed by the graph
+        return slice(*(_resolve(v, env, step) for v in (value.start, value.stop, value.step)))
     return value
 
 
@@ -157,10 +160,18 @@ class _Tracer(torch.fx.Tracer):
     - reversible sequences and invertible modules: the planner decides how they run (reconstruct
       or store), which a trace through the engine would freeze;
     - any module with ``planning_unit = True`` (the zoo's residual units): the planner cuts
-      between such units, not inside them, which keeps a 1000-layer chain short.
+      between such units, not inside them, which keeps a 1000-layer chain short;
+    - the modules named in ``whole``: those found untraceable, or drawing from Python's
+      ``random``, by an earlier trace (see :func:`_trace`).
     """
 
+    def __init__(self, whole: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.whole = whole
+
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+        if qualified_name in self.whole:
+            return True
         if isinstance(m, nn.Sequential):
             return False
         primitive = next(m.children(), None) is None
@@ -171,6 +182,57 @@ class _Tracer(torch.fx.Tracer):
         whole = whole or getattr(m, "planning_unit", False)
         return primitive or mode_dependent or whole or super().is_leaf_module(m, qualified_name)
 
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        name = self.path_of_module(m)
+        if self.is_leaf_module(m, name):
+            return super().call_module(m, forward, args, kwargs)
+        drawn = random.getstate()
+        try:
+            out = super().call_module(m, forward, args, kwargs)
+        except _KeepWhole:
+            raise
+        except Exception as error:  # torch.fx raises many kinds on code it cannot trace
+            raise _KeepWhole(name, f"cannot be traced ({error})") from error
+        if random.getstate() != drawn:
+            # A branch drawn now would be frozen into the graph: the module must run as itself.
+            raise _KeepWhole(name, "draws from Python's random module")
+        return out
+
+
+class _KeepWhole(Exception):
+    """A module found, while tracing, to be one the chain must run whole."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name}: {why}")
+        self.name, self.why = name, why
+
+
+def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
+    """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
+    trace, or that draws from Python's ``random`` (a layer dropped at random), stays whole,
+    called as a module by its step (a coarser chain); the model's own forward must trace.
+    Returns the graph and the modules kept whole."""
+    whole: frozenset[str] = frozenset()
+    state = random.getstate()
+    try:
+        while True:
+            drawn = random.getstate()
+            try:
+                graph = _Tracer(whole).trace(model)
+            except _KeepWhole as found:
+                whole = whole | {found.name}
+                continue
+            if random.getstate() != drawn:
+                raise NotAChainError(
+                    f"as_graph_chain: the forward of {type(model).__name__} draws from Python's "
+                    "random module; a trace would freeze the branch it drew. Draw inside a "
+                    "submodule (kept whole and replayed by checkpoints) or with torch's "
+                    "generators"
+                )
+            return graph, whole
+    finally:
+        random.setstate(state)  # tracing ran the user's draws: they never happened
+
 
 def as_graph_chain(model: nn.Module) -> nn.Sequential:
     """``model`` as an ``nn.Sequential`` of :class:`GraphStep`, one per node of its torch.fx graph.
@@ -178,10 +240,11 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     The steps share the model's modules, parameters and buffers: the chain computes the same
     function with the same weights, and checkpointing any run of steps keeps gradients and
     BatchNorm statistics those of the model. Raises :class:`NotAChainError` for models with
-    several inputs, and torch.fx's ``TraceError`` for code it cannot trace (data-dependent
-    control flow).
+    several inputs or whose own forward draws from Python's ``random``, and torch.fx's errors
+    for a forward of the model itself it cannot trace (data-dependent control flow); submodules
+    it cannot trace are kept whole (:func:`_trace`).
     """
-    graph = _Tracer().trace(model)
+    graph, _ = _trace(model)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     # Optional arguments (attention masks and the like) keep their defaults.
@@ -231,4 +294,6 @@ def _substitute(value: Any, constants: dict[str, Any]) -> Any:
         return type(value)(_substitute(v, constants) for v in value)
     if isinstance(value, dict):
         return {k: _substitute(v, constants) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(*(_substitute(v, constants) for v in (value.start, value.stop, value.step)))
     return value

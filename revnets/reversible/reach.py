@@ -99,7 +99,7 @@ def _stray_tensor_error(
         "The reversible engine differentiates only the block's input, the parameters of f and g "
         "and the context arguments, so its gradient would be silently dropped. Pass it as "
         "context (sequence(x, tensor) calls f(x2, tensor)), register it as a parameter of f or "
-        "g, or run the sequence with memory_efficient=False."
+        "g, or run the sequence with memory=revnets.Store()."
     )
 
 

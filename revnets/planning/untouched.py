@@ -1,0 +1,45 @@
+"""What planning may change on a user's model, kept so that a failed plan leaves none of it.
+
+The search configures the model's own reversible sequences (it predicts and times candidate
+plans on them) and switches zoo models between memory plans; whatever ends it (no plan fits, an
+error in the user's loss function, an interrupt), the model must be as it was handed over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from revnets.models.switchable import SwitchableMemory
+from revnets.reversible import ReversibleSequence
+
+__all__ = ["ModelState"]
+
+# The attributes of a reversible sequence that say how it runs.
+_SEQUENCE_OPTIONS = ("memory", "preserve_rng_state", "reuse_memory")
+
+
+class ModelState:
+    """How ``model`` and its modules run (memory plan, sequences' options, training flags), as
+    they were at construction. It holds no tensors: an exception kept by the caller (and with it
+    this state) keeps no memory alive."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.memory = model.memory if isinstance(model, SwitchableMemory) else None
+        self.sequences: list[tuple[ReversibleSequence, dict[str, Any]]] = [
+            (m, {k: getattr(m, k) for k in _SEQUENCE_OPTIONS if hasattr(m, k)})
+            for m in model.modules()
+            if isinstance(m, ReversibleSequence)
+        ]
+        self.training = [(m, m.training) for m in model.modules()]
+
+    def restore(self) -> None:
+        if self.memory is not None and self.model.memory is not self.memory:
+            self.model.set_memory(self.memory)
+        for sequence, options in self.sequences:
+            for key, value in options.items():
+                setattr(sequence, key, value)
+        for module, training in self.training:
+            module.training = training

@@ -1,0 +1,268 @@
+"""Predicting the peak memory of a call without computing it.
+
+The call runs on fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``): tensors that
+carry shapes, dtypes and a device but no data, whose operators run torch's meta kernels. Unlike
+a bare run on the ``meta`` device, a fake CPU tensor *is* a CPU tensor to the code that sees it,
+so the prediction takes the paths a real run takes, with no patching of torch:
+
+- autocast, which is per device type, casts as on the real device;
+- composite operators choose the real device's kernels (the CPU's fused flash attention, its
+  oneDNN LSTM layer with its workspace), also inside graphs torch.fx traced;
+- a real tensor the call reaches without it being an argument (labels a loss function closes
+  over) takes part as a fake one, and counts from its first use as measure_memory counts it;
+- scalar tensors made from Python numbers keep their values, so optimizers can read their step
+  counts (``.item()``).
+
+Modules and optimizers among the arguments are copied with one copy memo, so parameters a model
+shares between its layers (tied embeddings) stay one parameter, as they are one storage for the
+real run. :class:`revnets.memory.MemoryTracker` then counts the fake storages as it counts real
+ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from revnets.memory import MemoryReport, Watch, _device_of, _measure, _owners_in
+
+__all__ = ["predict_memory"]
+
+
+def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
+    """Predict the peak memory of ``fn(*args, **kwargs)`` without computing anything.
+
+    Modules, optimizers and tensors among the arguments are copied to fake tensors on their own
+    device (the originals are left alone), then the call is measured there, as
+    :func:`revnets.measure_memory` measures it. ``fn`` must not read tensor values (printing,
+    data-dependent control flow); reading scalars made from Python numbers (an optimizer's step
+    count) is fine. For very large models, build the model on the meta device to begin with
+    (``with torch.device("meta"): ...``): it is then predicted with the meta device's kernels.
+    """
+    return _predict(fn, args, kwargs)
+
+
+def _predict(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
+) -> MemoryReport:
+    device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
+    # A tensor the call reaches outside its arguments (a closure) is made fake on first use.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+    fake_args = tuple(_to_fake(a, mode, memo, device) for a in args)
+    fake_kwargs = {k: _to_fake(v, mode, memo, device) for k, v in kwargs.items()}
+    with _random_state_kept(device), mode, _LikeTheDevice(mode, device):
+        report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch)
+    return report
+
+
+@contextlib.contextmanager
+def _random_state_kept(device: torch.device) -> Iterator[None]:
+    """A prediction draws nothing the user's generators remember (Python's included: code that
+    drops layers at random draws from it)."""
+    devices = [device] if device.type == "cuda" else []
+    python = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
+    finally:
+        random.setstate(python)
+
+
+class _LikeTheDevice(TorchDispatchMode):
+    """Where fake tensors would behave unlike real ones, in ways the code can see.
+
+    - Fake kernels draw no random numbers, but code that decides whether to keep a generator's
+      state (a checkpoint replaying dropout) looks at whether the generator moved. One real draw
+      per random operator makes it move as in a real run; :func:`_predict` restores every
+      generator after.
+    - Operators on real tensors alone (a generator's state, kept aside) run for real.
+    - Scalars made from numbers keep their values.
+    """
+
+    def __init__(self, mode: FakeTensorMode, device: torch.device) -> None:
+        super().__init__()
+        self.mode = mode
+        self.device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if tensors and not func._schema.is_mutable and not any(
+            isinstance(t, FakeTensor) for t in tensors
+        ):
+            # Only real tensors in, nothing written: what the real run computes, computed (a
+            # generator's state kept aside by a checkpoint must stay a real one to restore).
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            generator = kwargs.get("generator")
+            with _disable_current_modes():
+                device = generator.device if generator is not None else self.device
+                torch.empty(1, device=device).uniform_(generator=generator)
+            return func(*args, **kwargs)
+        if func.is_view or func._schema.is_mutable:
+            # Outputs the fake mode's dispatch cache rebuilds for views and in-place operators
+            # differ from the kernel's own (the reversible engine, which reuses memory only a
+            # tensor holds alone, sees the difference): computed each time.
+            cached, self.mode.cache_enabled = self.mode.cache_enabled, False
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.mode.cache_enabled = cached
+        else:
+            out = func(*args, **kwargs)
+        if self.device.type == "cpu" and func in _CPU_KERNELS:
+            return _CPU_KERNELS[func](out, args, kwargs)
+        if not tensors and isinstance(out, FakeTensor) and out.dim() == 0 and out.is_cpu:
+            # A scalar made from numbers (ASGD's ``mu = torch.ones(())``) keeps its value, to be
+            # read back with ``.item()`` as from a real one.
+            with _disable_current_modes():
+                real = func(*args, **kwargs)
+            return self.mode.fake_tensor_converter.from_real_tensor(
+                self.mode, real, make_constant=True
+            )
+        return out
+
+
+def _to_fake(obj: Any, mode: FakeTensorMode, memo: dict[int, Any], device: torch.device) -> Any:
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, nn.Module):
+        with FakeCopyMode(mode):
+            fake = copy.deepcopy(obj, memo)
+        for old, new in zip(obj.parameters(), fake.parameters()):
+            if old.grad is not None and new.grad is None:
+                # Gradients left from an earlier step are alive until zero_grad, or accumulate.
+                new.grad = mode.from_tensor(old.grad, static_shapes=True)
+    elif isinstance(obj, torch.optim.Optimizer):
+        fake = _optimizer_to_fake(obj, mode, memo)
+    elif isinstance(obj, Tensor):
+        fake = _tensor_to_fake(obj, mode, device)
+    elif isinstance(obj, (list, tuple)):
+        fake = type(obj)(_to_fake(o, mode, memo, device) for o in obj)
+    elif isinstance(obj, dict):
+        fake = {k: _to_fake(v, mode, memo, device) for k, v in obj.items()}
+    else:
+        return obj
+    memo[id(obj)] = fake
+    return fake
+
+
+def _tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:
+    if tensor.is_meta and device.type != "meta":
+        # A meta input stands for one on the model's device (a batch too large to allocate).
+        fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor, device)
+        return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake
+    if tensor.dim() == 0 and tensor.device.type == "cpu":
+        # Scalars keep their value: optimizers read their step counts with ``.item()``.
+        return mode.fake_tensor_converter.from_real_tensor(mode, tensor, make_constant=True)
+    return mode.from_tensor(tensor, static_shapes=True)
+
+
+def _optimizer_to_fake(
+    optimizer: torch.optim.Optimizer, mode: FakeTensorMode, memo: dict[int, Any]
+) -> Any:
+    """The same optimizer over the fake copies of its parameters, with its state.
+
+    A shallow copy rather than a new instance: constructors differ (AdamW's defaults hold a key
+    its constructor does not take), and some create state.
+    """
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) not in memo:
+                raise ValueError(
+                    "predict_memory: pass the model whose parameters the optimizer updates "
+                    "before the optimizer in the argument list"
+                )
+            params.append(memo[id(p)])
+        groups.append({**group, "params": params})
+    fake = copy.copy(optimizer)
+    fake.param_groups = groups
+    fake.state = collections.defaultdict(dict)
+    for p, state in optimizer.state.items():
+        fake.state[memo[id(p)]] = {
+            k: _tensor_to_fake(v, mode, v.device) if isinstance(v, Tensor) else v
+            for k, v in state.items()
+        }
+    return fake
+
+
+# NOTE [ CPU kernels that allocate unlike their meta kernels ]
+# Fake tensors run the meta kernels, which give the shapes and dtypes of every output. Where the
+# CPU kernel's outputs differ, the outputs are corrected here, exactly:
+# - native_batch_norm on a reduced-precision input with float32 parameters (autocast) keeps its
+#   saved mean and inverse standard deviation in float32 (the meta kernel: the input's dtype);
+# - mkldnn_rnn_layer (each layer and direction of nn.LSTM) returns a oneDNN workspace whose size
+#   oneDNN computes from the shapes, the instruction set and its version (the meta kernel: empty).
+#   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
+#   and the size is remembered for those shapes. Its backward returns the gradients of the two
+#   biases in two tensors (the meta kernel: one).
+
+
+def _batch_norm(out: Any, args: tuple, kwargs: dict) -> Any:
+    x, weight, bias, running_mean, running_var = args[:5]
+    params = [t for t in (weight, bias, running_mean, running_var) if t is not None]
+    mixed = x.dtype in (torch.bfloat16, torch.float16) and any(
+        t.dtype == torch.float32 for t in params
+    )
+    if not mixed:
+        return out
+    y, mean, invstd = out
+    return y, mean.new_empty(mean.shape, dtype=torch.float32), invstd.new_empty(
+        invstd.shape, dtype=torch.float32
+    )
+
+
+_RNN_WORKSPACE: dict[tuple, int] = {}
+
+
+def _rnn_layer(out: Any, args: tuple, kwargs: dict) -> Any:
+    def key(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return (tuple(value.shape), value.dtype)
+        if isinstance(value, (list, tuple)):
+            return tuple(key(v) for v in value)
+        return value
+
+    signature = key((args, sorted(kwargs.items())))
+    if signature not in _RNN_WORKSPACE:
+        def real(value: Any) -> Any:
+            if isinstance(value, Tensor):
+                return torch.zeros(value.shape, dtype=value.dtype)
+            if isinstance(value, (list, tuple)):
+                return type(value)(real(v) for v in value)
+            return value
+
+        with _disable_current_modes():
+            workspace = torch.ops.aten.mkldnn_rnn_layer.default(
+                *real(args), **real(kwargs)
+            )[3]
+        _RNN_WORKSPACE[signature] = workspace.numel()
+    y, hy, cy, workspace = out
+    return y, hy, cy, workspace.new_empty(_RNN_WORKSPACE[signature])
+
+
+def _rnn_layer_backward(out: Any, args: tuple, kwargs: dict) -> Any:
+    # The meta kernel returns one tensor as the gradient of both biases; the CPU kernel returns
+    # two, which the two parameters keep as their gradients.
+    return (*out[:4], out[4].new_empty(out[4].shape), *out[5:])
+
+
+_CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
+    torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_backward,
+    torch.ops.aten.native_batch_norm.default: _batch_norm,
+    torch.ops.aten.mkldnn_rnn_layer.default: _rnn_layer,
+}
