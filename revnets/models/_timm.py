@@ -10,7 +10,9 @@ keeps a :class:`~revnets.ReversibleSequence` whole, as one leaf of the graph: it
 chooses between the reversible autograd Function and the plain blocks by whether anything
 needs a gradient, which a symbolic trace cannot decide, and the Function is what saves the
 memory. Features are therefore taken at the sequences' outputs (the zoo's ``feature_info``
-taps), and a traced model trains reversibly as the model does.
+taps), and a traced model trains reversibly as the model does. Invertible modules (i-RevNet's
+space-to-depth stem) stay whole too: they check their input's shape in Python, naming what
+does not fit. The planner's tracer (:mod:`revnets.planning.trace`) keeps both whole as well.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from timm.layers import register_notrace_module
 from timm.models import build_model_with_cfg
 from torch import nn
 
+from revnets.invertible import Invertible
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["build"]
@@ -30,6 +33,7 @@ __all__ = ["build"]
 Model = TypeVar("Model", bound=nn.Module)
 
 register_notrace_module(ReversibleSequence)
+register_notrace_module(Invertible)
 
 
 def build(
