@@ -140,6 +140,18 @@ def test_dynamic_img_size_resamples_the_position_embedding_per_input():
     assert padded.forward_features(torch.randn(1, 3, 30, 45)).shape == (1, 4, 6, 32)
 
 
+def test_torch_fx_traces_dynamic_img_size_once_for_every_input_size():
+    """timm's fx feature extraction of a dynamic_img_size Rev-ViT: one trace, then the graph
+    resamples the position embedding for each input as the model does."""
+    from timm.models import create_feature_extractor
+
+    model = tiny(drop_path_rate=0.0, dynamic_img_size=True).eval()
+    traced = create_feature_extractor(model, {"head": "logits"})
+    for size in ((32, 32), (48, 40)):
+        x = torch.randn(1, 3, *size)
+        assert torch.equal(traced(x)["logits"], model(x))
+
+
 def resized_pos_embed(pos_embed, grid):
     return revnets.models.reversible_vit.resampled_pos_embed(pos_embed.detach(), grid, (4, 4))
 
