@@ -148,3 +148,21 @@ def test_timm_interfaces():
     assert model(x).shape == (2, 256, 1, 1)
     model.set_grad_checkpointing(True)
     assert model.memory.name == "checkpoint"
+
+
+def test_features_only_taps_every_stage_and_prunes_the_rest():
+    """timm's features_only: by default every stage's output (irevnet163 has three stages, not
+    timm's five); the getter keeps only the blocks up to the last tap, and their outputs are
+    those of the whole network."""
+    args = dict(units=(2, 2, 2), in_chans=1)
+    full = timm.create_model("irevnet163", **args).eval()
+    features = timm.create_model("irevnet163", features_only=True, **args).eval()
+    assert features.feature_info.channels() == [32, 128, 512]
+    features.model.load_state_dict(full.state_dict(), strict=False)
+    x = torch.randn(2, 1, 16, 16)
+    with torch.no_grad():
+        taps = full.forward_intermediates(x, intermediates_only=True)
+        assert all(torch.equal(a, b) for a, b in zip(features(x), taps))
+    first = timm.create_model("irevnet163", features_only=True, out_indices=(0,), **args)
+    assert len(first.model.blocks) == first.model.stage_ends[0] < len(full.blocks)
+    assert isinstance(first.model.final_act, torch.nn.Identity)

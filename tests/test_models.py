@@ -219,6 +219,8 @@ def test_thousand_layer_models_train_a_step(name):
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     torch.nn.functional.cross_entropy(model(x), y).backward()
     assert all(p.grad is not None for p in model.parameters())
+    with torch.no_grad():  # untrained, in eval mode: nothing normalizes, nothing may overflow
+        assert model.eval()(x).isfinite().all()
 
 
 @pytest.mark.parametrize("name", ["revnet38", "revnet110", "revnet164"])
@@ -242,13 +244,13 @@ def small(name, **kwargs):
 @pytest.mark.parametrize("name", ZOO)
 def test_no_classifier_and_no_pooling_as_timm_models_do(name):
     """timm's own CNNs (resnet18 here) return unpooled feature maps for num_classes=0,
-    global_pool=''; so do the zoo's (a Rev-ViT returns its tokens)."""
+    global_pool=''; so do the zoo's (a Rev-ViT its map of tokens, NHWC as timm's Swin)."""
     reference = timm.create_model("resnet18", num_classes=0, global_pool="").eval()
     x = torch.randn(2, 3, 32, 32)
     assert reference(x).dim() == 4
     model = small(name, num_classes=0, global_pool="")
     out = model(x)
-    assert out.dim() == (3 if name.startswith("revvit") else 4)
+    assert out.dim() == 4
     assert out.shape[-1 if name.startswith("revvit") else 1] == model.num_features
     assert torch.equal(out, model.forward_features(x))
 
@@ -309,3 +311,59 @@ def test_pretrained_cfg_is_complete(name):
     assert model.get_submodule(model.pretrained_cfg["classifier"]) is model.get_classifier()
     config = timm.data.resolve_data_config({}, model=model)
     assert config["input_size"] == model.pretrained_cfg["input_size"]
+
+
+def test_fx_feature_extraction_keeps_each_reversible_sequence_whole():
+    """timm's torch.fx feature extraction (what detection and segmentation code uses) traces a
+    zoo model with every ReversibleSequence as one leaf: the taps at the sequences' outputs are
+    forward_intermediates' features, and the traced model still trains reversibly."""
+    from timm.models import create_feature_extractor
+
+    model = timm.create_model("revnet38")
+    nodes = {"stages.0.reversible": "0", "stages.1.reversible": "1", "stages.2.reversible": "2"}
+    extractor = create_feature_extractor(model, nodes)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        taps = model.eval().forward_intermediates(x, indices=(1, 2, 3), intermediates_only=True)
+        traced = extractor.eval()(x)
+    assert all(torch.equal(traced[k], tap) for k, tap in zip("012", taps))
+    features = extractor.train()(x)
+    assert features["2"].grad_fn.name() == "ReversibleFunctionBackward"
+
+
+def test_timm_factory_device_and_dtype_keywords():
+    """timm.create_model(name, device=..., dtype=...) as for timm's own models: every parameter
+    and buffer made there, and a new classifier follows the model's device, dtype and mode."""
+    for name in ("revnet38", "irevnet163", "revvit_small_patch16_224"):
+        model = timm.create_model(name, device="meta", dtype=torch.float64).eval()
+        tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+        assert all(t.device.type == "meta" and t.dtype == torch.float64 for t in tensors)
+        assert model.in_chans == 3
+        model.reset_classifier(7)
+        head = model.get_classifier()
+        assert head.weight.device.type == "meta" and head.weight.dtype == torch.float64
+        assert not head.training
+
+
+def test_zero_init_last_starts_every_residual_branch_at_zero():
+    """timm's zero_init_last: every unit starts as its shortcut (a RevNet's f and g give 0)."""
+    from revnets.layers import ResidualUnit, RevNetDownsampleUnit
+
+    def shortcut_of(unit, x):
+        if isinstance(unit, ResidualUnit):
+            return unit.shortcut(x)
+        if isinstance(unit, RevNetDownsampleUnit):
+            x1, x2 = x.chunk(2, dim=1)
+            return torch.cat((unit.shortcut1(x1), unit.shortcut2(x2)), dim=1)
+        return x  # a reversible block: y1 = x1 + f(x2) = x1, y2 = x2 + g(y1) = x2
+
+    seen = []
+    for reversible in (False, True):
+        model = ResidualNet(units=(2, 2), channels=(8, 8, 16), reversible=reversible,
+                            zero_init_last=True).eval()
+        for unit in model.modules():
+            if isinstance(unit, (ResidualUnit, RevNetDownsampleUnit, revnets.ReversibleBlock)):
+                unit.register_forward_hook(
+                    lambda m, args, out: seen.append(torch.equal(out, shortcut_of(m, args[0]))))
+        model(torch.randn(2, 3, 16, 16))
+    assert len(seen) == 8 and all(seen)

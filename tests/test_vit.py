@@ -79,14 +79,17 @@ def test_timm_interfaces():
     model = tiny(drop_path_rate=0.0).eval()
     x = torch.randn(2, 3, 32, 32)
     features = model.forward_features(x)
-    assert features.shape == (2, 16, 32)  # tokens, two streams of 16
+    assert features.shape == (2, 4, 4, 32)  # a 4x4 grid of patches (NHWC), two streams of 16
+    assert model.output_fmt == "NHWC"
     assert torch.equal(model.forward_head(features), model(x))
     assert model.forward_head(features, pre_logits=True).shape == (2, 32)
     final, taps = model.forward_intermediates(x, indices=2)
     assert [t.shape for t in taps] == [(2, 32, 4, 4)] * 2
     assert torch.allclose(final, features)
+    tokens = model.forward_intermediates(x, indices=1, output_fmt="NLC", intermediates_only=True)
+    assert torch.equal(tokens[0].reshape(2, 4, 4, 32).permute(0, 3, 1, 2), taps[-1])
     model.reset_classifier(0, "")
-    assert model(x).shape == (2, 16, 32)  # unpooled tokens
+    assert model(x).shape == (2, 4, 4, 32)  # the unpooled map
     assert model.no_weight_decay() == {"patch_embed.pos_embed"}
     model.set_grad_checkpointing(True)
     assert model.memory.name == "reversible+checkpoint"
@@ -97,13 +100,65 @@ def test_features_only():
                               img_size=32, patch_size=8, embed_dim=16, depth=4, num_heads=2)
     maps = model(torch.randn(2, 3, 32, 32))
     assert [m.shape for m in maps] == [(2, 32, 4, 4)] * 2
+    # By default the last three blocks, as for timm's ViT.
+    default = timm.create_model("revvit_small_patch16_224", features_only=True, img_size=32,
+                                patch_size=8, embed_dim=16, depth=4, num_heads=2)
+    assert len(default(torch.randn(1, 3, 32, 32))) == len(default.feature_info.channels()) == 3
 
 
-def test_unknown_strategy_and_wrong_input_size_are_named():
+def test_wrong_input_size_is_named_and_img_size_resamples_the_position_embedding():
+    with pytest.raises(AssertionError, match=r"an input of 64x64 pixels; the position embedding "
+                                             r"is for 32x32: create the model with img_size"):
+        tiny()(torch.randn(1, 3, 64, 64))
+    cfg = timm.create_model("revvit_small_patch16_224", device="meta").pretrained_cfg
+    assert cfg["fixed_input_size"] and cfg["pool_size"] == (14, 14)
+    model = tiny(drop_path_rate=0.0).eval()
+    grid = model.patch_embed.pos_embed.detach().reshape(1, 4, 4, 16)
+    model.set_input_size(img_size=64)  # as timm's ViT: an 8x8 grid, the embedding resampled
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 5)
+    resampled = torch.nn.functional.interpolate(
+        grid.permute(0, 3, 1, 2), size=(8, 8), mode="bicubic", antialias=True)
+    expected = resampled.permute(0, 2, 3, 1).reshape(1, 64, 16)
+    assert torch.allclose(model.patch_embed.pos_embed, expected)
+
+
+def test_dynamic_img_size_resamples_the_position_embedding_per_input():
+    """dynamic_img_size=True, as timm's ViT: any size divisible by the patch, the embedding
+    resampled to the input's grid; at the model's own size it is the fixed-size model."""
+    fixed = tiny(drop_path_rate=0.0).eval()
+    dynamic = tiny(drop_path_rate=0.0, dynamic_img_size=True).eval()
+    dynamic.load_state_dict(fixed.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(dynamic(x), fixed(x))
+    wide = torch.randn(2, 3, 32, 48)
+    assert dynamic.forward_features(wide).shape == (2, 4, 6, 32)
+    resized = tiny(drop_path_rate=0.0, img_size=(32, 48)).eval()
+    resized.load_state_dict(dynamic.state_dict() | {"patch_embed.pos_embed": resized_pos_embed(
+        dynamic.patch_embed.pos_embed, (4, 6))})
+    assert torch.allclose(dynamic(wide), resized(wide), atol=1e-6)
+    padded = tiny(drop_path_rate=0.0, dynamic_img_size=True, dynamic_img_pad=True).eval()
+    assert padded.forward_features(torch.randn(1, 3, 30, 45)).shape == (1, 4, 6, 32)
+
+
+def test_torch_fx_traces_dynamic_img_size_once_for_every_input_size():
+    """timm's fx feature extraction of a dynamic_img_size Rev-ViT: one trace, then the graph
+    resamples the position embedding for each input as the model does."""
+    from timm.models import create_feature_extractor
+
+    model = tiny(drop_path_rate=0.0, dynamic_img_size=True).eval()
+    traced = create_feature_extractor(model, {"head": "logits"})
+    for size in ((32, 32), (48, 40)):
+        x = torch.randn(1, 3, *size)
+        assert torch.equal(traced(x)["logits"], model(x))
+
+
+def resized_pos_embed(pos_embed, grid):
+    return revnets.models.reversible_vit.resampled_pos_embed(pos_embed.detach(), grid, (4, 4))
+
+
+def test_unknown_strategy_is_named():
     with pytest.raises(ValueError, match="unknown memory plan 'sparse'; presets: none"):
         tiny().set_memory("sparse")
-    with pytest.raises(ValueError, match=r"the position embedding has 16 \(32 pixels square\)"):
-        tiny()(torch.randn(1, 3, 64, 64))
 
 
 def test_is_part_of_the_public_zoo():

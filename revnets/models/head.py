@@ -6,7 +6,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PooledClassifier", "check_pool"]
+__all__ = ["PooledClassifier", "check_pool", "new_classifier"]
+
+
+def new_classifier(model: nn.Module, num_features: int, num_classes: int) -> nn.Module:
+    """A linear classifier for ``num_classes`` (0: none), on the device, in the dtype and in the
+    training mode of ``model``, as timm's ``reset_classifier`` builds its heads."""
+    if not num_classes:
+        return nn.Identity().train(model.training)
+    like = next(model.parameters(), None)
+    placement = dict(device=like.device, dtype=like.dtype) if like is not None else {}
+    return nn.Linear(num_features, num_classes, **placement).train(model.training)
 
 
 def check_pool(owner: str, global_pool: str) -> None:
@@ -38,7 +48,7 @@ class PooledClassifier:
             check_pool(type(self).__name__, global_pool)
             self.global_pool = global_pool
         self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+        self.fc = new_classifier(self, self.num_features, num_classes)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         if self.global_pool == "avg":

@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
 from revnets.invertible import SpaceToDepth
 from revnets.layers.irevnet import irevnet_bottleneck, irevnet_stage
+from revnets.models._timm import build
 from revnets.models.head import PooledClassifier, check_pool
 from revnets.models.residual import cifar_cfg, imagenet_cfg
 from revnets.models.switchable import SwitchableMemory
@@ -104,6 +105,7 @@ class IRevNet(SwitchableMemory, PooledClassifier, nn.Module):
             )
         check_pool("IRevNet", global_pool)
         self.num_classes = num_classes
+        self.in_chans = in_chans
         self.global_pool = global_pool
         stem_channels = in_chans * stem_block_size**2
         stem: list[nn.Module] = []
@@ -226,6 +228,23 @@ class IRevNet(SwitchableMemory, PooledClassifier, nn.Module):
             x = self._run_blocks(x, start, stop)
         return self.final_act(x), intermediates
 
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drop the blocks behind the last requested tap (timm's feature_cls='getter' calls
+        this), and the final BatchNorm-ReLU with them or if ``prune_norm``."""
+        take, max_index = feature_take_indices(len(self.stage_ends), indices)
+        stop = self.stage_ends[max_index]
+        if stop < len(self.blocks):
+            self.blocks = ReversibleSequence(list(self.blocks)[:stop])
+            self.blocks.set_memory(self.memory.stages)
+        self.stage_ends = self.stage_ends[: max_index + 1]
+        if prune_norm or max_index < len(self.feature_info) - 1:
+            self.final_act = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0)
+        return take
+
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
 
@@ -235,12 +254,15 @@ def _create(variant: str, pretrained: bool, defaults: dict[str, Any], **kwargs: 
         raise ValueError(
             f"no pretrained weights are bundled for {variant}: create it with pretrained=False"
         )
-    return build_model_with_cfg(
+    kwargs = {**defaults, **kwargs}
+    # By default every stage's output (timm assumes five taps; these nets have three or four).
+    taps = tuple(range(len(kwargs["units"])))
+    return build(
         IRevNet,
         variant,
         pretrained,
-        feature_cfg=dict(feature_cls="getter"),
-        **{**defaults, **kwargs},
+        feature_cfg=dict(feature_cls="getter", out_indices=taps),
+        **kwargs,
     )
 
 

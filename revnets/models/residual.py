@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
@@ -42,6 +42,7 @@ from revnets.layers import (
     preact_bottleneck,
     shortcut,
 )
+from revnets.models._timm import build
 from revnets.models.head import PooledClassifier, check_pool
 from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Reconstruct, Store
@@ -102,6 +103,8 @@ class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
         stem: ``"cifar"`` (conv3x3) or ``"imagenet"`` (conv7x7 stride 2, max pool).
         memory: a :class:`~revnets.plan.MemoryPlan` or a preset's name (module docstring);
             default ``reversible`` for a RevNet, ``none`` for a ResNet.
+        zero_init_last: start every residual branch (each f and g of a RevNet) at zero by
+            zero-initializing its last convolution (timm's keyword, as in its ResNetV2).
         num_classes, in_chans, drop_rate: as in timm.
     """
 
@@ -117,6 +120,7 @@ class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
         in_chans: int = 3,
         drop_rate: float = 0.0,
         global_pool: str = "avg",
+        zero_init_last: bool = False,
     ) -> None:
         super().__init__()
         if len(channels) != len(units) + 1:
@@ -128,6 +132,7 @@ class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
         self.global_pool = global_pool
         self.reversible = reversible
         self.num_classes = num_classes
+        self.in_chans = in_chans
         self.drop_rate = drop_rate
         expansion = 4 if bottleneck else 1
         self.stem = self._make_stem(stem, in_chans, channels[0])
@@ -163,7 +168,7 @@ class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
         self.num_features = self.head_hidden_size = in_ch
         self.head_drop = nn.Dropout(drop_rate)
         self.fc = nn.Linear(in_ch, num_classes) if num_classes else nn.Identity()
-        self._init_weights()
+        self._init_weights(zero_init_last)
         self.family = "RevNet" if reversible else "ResNet"
         self.memory = PRESETS["none"]
         self.set_memory(memory or ("reversible" if reversible else "none"))
@@ -203,7 +208,7 @@ class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
             shortcut(half_in, half_out, stride, bottleneck),
         )
 
-    def _init_weights(self) -> None:
+    def _init_weights(self, zero_init_last: bool) -> None:
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 # The official code: normal with std sqrt(2 / (k * k * out_channels)).
@@ -211,6 +216,17 @@ class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+        if zero_init_last:
+            for m in self.modules():
+                if isinstance(m, ResidualUnit):
+                    branches = [m.transform]
+                elif isinstance(m, (ReversibleBlock, RevNetDownsampleUnit)):
+                    branches = [m.f, m.g]
+                else:
+                    continue
+                for branch in branches:
+                    convs = [c for c in branch.modules() if isinstance(c, nn.Conv2d)]
+                    nn.init.zeros_(convs[-1].weight)
 
     # -- memory plan --------------------------------------------------------------------------
     def memory_problem(self, plan: MemoryPlan) -> str | None:
@@ -319,7 +335,7 @@ def _create(
         )
     # By default every tap: the stem and each stage (timm assumes five, CIFAR nets have four).
     taps = tuple(range(len(kwargs["units"]) + 1))
-    return build_model_with_cfg(
+    return build(
         ResidualNet,
         variant,
         pretrained,
@@ -397,8 +413,12 @@ def resnet164(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
 
 @register_model
 def resnet1001(pretrained: bool = False, **kwargs: Any) -> ResidualNet:
-    """ResNet-1001 for CIFAR (He et al. 2016): 111-111-111 pre-activation bottleneck units."""
-    args = dict(_CIFAR_RESNET, units=(111, 111, 111), bottleneck=True)
+    """ResNet-1001 for CIFAR (He et al. 2016): 111-111-111 pre-activation bottleneck units.
+
+    Its residual branches start at zero (``zero_init_last=True``): untrained, in eval mode
+    (BatchNorm's running statistics still 0 and 1, so nothing normalizes), each of the 333
+    units would multiply the signal about 1.3x, past float32's range by the third stage."""
+    args = dict(_CIFAR_RESNET, units=(111, 111, 111), bottleneck=True, zero_init_last=True)
     return _create("resnet1001", pretrained, args, **kwargs)
 
 

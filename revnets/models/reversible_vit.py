@@ -28,11 +28,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.layers import (
+    DropPath,
+    PatchEmbed,
+    register_notrace_function,
+    resample_abs_pos_embed,
+    trunc_normal_,
+)
+from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
-from torch import Tensor, nn
+from torch import Tensor, _assert, nn
 
+from revnets.models._timm import build
+from revnets.models.head import new_classifier
 from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence
@@ -40,32 +48,83 @@ from revnets.reversible import ReversibleBlock, ReversibleSequence
 __all__ = ["ReversibleVisionTransformer"]
 
 
-class TwoStreamPatchEmbed(nn.Module):
-    """Patches to tokens (a strided convolution), plus an absolute position embedding, no class
-    token, duplicated into the two streams of a Rev-ViT: ``(B, N, 2C)`` with ``X1 = X2``."""
+@register_notrace_function  # torch.fx: the sizes it compares are concrete at run time
+@torch.fx.wrap
+def resampled_pos_embed(
+    pos_embed: Tensor, grid: tuple[int, int], old_grid: tuple[int, int]
+) -> Tensor:
+    """A ``(1, N, C)`` position embedding for ``old_grid``, resampled to ``grid`` as timm's
+    ViT resamples its own (bicubic); unchanged when the grids are equal."""
+    return resample_abs_pos_embed(
+        pos_embed, new_size=list(grid), old_size=list(old_grid), num_prefix_tokens=0
+    )
 
-    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int) -> None:
-        super().__init__()
-        if img_size % patch_size:
-            raise ValueError(
-                f"TwoStreamPatchEmbed: img_size {img_size} is not a multiple of patch_size "
-                f"{patch_size}"
-            )
-        self.patch_size = patch_size
-        self.grid_size = (img_size // patch_size, img_size // patch_size)
-        self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)
+
+class TwoStreamPatchEmbed(PatchEmbed):
+    """Patches to tokens (timm's PatchEmbed, a strided convolution), plus an absolute position
+    embedding, no class token, duplicated into the two streams of a Rev-ViT: ``(B, N, 2C)`` with
+    ``X1 = X2``.
+
+    ``dynamic_img_size``: any input size divisible by the patch size, the position embedding
+    resampled to its grid (``dynamic_img_pad``: any size, padded to a multiple of the patch);
+    otherwise the input must be ``img_size``."""
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int],
+        patch_size: int,
+        in_chans: int,
+        embed_dim: int,
+        dynamic_img_size: bool = False,
+        dynamic_img_pad: bool = False,
+    ) -> None:
+        super().__init__(
+            img_size, patch_size, in_chans, embed_dim, output_fmt="NHWC",
+            strict_img_size=False, dynamic_img_pad=dynamic_img_pad,
+        )
+        for size, patch in zip(self.img_size, self.patch_size):
+            if size % patch:
+                raise ValueError(
+                    f"TwoStreamPatchEmbed: img_size {self.img_size} is not a multiple of "
+                    f"patch_size {self.patch_size}"
+                )
+        self.dynamic_img_size = dynamic_img_size
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches, embed_dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        tokens = self.proj(x).flatten(2).transpose(1, 2)
-        if tokens.shape[1] != self.num_patches:
-            raise ValueError(
-                f"TwoStreamPatchEmbed: an input of {tuple(x.shape[-2:])} pixels gives "
-                f"{tokens.shape[1]} patches; the position embedding has {self.num_patches} "
-                f"({self.grid_size[0] * self.patch_size} pixels square)"
+    def set_input_size(
+        self,
+        img_size: int | tuple[int, int] | None = None,
+        patch_size: int | tuple[int, int] | None = None,
+    ) -> None:
+        """A new input size (and patch size): the position embedding resampled to the new grid,
+        as timm's ViT resamples its own."""
+        old_grid = self.grid_size
+        super().set_input_size(img_size, patch_size)
+        if self.grid_size != old_grid:
+            with torch.no_grad():
+                resampled = resampled_pos_embed(self.pos_embed, self.grid_size, old_grid)
+            self.pos_embed = nn.Parameter(
+                resampled, requires_grad=self.pos_embed.requires_grad
             )
-        tokens = tokens + self.pos_embed
+
+    def forward(self, x: Tensor) -> Tensor:
+        height, width = x.shape[-2:]
+        if not self.dynamic_img_size:
+            message = (
+                f"TwoStreamPatchEmbed: an input of {height}x{width} pixels; the position "
+                f"embedding is for {self.img_size[0]}x{self.img_size[1]}: create the model with "
+                f"img_size=({height}, {width}) (the embedding resampled), or "
+                "dynamic_img_size=True"
+            )
+            _assert(height == self.img_size[0], message)
+            _assert(width == self.img_size[1], message)
+        grid = super().forward(x)  # (B, H', W', C)
+        tokens = grid.flatten(1, 2)
+        if self.dynamic_img_size:
+            pos_embed = resampled_pos_embed(self.pos_embed, grid.shape[1:3], self.grid_size)
+        else:
+            pos_embed = self.pos_embed
+        tokens = tokens + pos_embed
         return torch.cat((tokens, tokens), dim=-1)
 
 
@@ -134,6 +193,10 @@ def reversible_vit_block(
 class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
     """Rev-ViT: a ViT whose blocks are reversible couplings of two duplicated token streams.
 
+    Its features are a grid, as timm's Swin gives them (``output_fmt = "NHWC"``): with no class
+    token every token is a patch, so ``forward_features`` returns ``(B, H / patch, W / patch,
+    2C)`` and ``global_pool=""`` returns that map.
+
     Args:
         img_size, patch_size, in_chans, num_classes: as in timm's VisionTransformer.
         embed_dim: the width C of each stream (the streams together are 2C wide).
@@ -142,12 +205,17 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
             from 0 over the blocks. attn_drop_rate: dropout on attention weights.
         memory: a :class:`~revnets.plan.MemoryPlan` or a preset's name (module docstring);
             default ``reversible``.
-        global_pool: ``"avg"`` (mean over tokens, Rev-ViT's) or ``""`` (no pooling: tokens).
+        global_pool: ``"avg"`` (mean over tokens, Rev-ViT's) or ``""`` (no pooling: the map).
+        dynamic_img_size: accept any input size divisible by the patch size, the position
+            embedding resampled to its grid (timm's ViT keyword); ``dynamic_img_pad`` pads the
+            input to such a size.
     """
+
+    output_fmt = "NHWC"
 
     def __init__(
         self,
-        img_size: int = 224,
+        img_size: int | tuple[int, int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
         num_classes: int = 1000,
@@ -160,18 +228,19 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
         attn_drop_rate: float = 0.0,
         memory: MemoryPlan | str | None = None,
         global_pool: str = "avg",
+        dynamic_img_size: bool = False,
+        dynamic_img_pad: bool = False,
     ) -> None:
         super().__init__()
-        if global_pool not in ("avg", ""):
-            raise ValueError(
-                f"ReversibleVisionTransformer: global_pool must be 'avg' or '', got "
-                f"{global_pool!r}"
-            )
+        _check_pool(global_pool)
         self.num_classes = num_classes
+        self.in_chans = in_chans
         self.global_pool = global_pool
         self.embed_dim = embed_dim
         self.num_features = self.head_hidden_size = 2 * embed_dim
-        self.patch_embed = TwoStreamPatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.patch_embed = TwoStreamPatchEmbed(
+            img_size, patch_size, in_chans, embed_dim, dynamic_img_size, dynamic_img_pad
+        )
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = ReversibleSequence(
             reversible_vit_block(embed_dim, num_heads, mlp_ratio, rate, attn_drop_rate)
@@ -180,7 +249,7 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
         self.norm = nn.LayerNorm(2 * embed_dim, eps=1e-6)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(2 * embed_dim, num_classes) if num_classes else nn.Identity()
-        reduction = patch_size
+        reduction = self.patch_embed.feat_ratio()
         self.feature_info = [
             dict(num_chs=2 * embed_dim, reduction=reduction, module=f"blocks.blocks.{i}")
             for i in range(depth)
@@ -224,22 +293,40 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
         return {"patch_embed.pos_embed"}
 
     # -- timm interface -----------------------------------------------------------------------
+    def set_input_size(
+        self,
+        img_size: int | tuple[int, int] | None = None,
+        patch_size: int | tuple[int, int] | None = None,
+    ) -> None:
+        """Another input resolution (and patch size), as timm's ViT changes its own: the
+        position embedding (and the patch projection) resampled."""
+        self.patch_embed.set_input_size(img_size, patch_size)
+        reduction = self.patch_embed.feat_ratio()
+        for info in self.feature_info:
+            info["reduction"] = reduction
+
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
+        """A new classifier for ``num_classes`` (0: none), on the model's device and dtype;
+        ``global_pool=""`` makes the model return its unpooled feature map."""
         if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+            _check_pool(global_pool)
             self.global_pool = global_pool
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+        self.num_classes = num_classes
+        self.head = new_classifier(self, self.num_features, num_classes)
+
+    def _grid(self, x: Tensor) -> tuple[int, int]:
+        return self.patch_embed.dynamic_feat_size(x.shape[-2:])
 
     def forward_features(self, x: Tensor) -> Tensor:
+        height, width = self._grid(x)
         x = self._maybe_checkpoint(self.patch_embed, x)
         x = self._run_blocks(x)
-        return self._maybe_checkpoint(self.norm, x)
+        x = self._maybe_checkpoint(self.norm, x)
+        return x.reshape(x.shape[0], height, width, -1)
 
     def forward_intermediates(
         self,
@@ -251,12 +338,12 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
         intermediates_only: bool = False,
     ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
         """timm's intermediate features: the output of each block listed (all by default; the
-        last ``indices`` if an int), as NCHW feature maps of width 2C or NLC tokens."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        last ``indices`` if an int), as NCHW or NHWC feature maps of width 2C or NLC tokens."""
+        if output_fmt not in ("NCHW", "NHWC", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW', 'NHWC' or 'NLC', got {output_fmt!r}")
         take, max_index = feature_take_indices(len(self.blocks), indices)
-        batch, _, height, width = x.shape
-        grid = (height // self.patch_embed.patch_size, width // self.patch_embed.patch_size)
+        batch = x.shape[0]
+        height, width = self._grid(x)
         intermediates = []
         x = self._maybe_checkpoint(self.patch_embed, x)
         last = max_index + 1 if stop_early else len(self.blocks)
@@ -265,14 +352,17 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
             x = self._run_blocks(x, start, index + 1)
             start = index + 1
             tap = self.norm(x) if norm else x
+            if output_fmt != "NLC":
+                tap = tap.reshape(batch, height, width, -1)
             if output_fmt == "NCHW":
-                tap = tap.reshape(batch, *grid, -1).permute(0, 3, 1, 2)
+                tap = tap.permute(0, 3, 1, 2)
             intermediates.append(tap)
         if intermediates_only:
             return intermediates
         if start < last:
             x = self._run_blocks(x, start, last)
-        return self._maybe_checkpoint(self.norm, x), intermediates
+        x = self._maybe_checkpoint(self.norm, x)
+        return x.reshape(batch, height, width, -1), intermediates
 
     def prune_intermediate_layers(
         self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
@@ -288,7 +378,7 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         if self.global_pool == "avg":
-            x = x.mean(dim=1)
+            x = x.mean(dim=(1, 2))
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
@@ -296,16 +386,24 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
+def _check_pool(global_pool: str) -> None:
+    if global_pool not in ("avg", ""):
+        raise ValueError(
+            f"ReversibleVisionTransformer: global_pool must be 'avg' or '', got {global_pool!r}"
+        )
+
+
 def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> ReversibleVisionTransformer:
     if pretrained:
         raise ValueError(
             f"no pretrained weights are bundled for {variant}: create it with pretrained=False"
         )
-    return build_model_with_cfg(
+    # features_only: the last three blocks by default, as for timm's ViT.
+    return build(
         ReversibleVisionTransformer,
         variant,
         pretrained,
-        feature_cfg=dict(feature_cls="getter", out_indices=(-1,)),
+        feature_cfg=dict(feature_cls="getter", out_indices=3),
         **kwargs,
     )
 
@@ -315,7 +413,8 @@ def _cfg(**kwargs: Any) -> dict[str, Any]:
         "url": "",
         "num_classes": 1000,
         "input_size": (3, 224, 224),
-        "pool_size": None,
+        "pool_size": (14, 14),
+        "fixed_input_size": True,
         "crop_pct": 0.9,
         "interpolation": "bicubic",
         "mean": IMAGENET_DEFAULT_MEAN,
