@@ -369,3 +369,196 @@ def test_old_keywords_are_refused_with_the_new_spelling():
         revnets.Checkpointed(nn.Linear(2, 2), enabled=False)
     with pytest.raises(TypeError, match="a Checkpoint is carried out around the sequence"):
         revnets.ReversibleSequence(make_stack(1).blocks, revnets.Checkpoint())
+
+
+# -- neighbouring cases (found by review): each exact, or refused by name -----------------------
+
+
+class Linear4(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+
+class StoresAuxiliaryLoss(Linear4):
+    def forward(self, h):
+        z = self.linear(h)
+        self.aux = z.square().mean()  # a router's load-balancing term, read by the loop
+        return torch.tanh(z)
+
+
+def linear_sequence(unit, memory=Reconstruct(), depth=3):
+    blocks = [revnets.ReversibleBlock(unit(), unit(), split_dim=-1) for _ in range(depth)]
+    return revnets.ReversibleSequence(blocks, memory).double()
+
+
+def test_a_loss_on_a_tensor_f_stored_as_an_attribute_is_refused_by_name():
+    model = linear_sequence(StoresAuxiliaryLoss)
+    out = model(torch.randn(5, 8, dtype=torch.float64, requires_grad=True))
+    loss = out.square().sum() + sum(m.aux for m in model.modules() if hasattr(m, "aux"))
+    with pytest.raises(RuntimeError, match=r"inside block \d of a ReversibleSequence \(captured "
+                                           "by a forward hook or stored as a module attribute"):
+        loss.backward()
+    assert isinstance(model[0].f.aux.item(), float)  # logging it still works
+
+
+def test_a_checkpointed_auxiliary_loss_attribute_gets_its_gradient():
+    model = nn.Sequential(revnets.Checkpointed(StoresAuxiliaryLoss()), nn.Linear(4, 4)).double()
+    reference = twin(model)
+    for m in (model, reference):
+        x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        (m(x).square().sum() + 10 * m[0].module.aux).backward()
+    assert max_grad_error(model, reference) <= 1e-10
+
+
+class DataSwap(Linear4):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, h):
+        z = self.linear(h)
+        self.avg.data = 0.9 * self.avg + 0.1 * z.detach().mean(0)
+        return torch.tanh(z - self.avg)
+
+
+def test_a_buffer_whose_data_is_swapped_in_the_forward_is_refused_by_name():
+    model = linear_sequence(DataSwap)
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.f\.|avg's .data was replaced"):
+        model(torch.randn(5, 8, dtype=torch.float64, requires_grad=True))
+
+
+class StateInAList(Linear4):
+    def __init__(self):
+        super().__init__()
+        self.state = [torch.zeros(4, dtype=torch.float64)]
+
+    def forward(self, h):
+        z = self.linear(h)
+        self.state[0].mul_(0.5).add_(z.detach().mean(0))
+        return torch.tanh(z - self.state[0])
+
+
+@pytest.mark.parametrize("wrapper", ["sequence", "Checkpointed"])
+def test_state_kept_outside_any_slot_and_written_in_place_is_replayed(wrapper):
+    def build(memory):
+        if wrapper == "sequence":
+            return linear_sequence(StateInAList, memory)
+        checkpointed = revnets.Checkpointed(StateInAList(), memory=(
+            revnets.Checkpoint() if isinstance(memory, Reconstruct) else Store()))
+        return nn.Sequential(checkpointed, nn.Linear(4, 8)).double()
+
+    torch.manual_seed(0)
+    model = build(Reconstruct())
+    torch.manual_seed(0)
+    reference = build(Store())
+    width = 8 if wrapper == "sequence" else 4
+    x = torch.randn(5, width, dtype=torch.float64)
+    assert_trains_like(model, reference, leaf(x), leaf(x))
+
+
+class ReadsRunningVariance(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=0.9)
+
+    def forward(self, h):
+        out = self.bn(self.linear(h))
+        return torch.tanh(out * self.bn.running_var.clone())
+
+
+def test_code_reading_a_training_batch_norms_running_statistics_is_refused_by_name():
+    model = linear_sequence(ReadsRunningVariance)
+    with pytest.raises(RuntimeError, match=r"bn\.running_var of a BatchNorm in training mode is "
+                                           "read by other code"):
+        model(torch.randn(5, 8, dtype=torch.float64, requires_grad=True))
+
+
+def test_switching_to_eval_between_forward_and_backward_changes_nothing():
+    model = make_stack(3, dropout=0.3).double()
+    reference = twin(model)
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
+    x, x_reference = leaf(x), leaf(x)
+    for m, xi in ((model, x), (reference, x_reference)):
+        torch.manual_seed(0)
+        loss = m(xi).square().sum()
+        m.eval()  # ordinary autograd's graph is fixed at the forward
+        loss.backward()
+        m.train()
+    assert rel_error(x.grad, x_reference.grad) <= 1e-10
+    assert max_grad_error(model, reference) <= 1e-10
+
+
+class NumpyDepth(Linear4):
+    def forward(self, h):
+        import numpy as np
+
+        keep = float(np.random.rand() < 0.5)
+        return torch.tanh(self.linear(h)) * keep
+
+
+class RandomInAList(Linear4):
+    def __init__(self):
+        super().__init__()
+        import random
+
+        self.rngs = [random.Random(0)]
+
+    def forward(self, h):
+        return torch.tanh(self.linear(h)) * self.rngs[0].random()
+
+
+class Counter(Linear4):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def forward(self, h):
+        self.n += 1
+        return torch.tanh(self.linear(h)) * (1 + 0.1 * self.n)
+
+
+@pytest.mark.parametrize("unit", [NumpyDepth, RandomInAList, Counter],
+                         ids=["numpy_global", "random_in_a_list", "python_counter"])
+def test_python_side_randomness_and_numbers_are_replayed(unit):
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = linear_sequence(unit)
+    torch.manual_seed(0)
+    reference = linear_sequence(unit, Store())
+    x = torch.randn(5, 8, dtype=torch.float64)
+    x, x_reference = leaf(x), leaf(x)
+    for seed in range(3):
+        for m, xi in ((model, x), (reference, x_reference)):
+            np.random.seed(seed)
+            released_step(m, xi, seed=seed)
+    assert rel_error(x.grad, x_reference.grad) <= 1e-10
+    assert max_grad_error(model, reference) <= 1e-10
+
+
+@pytest.mark.parametrize("wrapper", ["sequence", "Checkpointed"])
+def test_a_with_kwargs_hook_changing_an_output_is_replayed(wrapper):
+    def clamp(module, args, kwargs, out):
+        return out.clamp_(-0.3, 0.3)
+
+    if wrapper == "sequence":
+        model = make_stack(3).double()
+        for block in model:
+            block.f[0].register_forward_hook(clamp, with_kwargs=True)
+    else:
+        model = nn.Sequential(revnets.Checkpointed(conv_unit(8)), conv_unit(8)).double()
+        model[0].module[0].register_forward_hook(clamp, with_kwargs=True)
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    assert_trains_like(model, twin(model), leaf(x), leaf(x))
+
+
+def test_a_full_backward_hook_on_a_block_fires_when_stored_and_is_refused_when_reconstructed():
+    calls = []
+    model = make_stack(2, memory=Store())
+    model[0].register_full_backward_hook(lambda *args: calls.append(1))
+    model(torch.randn(2, 8, 4, 4, requires_grad=True)).sum().backward()
+    assert calls == [1]
+    model.memory = Reconstruct()
+    with pytest.raises(RuntimeError, match="block 0 has a backward hook"):
+        model(torch.randn(2, 8, 4, 4, requires_grad=True))

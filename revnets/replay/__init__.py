@@ -47,6 +47,7 @@ from torch.nn.utils import parametrize
 
 from revnets.replay.hooks import (
     HookWatch,
+    ReplayedHook,
     has_forward_hooks,
     is_recomputing,
     recomputing,
@@ -61,6 +62,9 @@ from revnets.replay.state import (
     _version,
     forked_rng,
     frozen_running_stats,
+    new_tensor_attributes,
+    same_state,
+    scalar_attributes,
     state_tensors,
 )
 from revnets.replay.watch import Watch
@@ -142,22 +146,34 @@ class Recording:
         self.norms: list[nn.Module] = []
         self.generators: list[tuple[Any, Tensor | None]] = []
         self.python: list[tuple[random.Random, Any]] = []
-        self.hooks: list[tuple[nn.Module | None, Any]] = []
+        self.hooks: list[ReplayedHook] = []
+        self.scalars: list[tuple[dict, str, Any]] = []
+        self.external: list[tuple[Tensor, Tensor]] = []
+        self.assigned: list[_Slot] = []  # tensor attributes the run created or reassigned
         self._run: contextlib.ExitStack | None = None
 
     # -- the recorded run ----------------------------------------------------------------------
     def __enter__(self) -> Recording:
         self.norms = _tracked_norms(self.modules)
+        names = _names(self.modules) if self.norms else {}
+        exempt: dict[int, str | None] = {
+            _storage_key(b): (
+                names.get(id(m), "") + key if key in ("running_mean", "running_var") else None
+            )
+            for m in self.norms
+            for key, b in m._buffers.items()
+            if b is not None
+        }
         frozen = {id(b) for m in self.norms for b in m._buffers.values()}
         self.slots = [s for s in _slots(self.modules) if id(s.tensor) not in frozen]
+        self.scalars = scalar_attributes(self.modules)
         watched: dict[int, list[_Slot]] = {}
         for s in self.slots:
-            key = _storage_key(s.tensor)
-            if key is not None:
-                watched.setdefault(key, []).append(s)
+            if s.storage is not None:
+                watched.setdefault(s.storage, []).append(s)
         if self.preserve_rng:
             self.python = [(g, g.getstate()) for g in _python_generators(self.modules)]
-        self._watch = Watch(watched, self.preserve_rng)
+        self._watch = Watch(watched, self.preserve_rng, exempt)
         self._hooks = HookWatch(self.modules, self.root_owner)
         self._run = contextlib.ExitStack()
         self._run.enter_context(_uncached_parametrizations())
@@ -180,17 +196,41 @@ class Recording:
                 "pass; its gradient would be taken with respect to a value it no longer has. "
                 "Change it outside the forward (before or after the training step)."
             )
+        if watch.exempt_read is not None:
+            raise RuntimeError(
+                f"{watch.exempt_read} of a BatchNorm in training mode is read by other code in "
+                "the forward pass. The replay in backward leaves BatchNorm's running statistics "
+                "as the forward left them, so that code would read other values. Read them "
+                "outside the recomputed part, or put the BatchNorm in eval mode."
+            )
         self.generators = list(watch.generators.values())
-        self.python = [(g, state) for g, state in self.python if g.getstate() != state]
+        self.python = [
+            (g, state) for g, state in self.python if not same_state(g, g.getstate(), state)
+        ]
+        self.external = list(watch.external.values())
         for s in self.slots:
             now = s.current()
-            copy = watch.written.get(_storage_key(s.tensor))
+            copy = watch.written.get(s.storage)
             if now is s.tensor and copy is None:
+                if s.storage is not None and _storage_key(now) != s.storage:
+                    raise RuntimeError(
+                        f"{s.name(_names(self.modules))}'s .data was replaced during the forward "
+                        "pass, which no operator shows: the replay in backward could not see "
+                        "the value the forward found. Assign the tensor instead (self.x = ...) "
+                        "or update it in place (self.x.copy_(...))."
+                    )
                 continue
             s.found = copy if copy is not None else s.tensor
             self.changed.append(s)
             if self.keep_left_state:
                 s.left = now.detach().clone() if isinstance(now, Tensor) else now
+        created = new_tensor_attributes(self.modules, self.slots)
+        reassigned = [s for s in self.changed if s.table == "__dict__"]
+        for s in created:
+            self.changed.append(s)  # the replay runs without them, as the forward did
+            if self.keep_left_state:
+                s.left = s.current()
+        self.assigned = created + reassigned
         changed = {id(s) for s in self.changed}
         # Unchanged slots are checked later by identity and version only: the tensor itself
         # stays where it is (no reference beyond the module's own).
@@ -228,7 +268,11 @@ class Recording:
         hooks only; everything put back afterwards."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._random_replayed())
-            stack.enter_context(self._state_as(lambda s: s.found.clone()))
+            stack.enter_context(self._scalars_found())
+            stack.enter_context(self._external_found())
+            stack.enter_context(
+                self._state_as(lambda s: None if s.found is None else s.found.clone())
+            )
             stack.enter_context(frozen_running_stats(self.norms))
             stack.enter_context(recomputing(self.modules, self.hooks))
             stack.enter_context(_uncached_parametrizations())
@@ -273,6 +317,28 @@ class Recording:
                 g.setstate(state)
 
     @contextlib.contextmanager
+    def _scalars_found(self) -> Iterator[None]:
+        current = [(d, k, d.get(k)) for d, k, _ in self.scalars]
+        for d, k, v in self.scalars:
+            d[k] = v
+        try:
+            yield
+        finally:
+            for d, k, v in current:
+                d[k] = v
+
+    @contextlib.contextmanager
+    def _external_found(self) -> Iterator[None]:
+        current = [(flat, flat.clone()) for flat, _ in self.external]
+        for flat, found in self.external:
+            flat.copy_(found)
+        try:
+            yield
+        finally:
+            for flat, now in current:
+                flat.copy_(now)
+
+    @contextlib.contextmanager
     def _state_as(self, value: Any) -> Iterator[None]:
         current = [(s, s.current()) for s in self.changed]
         for s in self.changed:
@@ -286,6 +352,7 @@ class Recording:
     def drop(self) -> None:
         """Forget what the replay needed (the copies of changed state, the generators' states)."""
         self.changed, self.generators, self.python, self.slots = [], [], [], []
+        self.scalars, self.external, self.assigned = [], [], []
 
 
 def _names(modules: Sequence[nn.Module]) -> dict[int, str]:

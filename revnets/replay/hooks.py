@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -14,11 +15,32 @@ from revnets.replay.state import _version
 
 __all__ = [
     "HookWatch",
+    "ReplayedHook",
     "has_forward_hooks",
     "is_recomputing",
     "recomputing",
     "silenced_tensor_hooks",
 ]
+
+
+@dataclass(frozen=True)
+class ReplayedHook:
+    """A forward hook that changed an output in the recorded run, with how it was registered."""
+
+    module: nn.Module | None  # None: a global hook
+    hook: Any
+    with_kwargs: bool
+    always_call: bool
+
+
+def _flags(module: nn.Module | None) -> tuple[dict, dict]:
+    """The with_kwargs and always_call registries of a module's forward hooks (or the global)."""
+    if module is None:
+        return (
+            nn.modules.module._global_forward_hooks_with_kwargs,
+            nn.modules.module._global_forward_hooks_always_called,
+        )
+    return module._forward_hooks_with_kwargs, module._forward_hooks_always_called
 
 
 class HookWatch:
@@ -28,7 +50,7 @@ class HookWatch:
     def __init__(self, modules: Sequence[nn.Module], root_owner: str | None) -> None:
         self.root_owner = root_owner  # None: the roots' own hooks may transform too
         self.roots = {id(m) for m in modules}
-        self.transforming: list[tuple[nn.Module | None, Any]] = []
+        self.transforming: list[ReplayedHook] = []
         self.wrapped: list[tuple[nn.Module | None, dict]] = []
         self.modules = [m for root in modules for m in root.modules() if m._forward_hooks]
 
@@ -43,10 +65,10 @@ class HookWatch:
     def _wrap(self, module: nn.Module | None, hooks: dict) -> None:
         saved = dict(hooks)
         for key, hook in saved.items():
-            hooks[key] = self._watching(module, hook)
+            hooks[key] = self._watching(module, key, hook)
         self.wrapped.append((module, saved))
 
-    def _watching(self, module: nn.Module | None, hook: Any) -> Any:
+    def _watching(self, module: nn.Module | None, key: Any, hook: Any) -> Any:
         def watched(*args: Any) -> Any:
             target, output = args[0], args[-1]
             tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
@@ -63,7 +85,10 @@ class HookWatch:
                         "Register the hook on a module inside f or g (it is then replayed in "
                         "backward), or on the sequence."
                     )
-                self.transforming.append((module, hook))
+                flags = _flags(module)
+                self.transforming.append(
+                    ReplayedHook(module, hook, key in flags[0], key in flags[1])
+                )
             return result
 
         return watched
@@ -94,11 +119,11 @@ def is_recomputing() -> bool:
 
 @contextlib.contextmanager
 def recomputing(
-    modules: Sequence[nn.Module] = (), replay_hooks: Sequence[tuple[Any, Any]] = ()
+    modules: Sequence[nn.Module] = (), replay_hooks: Sequence[ReplayedHook] = ()
 ) -> Iterator[None]:
     """Mark a replay for :func:`is_recomputing`, with the forward hooks of ``modules`` (and the
-    global ones) silenced but those in ``replay_hooks`` ((module or None for global, hook) pairs
-    that changed an output in the recorded run: NOTE [ Replay ], rule 4)."""
+    global ones) silenced but those in ``replay_hooks``, which changed an output in the recorded
+    run (NOTE [ Replay ], rule 4)."""
     _RECOMPUTING.depth += 1
     silenced = [
         (m, m._forward_hooks) for root in modules for m in root.modules() if m._forward_hooks
@@ -108,17 +133,24 @@ def recomputing(
     for m, _ in silenced:
         m._forward_hooks = type(m._forward_hooks)()
     global_hooks.clear()
-    replayed = {}
-    for k, (module, hook) in enumerate(replay_hooks):
+    replayed = []
+    for k, replay in enumerate(replay_hooks):
+        module = replay.module
         hooks = module._forward_hooks if module is not None else global_hooks
         key = ("revnets-replay", k)
-        hooks[key] = hook
-        replayed[key] = hooks
+        hooks[key] = replay.hook
+        with_kwargs, always_called = _flags(module)
+        if replay.with_kwargs:
+            with_kwargs[key] = True
+        if replay.always_call:
+            always_called[key] = True
+        replayed.append((key, hooks, with_kwargs, always_called))
     try:
         yield
     finally:
-        for key, hooks in replayed.items():
-            hooks.pop(key, None)
+        for key, *tables in replayed:
+            for table in tables:
+                table.pop(key, None)
         global_hooks.clear()
         global_hooks.update(saved_global)
         for m, hooks in silenced:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,15 +43,58 @@ class _ModuleGenerator:
 _CPU_STATE_BYTES = torch.default_generator.get_state().numel()
 
 
-def _python_generators(modules: Iterable[nn.Module]) -> list[random.Random]:
-    """Python's global generator and the ``random.Random`` objects the modules hold."""
-    found = {id(random._inst): random._inst}
+class _NumpyGenerator:
+    """numpy's global generator (np.random.seed, np.random.rand) or a RandomState or Generator,
+    behind Python's getstate/setstate."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def getstate(self) -> Any:
+        g = self.generator
+        return g.get_state() if hasattr(g, "get_state") else g.bit_generator.state
+
+    def setstate(self, state: Any) -> None:
+        g = self.generator
+        if hasattr(g, "set_state"):
+            g.set_state(state)
+        else:
+            g.bit_generator.state = state
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        numpy = sys.modules["numpy"]
+        if isinstance(a, tuple):  # the legacy state: (name, keys, pos, has_gauss, cached)
+            return a[0] == b[0] and numpy.array_equal(a[1], b[1]) and a[2:] == b[2:]
+        return repr(a) == repr(b)
+
+
+def _python_generators(modules: Iterable[nn.Module]) -> list[Any]:
+    """Python's and numpy's global generators, and the ``random.Random`` (and numpy) generators
+    the modules hold, also in lists, tuples and dicts. Generators reached another way (a closure,
+    a global of your own) are not seen."""
+    found: dict[int, Any] = {id(random._inst): random._inst}
+    numpy = sys.modules.get("numpy")
+    kinds: tuple[type, ...] = (random.Random,)
+    if numpy is not None:
+        found[id(numpy.random)] = _NumpyGenerator(numpy.random)
+        kinds += (numpy.random.RandomState, numpy.random.Generator)
     for root in modules:
         for m in root.modules():
             for value in vars(m).values():
-                if isinstance(value, random.Random):
-                    found[id(value)] = value
+                values = value.values() if isinstance(value, dict) else (
+                    value if isinstance(value, (list, tuple)) else (value,)
+                )
+                for v in values:
+                    if isinstance(v, random.Random):
+                        found[id(v)] = v
+                    elif isinstance(v, kinds):
+                        found[id(v)] = _NumpyGenerator(v)
     return list(found.values())
+
+
+def same_state(generator: Any, a: Any, b: Any) -> bool:
+    return generator.same(a, b) if isinstance(generator, _NumpyGenerator) else a == b
 
 
 def _device_of_op(args: Any, kwargs: dict) -> torch.device:
@@ -143,8 +187,9 @@ class _Slot:
     module: nn.Module
     table: str
     key: str
-    tensor: Tensor
+    tensor: Tensor | None  # None: the slot did not exist before the run
     version: int | None
+    storage: int | None = None
     found: Tensor | None = None  # what the replay runs with, where the run changed the slot
     left: Tensor | None = None  # what the run left, for an inverse
 
@@ -152,7 +197,11 @@ class _Slot:
         return _table(self.module, self.table).get(self.key)
 
     def put(self, value: Any) -> None:
-        _table(self.module, self.table)[self.key] = value
+        table = _table(self.module, self.table)
+        if value is None and self.table == "__dict__":
+            table.pop(self.key, None)  # an attribute the run created
+        else:
+            table[self.key] = value
 
     def name(self, names: dict[int, str]) -> str:
         return names.get(id(self.module), type(self.module).__name__) + self.key
@@ -178,11 +227,45 @@ def _slots(modules: Sequence[nn.Module]) -> list[_Slot]:
             for table in ("_parameters", "_buffers"):
                 for key, t in getattr(m, table).items():
                     if t is not None:
-                        slots.append(_Slot(m, table, key, t, _version(t)))
+                        slots.append(_Slot(m, table, key, t, _version(t), _storage_key(t)))
             for key, t in vars(m).items():
                 if isinstance(t, Tensor):
-                    slots.append(_Slot(m, "__dict__", key, t, _version(t)))
+                    slots.append(_Slot(m, "__dict__", key, t, _version(t), _storage_key(t)))
     return slots
+
+
+def scalar_attributes(modules: Sequence[nn.Module]) -> list[tuple[dict, str, Any]]:
+    """The plain Python numbers and flags the modules hold (``training`` among them), as
+    (dictionary, key, value): a replay runs with the values the run found (NOTE [ Replay ],
+    rule 2)."""
+    found = []
+    seen: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            d = vars(m)
+            found += [(d, k, v) for k, v in d.items() if type(v) in (bool, int, float)]
+    return found
+
+
+def new_tensor_attributes(modules: Sequence[nn.Module], slots: Sequence[_Slot]) -> list[_Slot]:
+    """Tensor attributes a run created: slots that did not exist before it."""
+    before = {(id(s.module), s.key) for s in slots if s.table == "__dict__"}
+    created = []
+    seen: set[int] = set()
+    for root in modules:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            created += [
+                _Slot(m, "__dict__", k, None, None)
+                for k, v in vars(m).items()
+                if isinstance(v, Tensor) and (id(m), k) not in before
+            ]
+    return created
 
 
 def _storage_key(t: Tensor) -> int | None:

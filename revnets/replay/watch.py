@@ -34,6 +34,21 @@ _UNDECLARED_WRITES = {
 }
 
 
+# Operators that read batch norm's running statistics as batch norm does (training-mode batch
+# norm's output does not depend on them, and its count is read and advanced by the module).
+_READS_STATISTICS = {
+    _aten.native_batch_norm.default,
+    _aten.cudnn_batch_norm.default,
+    _aten.miopen_batch_norm.default,
+    _aten._native_batch_norm_legit.default,
+}
+
+
+def _is_view(func: Any) -> bool:
+    return any(a.alias_info is not None and not a.alias_info.is_write
+               for a in func._schema.returns)
+
+
 def _draws(func: Any, args: tuple) -> bool:
     """Whether a seeded operator draws here: attention kernels take a ``dropout_p`` and draw
     nothing when it is 0 (the other seeded operators draw whatever their probabilities)."""
@@ -49,21 +64,46 @@ class Watch(TorchDispatchMode):
     [ Replay ], rule 1) and copies a watched slot's tensor before the run first writes into it
     (rule 2)."""
 
-    def __init__(self, watched: dict[int, list[_Slot]], draws: bool) -> None:
+    def __init__(
+        self, watched: dict[int, list[_Slot]], draws: bool, exempt: dict[int, str | None]
+    ) -> None:
         super().__init__()
         self.watched = watched
         self.draws = draws
+        # Training BatchNorm's statistics, by storage: never copied; the names of the running
+        # mean and variance, whose reads by anything but batch norm are noted.
+        self.exempt = exempt
         self.generators: dict[int, tuple[Any, Tensor | None]] = {}
         self.written: dict[int, Tensor] = {}  # storage key -> copy made before the first write
+        # Memory no slot holds (a list, a global, a closure) that the run wrote into: its whole
+        # storage as a flat tensor, and a copy made before the first write.
+        self.external: dict[int, tuple[Tensor, Tensor]] = {}
+        self.created: set[int] = set()
         self.params_written: list[_Slot] = []
+        self.exempt_read: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.draws and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args):
             self._note_draw(args, kwargs)
-        if self.watched and (func._schema.is_mutable or func in _UNDECLARED_WRITES):
+        if func._schema.is_mutable or func in _UNDECLARED_WRITES:
             self._note_writes(func, args, kwargs)
-        return func(*args, **kwargs)
+        if self.exempt and func not in _READS_STATISTICS and not _is_view(func):
+            self._note_exempt_reads(args, kwargs)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                key = _storage_key(t)
+                if key is not None:
+                    self.created.add(key)
+        return out
+
+    def _note_exempt_reads(self, args: Any, kwargs: dict) -> None:
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, Tensor) and self.exempt_read is None:
+                name = self.exempt.get(_storage_key(t))
+                if name is not None:
+                    self.exempt_read = name
 
     def _note_draw(self, args: Any, kwargs: dict) -> None:
         generator = next(
@@ -97,8 +137,13 @@ class Watch(TorchDispatchMode):
                 if not isinstance(t, Tensor):
                     continue
                 key = _storage_key(t)
-                if key in self.watched and key not in self.written:
+                if key is None or key in self.written or key in self.external:
+                    continue
+                if key in self.watched:
                     slots = self.watched[key]
                     if any(s.table == "_parameters" for s in slots):
                         self.params_written += slots
                     self.written[key] = slots[0].tensor.detach().clone()
+                elif key not in self.created and key not in self.exempt:
+                    flat = t.new_empty(0).set_(t.untyped_storage())
+                    self.external[key] = (flat, flat.clone())

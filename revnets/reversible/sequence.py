@@ -150,6 +150,7 @@ class ReversibleSequence(nn.Module):
             return x
         if not (isinstance(self.memory, Reconstruct) and self.training and torch.is_grad_enabled()):
             return self.forward_plain(x, *context)
+        _refuse_backward_hooks(self.blocks)
         # Looked up once per step: backward needs each block's own, and autograd needs them all.
         plans = [BlockPlan(block) for block in self.blocks]
         if any(plan.lazy for plan in plans):
@@ -168,7 +169,7 @@ class ReversibleSequence(nn.Module):
         for block in self.blocks:
             if isinstance(block, Invertible):
                 x1, x2 = self.split(block(self.merge(x1, x2)))
-            elif block._forward_hooks or block._forward_pre_hooks:
+            elif _hooked(block) or nn.modules.module._global_backward_hooks:
                 x1, x2 = self.split(block(self.merge(x1, x2), *context))
             else:
                 x1, x2 = block.forward_halves(x1, x2, *context)
@@ -194,6 +195,26 @@ def _reversible(
     # The engine runs user code under dispatch modes and replays it by hand: torch.compile runs
     # it eagerly between the graphs it compiles around the sequence.
     return ReversibleFunction.apply(x, sequence, plans, len(context), *context, *params)
+
+
+def _hooked(block: nn.Module) -> bool:
+    return bool(
+        block._forward_hooks or block._forward_pre_hooks or block._backward_hooks
+        or block._backward_pre_hooks
+    )
+
+
+def _refuse_backward_hooks(blocks: Iterable[nn.Module]) -> None:
+    for i, block in enumerate(blocks):
+        if isinstance(block, ReversibleBlock) and (
+            block._backward_hooks or block._backward_pre_hooks
+        ):
+            raise RuntimeError(
+                f"ReversibleSequence: block {i} has a backward hook (register_full_backward_hook "
+                "or register_full_backward_pre_hook on the block itself). The reversible engine "
+                "differentiates f and g, never the block as a module, so the hook would never "
+                "fire. Register it on f or g, or run the sequence with memory=revnets.Store()."
+            )
 
 
 def _check_block(i: int, block: nn.Module) -> None:

@@ -269,7 +269,10 @@ class CouplingStep(_CouplingBackward):
             [getattr(self.block, name)], run.preserve_rng
         )
         with recording:
-            return self.block.transform(name, half, *context)
+            h = self.block.transform(name, half, *context)
+        if not torch.is_grad_enabled():
+            _refuse_gradients(recording, f"block {self.index} of a ReversibleSequence")
+        return h
 
     def _hooked_forward(self, x1, x2, context, run) -> tuple[Tensor, Tensor]:
         """An ordinary forward (with a graph, not in place) that forward hooks observe, its
@@ -442,6 +445,8 @@ class InvertibleStep(BlockStep):
                     y = self.module(x).detach()
             else:
                 y = self.module(x)
+        if not self.plan.hooked:
+            _refuse_gradients(self.recording, where)
         y1, y2 = self.split(y)
         return y1, y2, False
 
@@ -482,6 +487,17 @@ class InvertibleStep(BlockStep):
         return [(p, grad) for p, grad in zip(plan.params, grads) if grad is not None]
 
 
+def _refuse_gradients(recording: Recording, where: str) -> None:
+    """Tensors the forward stored as module attributes (an auxiliary loss, a router's
+    load-balancing term) were computed without a graph: a loss on them raises, naming where they
+    came from, instead of silently getting no gradient through the block."""
+    for slot in recording.assigned:
+        value = slot.current()
+        if isinstance(value, Tensor) and value.is_floating_point() and not value.requires_grad:
+            with torch.enable_grad():
+                slot.put(_NoGradientThroughForward.apply(value.detach().requires_grad_(), where))
+
+
 def _identity(tensor: Tensor) -> Tensor:
     return tensor
 
@@ -499,7 +515,8 @@ class _NoGradientThroughForward(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         raise RuntimeError(
             f"ReversibleSequence: a loss used an activation from inside {ctx.where} (captured by "
-            "a forward hook, for example for an auxiliary loss). The reversible engine does not "
+            "a forward hook or stored as a module attribute, for example an auxiliary loss). "
+            "The reversible engine does not "
             "store or differentiate activations inside its blocks, so that term would get no "
             "gradient. Compute it from the sequence's output or its context, or run this "
             "sequence with memory=revnets.Store()."
