@@ -13,6 +13,7 @@ from revnets.plan import (
     Reconstruct,
     Store,
     parse_memory_plan,
+    plan_from_options,
 )
 from revnets.planning import PlanningError, auto_checkpoint
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
@@ -56,6 +57,7 @@ __all__ = [
     "measure_memory",
     "models",
     "parse_memory_plan",
+    "plan_from_options",
     "predict_memory",
 ]
 __version__ = "0.1.0"
