@@ -102,7 +102,9 @@ class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
         stem: ``"cifar"`` (conv3x3) or ``"imagenet"`` (conv7x7 stride 2, max pool).
         memory: a :class:`~revnets.plan.MemoryPlan` or a preset's name (module docstring);
             default ``reversible`` for a RevNet, ``none`` for a ResNet.
-        num_classes, in_chans, drop_rate: as in timm.
+        num_classes: as in timm.
+        in_chans: as in timm.
+        drop_rate: as in timm.
     """
 
     def __init__(
