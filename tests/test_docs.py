@@ -90,7 +90,8 @@ NOT_RUN = {
     "tests/test_training.py",
     "python train.py model=revnet110 data=cifar100 optim.lr=0.05 trainer.max_steps=2": "NOT YET "
     "RUN: in this test's sandbox (small CIFAR-100 files in ./data, torchvision pointed at their "
-    "md5 sums by a sitecustomize) it did not finish within 5 minutes with the default 2 data loader "
+    "md5 sums by a sitecustomize) it did not finish within 5 minutes with the default 2 data "
+    "loader "
     "workers (2026-11-23, a heavily shared 2-core machine; cause not found). Training on CIFAR "
     "files in the real format runs in-process in tests/test_training.py",
 }
