@@ -1,4 +1,5 @@
-"""The plan auto_checkpoint prints for a hand-built model with reversible stages (README).
+"""The plan auto_checkpoint prints for a hand-built model with reversible stages (see
+docs/checkpointing.md).
 
 A stem, a reversible stage of 8 blocks at 32x32, a strided transition, a second reversible stage at
 16x16 and a linear head; batch 64, SGD with momentum, a 90 MiB budget that reconstructing alone

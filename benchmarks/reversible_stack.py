@@ -6,7 +6,7 @@ by a small classification head (global average pooling, linear, cross-entropy). 
 forward, backward and an SGD step.
 
     python benchmarks/reversible_stack.py            # full run, writes results/
-    python benchmarks/reversible_stack.py --quick    # the README demo: small, prints only
+    python benchmarks/reversible_stack.py --quick    # the demo the README names: small, prints only
 """
 
 from __future__ import annotations

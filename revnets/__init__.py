@@ -13,6 +13,7 @@ from revnets.plan import (
     Reconstruct,
     Store,
     parse_memory_plan,
+    plan_from_options,
 )
 from revnets.planning import PlanningError, auto_checkpoint
 from revnets.prediction import predict_memory
@@ -57,6 +58,7 @@ __all__ = [
     "measure_memory",
     "models",
     "parse_memory_plan",
+    "plan_from_options",
     "predict_memory",
 ]
 __version__ = "0.1.0"

@@ -13,14 +13,16 @@ A :class:`MemoryPlan` gives the decision for the blocks of a model's stages and 
 (stems, strided transitions, heads); a plan made by :func:`revnets.auto_checkpoint` also lists
 every part it decided on, with its predicted memory and recompute time (print it). The zoo's
 memory strategies are named presets (:data:`PRESETS`). Strings are parsed into plans once, where
-they come in (timm keyword, Hydra config, command line), by :func:`parse_memory_plan`.
+they come in by :func:`parse_memory_plan` (timm's ``memory=`` keyword); options given as keys
+(Hydra's ``memory.store_last_blocks=2``) make a plan by :func:`plan_from_options`.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import get_type_hints
 
 __all__ = [
     "PRESETS",
@@ -31,6 +33,8 @@ __all__ = [
     "Reconstruct",
     "Store",
     "parse_memory_plan",
+    "plan_from_options",
+    "preset_options",
 ]
 
 MiB = 2**20
@@ -185,35 +189,71 @@ PRESETS: dict[str, MemoryPlan] = {
 _OPTIONS = re.compile(r"^(?P<name>[a-z+_]+)(?:\((?P<options>[^()]*)\))?$")
 
 
+def preset_options() -> dict[str, tuple[str, ...]]:
+    """The options each preset takes: the fields of its stages' decision (``Checkpoint``'s
+    ``segments``, ``Reconstruct``'s ``store_last_blocks`` and ``keep_input_every``). A field added
+    to a decision is an option everywhere plans come in: keywords, strings, Hydra keys."""
+    return {name: tuple(f.name for f in fields(plan.stages)) for name, plan in PRESETS.items()}
+
+
+def _preset(name: str) -> MemoryPlan:
+    preset = PRESETS.get(name.replace("reversible_checkpoint", "reversible+checkpoint"))
+    if preset is None:
+        raise ValueError(f"unknown memory plan {name!r}; presets: {', '.join(PRESETS)}")
+    return preset
+
+
+def plan_from_options(preset: str, **options: object) -> MemoryPlan:
+    """The preset named ``preset`` with ``options`` for its stages' decision:
+    ``plan_from_options("reversible", store_last_blocks=2)`` is
+    ``MemoryPlan(Reconstruct(store_last_blocks=2), Store())``. ``reversible_checkpoint`` (Hydra's
+    file name) means ``reversible+checkpoint``. An option the preset does not take is refused,
+    naming the ones it takes; values are checked by the decision itself."""
+    plan = _preset(preset)
+    valid = tuple(f.name for f in fields(plan.stages))
+    unknown = [key for key in options if key not in valid]
+    if unknown:
+        takes = f"its options: {', '.join(valid)}" if valid else "it takes no options"
+        raise ValueError(f"memory plan {plan.name!r} has no option {unknown[0]!r}; {takes}")
+    return replace(plan, stages=replace(plan.stages, **options)) if options else plan
+
+
+def _option_value(decision: type, key: str, text: str) -> int | bool:
+    """A string option's value in its field's type: a whole number, or true/false for a flag."""
+    if get_type_hints(decision).get(key) is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"option '{key}={text}' needs true or false")
+        return text.lower() == "true"
+    if not text.isdigit():
+        raise ValueError(f"option '{key}={text}' needs a whole number")
+    return int(text)
+
+
 def parse_memory_plan(value: str | MemoryPlan) -> MemoryPlan:
     """A plan from its preset name, with options for the stages' decision in brackets:
-    ``"reversible(store_last_blocks=3)"``, ``"checkpoint(segments=4)"``. A plan is returned as is.
-    ``reversible_checkpoint`` (Hydra's file name) means ``reversible+checkpoint``."""
+    ``"reversible(store_last_blocks=3)"``, ``"checkpoint(segments=4)"`` (the form timm's
+    ``memory=`` keyword takes; Hydra takes options as keys, see :func:`plan_from_options`).
+    A plan is returned as is."""
     if isinstance(value, MemoryPlan):
         return value
     if not isinstance(value, str):
         raise TypeError(f"a memory plan is a MemoryPlan or a preset name, got {value!r}")
     match = _OPTIONS.match(value.strip().replace(" ", ""))
-    name = match and match["name"].replace("reversible_checkpoint", "reversible+checkpoint")
-    if not match or name not in PRESETS:
+    if not match or match["name"].replace("reversible_checkpoint", "reversible+checkpoint") \
+            not in PRESETS:
         raise ValueError(
             f"unknown memory plan {value!r}; presets: {', '.join(PRESETS)}, options in brackets "
             "(e.g. 'reversible(store_last_blocks=2)', 'checkpoint(segments=4)')"
         )
-    plan = PRESETS[name]
-    if not match["options"]:
-        return plan
-    options = {}
-    for item in match["options"].split(","):
-        key, _, number = item.partition("=")
-        if not number.isdigit():
-            raise ValueError(f"memory plan {value!r}: option {item!r} needs a whole number")
-        options[key] = int(number)
+    decision = type(_preset(match["name"]).stages)
+    options: dict[str, object] = {}
+    for item in filter(None, (match["options"] or "").split(",")):
+        key, _, text = item.partition("=")
+        try:
+            options[key] = _option_value(decision, key, text)
+        except ValueError as error:
+            raise ValueError(f"memory plan {value!r}: {error}") from None
     try:
-        return replace(plan, stages=replace(plan.stages, **options))
-    except TypeError:
-        raise ValueError(
-            f"memory plan {value!r}: {type(plan.stages).__name__} takes no option "
-            f"{', '.join(options)}; it takes "
-            + (", ".join(plan.stages.__dataclass_fields__) or "none")
-        ) from None
+        return plan_from_options(match["name"], **options)
+    except ValueError as error:
+        raise ValueError(f"memory plan {value!r}: {error}") from None

@@ -265,3 +265,24 @@ def test_plan_strings_are_parsed_once_with_named_errors():
         MemoryPlan(Store(), Reconstruct())
     with pytest.raises(ValueError, match="store_last_blocks must be a non-negative integer"):
         Reconstruct(store_last_blocks=-1)
+
+
+def test_plans_from_keys_equal_plans_from_strings():
+    # Hydra gives options as keys, timm's memory= keyword as a string: the same plan either way.
+    by_keys = revnets.plan_from_options("reversible", store_last_blocks=2, keep_input_every=16)
+    by_string = revnets.parse_memory_plan("reversible(store_last_blocks=2, keep_input_every=16)")
+    assert by_keys == by_string
+    assert by_keys == MemoryPlan(Reconstruct(store_last_blocks=2, keep_input_every=16), Store())
+    assert revnets.plan_from_options("reversible_checkpoint") == revnets.PRESETS[
+        "reversible+checkpoint"]
+    with torch.device("meta"):
+        model = timm.create_model("revnet38", memory="reversible(store_last_blocks=2)")
+    assert model.memory == revnets.plan_from_options("reversible", store_last_blocks=2)
+    refusal = "memory plan 'reversible' has no option 'store_last_block'; its options: " \
+        "store_last_blocks, keep_input_every"
+    with pytest.raises(ValueError, match=refusal):
+        revnets.plan_from_options("reversible", store_last_block=2)
+    with pytest.raises(ValueError, match=refusal):
+        revnets.parse_memory_plan("reversible(store_last_block=2)")
+    with pytest.raises(ValueError, match="plan 'none' has no option 'segments'; it takes no"):
+        revnets.plan_from_options("none", segments=2)

@@ -1,5 +1,6 @@
 """The trainer: configs, the default run, overrides, data, resume, faults and DDP."""
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -26,6 +27,7 @@ from revnets.training import (
     train,
 )
 from revnets.training.loop import Trainer
+from revnets.training.memory_options import MemoryConfigError, MemoryOptions, check_memory_overrides
 from revnets.training.optim import build_optimizer
 from revnets.training.progress import Progress
 
@@ -89,11 +91,72 @@ def test_default_run_reports_memory_against_baseline(tmp_path, capsys):
             "rest": "store"} in records
 
 
-def test_plan_options_from_the_command_line_reach_the_model():
-    plan = "memory.strategy='reversible(store_last_blocks=2)'"
-    model = create_model(config("model=revnet38", plan), "meta")
-    assert model.memory.stages == revnets.Reconstruct(store_last_blocks=2)
-    assert model.stages[1].reversible.memory == revnets.Reconstruct(store_last_blocks=2)
+@pytest.mark.parametrize("overrides, plan", [
+    (["memory=reversible", "memory.store_last_blocks=2"],
+     revnets.MemoryPlan(revnets.Reconstruct(store_last_blocks=2), revnets.Store())),
+    (["memory=reversible", "memory.keep_input_every=16"],
+     revnets.MemoryPlan(revnets.Reconstruct(keep_input_every=16), revnets.Store())),
+    (["memory=reversible_checkpoint", "memory.store_last_blocks=1", "memory.keep_input_every=4"],
+     revnets.MemoryPlan(revnets.Reconstruct(1, 4), revnets.Checkpoint())),
+    (["memory=checkpoint", "memory.segments=4"],
+     revnets.MemoryPlan(revnets.Checkpoint(segments=4), revnets.Store())),
+    (["memory=none"], revnets.PRESETS["none"]),
+    (["memory=default"], revnets.PRESETS["reversible"]),  # a RevNet's own plan
+])
+def test_memory_options_given_as_keys_reach_the_model(overrides, plan):
+    model = create_model(config("model=revnet38", *overrides), "meta")
+    assert model.memory == plan
+    if isinstance(plan.stages, revnets.Reconstruct):
+        assert model.stages[1].reversible.memory == plan.stages
+
+
+def test_every_option_of_every_preset_is_a_memory_key():
+    # The keys Hydra accepts are the fields of the presets' decisions, nothing hand-listed.
+    decision_fields = {f for options in revnets.plan.preset_options().values() for f in options}
+    schema_fields = {f.name for f in dataclasses.fields(MemoryOptions)}
+    assert schema_fields == {"preset"} | decision_fields
+    assert decision_fields == {"segments", "store_last_blocks", "keep_input_every"}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["memory=checkpoint", "memory.store_last_blocks=2"],
+     "memory plan 'checkpoint' has no option 'store_last_blocks'; its options: segments"),
+    (["memory=none", "memory.segments=2"], "memory plan 'none' has no option 'segments'"),
+    (["memory.store_last_blocks=2"], "memory=default is the model's own plan and takes no options"),
+    (["memory=reversible", "memory.store_last_blocks=-1"],
+     "store_last_blocks must be a non-negative integer, got -1"),
+    (["memory.preset='reversible(store_last_blocks=2)'"], "unknown memory plan"),
+    (["model=resnet32", "memory=reversible"], "presets that do: none, checkpoint"),
+])
+def test_memory_options_a_plan_cannot_take_are_refused_naming_them(overrides, message):
+    with pytest.raises(MemoryConfigError, match=re.escape(message)):
+        create_model(config("model=revnet38", *overrides), "meta")
+
+
+def test_misspelt_memory_keys_are_refused_before_hydra_naming_the_valid_ones():
+    check_memory_overrides(["-m", "memory=reversible", "memory.store_last_blocks=1,2",
+                            "+memory.keep_input_every=4", "hydra.run.dir=x", "model=resnet32"])
+    for argument in ("memory.store_last_block=2", "+memory.store_last_block=2",
+                     "++memory.segmentz=2", "memory.strategy=reversible"):
+        with pytest.raises(MemoryConfigError) as refused:
+            check_memory_overrides(["memory=reversible", argument])
+        key = argument.lstrip("+").split("=")[0].removeprefix("memory.")
+        assert f"unknown memory option {key!r}" in str(refused.value)
+        assert "store_last_blocks (memory=reversible|reversible_checkpoint)" in str(refused.value)
+        assert "segments (memory=checkpoint)" in str(refused.value)
+
+
+def test_memory_keys_on_the_command_line(tmp_path):
+    tiny = ["data.train_size=32", "data.val_size=16", "data.batch_size=16",
+            "trainer.max_steps=2", "trainer.memory_report=false"]
+    done = run_train_py("memory=reversible", "memory.store_last_blocks=2", *tiny, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "memory plan of revnet38: stages=reconstruct(store_last_blocks=2), rest=store" in (
+        done.stdout)
+    done = run_train_py("memory=reversible", "memory.store_last_block=2", cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "unknown memory option 'store_last_block'; did you mean memory.store_last_blocks?" in (
+        done.stderr)
 
 
 def test_synthetic_task_is_learned(tmp_path):
@@ -118,6 +181,7 @@ def test_unknown_model_and_key_name_the_choices(tmp_path):
     assert done.returncode != 0 and "max_stepz" in done.stderr
     done = run_train_py("memory=reversible", "model=resnet32", cwd=tmp_path)
     assert done.returncode != 0 and "presets that do: none, checkpoint" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_missing_data_is_a_message_not_a_traceback(tmp_path):

@@ -105,7 +105,9 @@ class ResidualNet(SwitchableMemory, PooledClassifier, nn.Module):
             default ``reversible`` for a RevNet, ``none`` for a ResNet.
         zero_init_last: start every residual branch (each f and g of a RevNet) at zero by
             zero-initializing its last convolution (timm's keyword, as in its ResNetV2).
-        num_classes, in_chans, drop_rate: as in timm.
+        num_classes: as in timm.
+        in_chans: as in timm.
+        drop_rate: as in timm.
     """
 
     def __init__(

@@ -3,10 +3,12 @@
 from revnets.training.data import DataMismatchError, DataNotFoundError, build_loaders
 from revnets.training.factory import create_model
 from revnets.training.loop import NonFiniteLossError, Trainer, train
+from revnets.training.memory_options import MemoryConfigError
 
 __all__ = [
     "DataMismatchError",
     "DataNotFoundError",
+    "MemoryConfigError",
     "NonFiniteLossError",
     "Trainer",
     "build_loaders",
