@@ -216,21 +216,26 @@ def _version(t: Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _slots(modules: Sequence[nn.Module]) -> list[_Slot]:
-    slots = []
+def _each_module(modules: Sequence[nn.Module]) -> Iterator[nn.Module]:
+    """Every module below ``modules``, once (modules may be shared)."""
     seen: set[int] = set()
     for root in modules:
         for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            for table in ("_parameters", "_buffers"):
-                for key, t in getattr(m, table).items():
-                    if t is not None:
-                        slots.append(_Slot(m, table, key, t, _version(t), _storage_key(t)))
-            for key, t in vars(m).items():
-                if isinstance(t, Tensor):
-                    slots.append(_Slot(m, "__dict__", key, t, _version(t), _storage_key(t)))
+            if id(m) not in seen:
+                seen.add(id(m))
+                yield m
+
+
+def _slots(modules: Sequence[nn.Module]) -> list[_Slot]:
+    slots = []
+    for m in _each_module(modules):
+        for table in ("_parameters", "_buffers"):
+            for key, t in getattr(m, table).items():
+                if t is not None:
+                    slots.append(_Slot(m, table, key, t, _version(t), _storage_key(t)))
+        for key, t in vars(m).items():
+            if isinstance(t, Tensor):
+                slots.append(_Slot(m, "__dict__", key, t, _version(t), _storage_key(t)))
     return slots
 
 
@@ -239,33 +244,21 @@ def scalar_attributes(modules: Sequence[nn.Module]) -> list[tuple[dict, str, Any
     (dictionary, key, value): a replay runs with the values the run found (NOTE [ Replay ],
     rule 2)."""
     found = []
-    seen: set[int] = set()
-    for root in modules:
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            d = vars(m)
-            found += [(d, k, v) for k, v in d.items() if type(v) in (bool, int, float)]
+    for m in _each_module(modules):
+        d = vars(m)
+        found += [(d, k, v) for k, v in d.items() if type(v) in (bool, int, float)]
     return found
 
 
 def new_tensor_attributes(modules: Sequence[nn.Module], slots: Sequence[_Slot]) -> list[_Slot]:
     """Tensor attributes a run created: slots that did not exist before it."""
     before = {(id(s.module), s.key) for s in slots if s.table == "__dict__"}
-    created = []
-    seen: set[int] = set()
-    for root in modules:
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            created += [
-                _Slot(m, "__dict__", k, None, None)
-                for k, v in vars(m).items()
-                if isinstance(v, Tensor) and (id(m), k) not in before
-            ]
-    return created
+    return [
+        _Slot(m, "__dict__", k, None, None)
+        for m in _each_module(modules)
+        for k, v in vars(m).items()
+        if isinstance(v, Tensor) and (id(m), k) not in before
+    ]
 
 
 def _storage_key(t: Tensor) -> int | None:
