@@ -3,6 +3,7 @@ and 2)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -44,9 +45,19 @@ _READS_STATISTICS = {
 }
 
 
-def _is_view(func: Any) -> bool:
-    return any(a.alias_info is not None and not a.alias_info.is_write
-               for a in func._schema.returns)
+@functools.cache
+def _facts(func: Any) -> tuple[bool, bool, bool]:
+    """What the watch asks of an operator, once per operator: whether it is seeded, whether it
+    may write into an argument, and whether it may read batch norm's statistics other than as
+    batch norm does (a view of them reads nothing)."""
+    is_view = any(
+        a.alias_info is not None and not a.alias_info.is_write for a in func._schema.returns
+    )
+    return (
+        torch.Tag.nondeterministic_seeded in func.tags,
+        func._schema.is_mutable or func in _UNDECLARED_WRITES,
+        func not in _READS_STATISTICS and not is_view,
+    )
 
 
 def _draws(func: Any, args: tuple) -> bool:
@@ -84,14 +95,15 @@ class Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.draws and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args):
+        seeded, writes, reads_exempt = _facts(func)
+        if self.draws and seeded and _draws(func, args):
             self._note_draw(args, kwargs)
-        if func._schema.is_mutable or func in _UNDECLARED_WRITES:
+        if writes:
             self._note_writes(func, args, kwargs)
-        if self.exempt and func not in _READS_STATISTICS and not _is_view(func):
+        if self.exempt and reads_exempt:
             self._note_exempt_reads(args, kwargs)
         out = func(*args, **kwargs)
-        for t in tree_leaves(out):
+        for t in (out,) if isinstance(out, Tensor) else tree_leaves(out):
             if isinstance(t, Tensor):
                 key = _storage_key(t)
                 if key is not None:
