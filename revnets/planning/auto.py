@@ -18,6 +18,7 @@ from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.chain import candidate_plans
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
+from revnets.planning.planned import PlannedModel
 from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
 from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.untouched import ModelState
@@ -137,41 +138,6 @@ def _auto_checkpoint(
 
 def _reconstructs(model: SwitchableMemory) -> bool:
     return model.memory_problem(PRESETS["reversible"]) is None
-
-
-class PlannedModel(nn.Module):
-    """A traced model and its checkpoint plan, sharing every parameter and buffer.
-
-    Training steps (training mode, grad enabled) run the plan: the chain of graph nodes with
-    checkpointed segments. Everything else (evaluation, inference) runs the model itself, since
-    a trace may have frozen ``self.training`` checks of the mode it was traced in. Save and load
-    weights through ``.model``, whose state_dict keys are the original ones.
-    """
-
-    memory_plan: MemoryPlan
-
-    def __init__(self, model: nn.Module, plan: nn.Sequential) -> None:
-        super().__init__()
-        self.plan = plan
-        self._model = (model,)  # not registered again: its modules are the plan's
-
-    @property
-    def model(self) -> nn.Module:
-        return self._model[0]
-
-    @property
-    def memory(self) -> MemoryPlan:
-        return self.memory_plan
-
-    def train(self, mode: bool = True) -> PlannedModel:
-        super().train(mode)
-        self.model.train(mode)
-        return self
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled():
-            return self.plan(*args, **kwargs)
-        return self.model(*args, **kwargs)
 
 
 def _sequence_of(step: nn.Module) -> ReversibleSequence | None:

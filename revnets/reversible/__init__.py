@@ -24,7 +24,8 @@ Read top down:
 - ``sequence.py``: the sequence (the module users build);
 - ``function.py``: the autograd Function: forward records a tape, backward walks it;
 - ``tape.py``: the tape and what steps hand each other (NOTE [ Layout ]);
-- ``steps.py``: one step per block, forward and reverse, behind one interface;
+- ``steps.py``: one step per block, forward and reverse, behind one interface (an invertible
+  module's in ``invertible_step.py``);
 - ``gradient_memory.py``: which gradients backward may write into (NOTE [ Gradient memory ]);
 - ``reach.py``: what is differentiated, and the refusal of anything else (NOTE [ What the engine
   differentiates ]);

@@ -14,13 +14,13 @@ from revnets.invertible import Invertible
 from revnets.replay import AutocastState
 from revnets.reversible import gradient_memory
 from revnets.reversible.gradient_memory import GradientMemory
+from revnets.reversible.invertible_step import InvertibleStep
 from revnets.reversible.steps import (
     Backward,
     BlockPlan,
     BlockStep,
     CouplingStep,
     ForwardRun,
-    InvertibleStep,
     StoredCouplingStep,
 )
 from revnets.reversible.tape import Carry, Context, Tape, memory_format

@@ -7,7 +7,8 @@ output and its gradient and leaves the block's input and its gradient in it. Thr
 
 - :class:`CouplingStep`: a coupling recomputed in backward, the usual case;
 - :class:`StoredCouplingStep`: one of the last blocks, whose graphs are kept from the forward;
-- :class:`InvertibleStep`: a :class:`~revnets.Invertible` module, inverted with its ``inverse``.
+- :class:`~revnets.reversible.invertible_step.InvertibleStep`: a :class:`~revnets.Invertible`
+  module, inverted with its ``inverse`` (in invertible_step.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ __all__ = [
     "BlockPlan",
     "BlockStep",
     "CouplingStep",
-    "InvertibleStep",
     "StoredCouplingStep",
 ]
 
@@ -414,77 +414,6 @@ def _merged_like(block: ReversibleBlock, half: Tensor, dtype: torch.dtype) -> Te
         if half.dim() == dim and half.is_contiguous(memory_format=fmt):
             return torch.empty(shape, dtype=dtype, device=half.device, memory_format=fmt)
     return torch.empty(shape, dtype=dtype, device=half.device)
-
-
-# -- invertible modules ----------------------------------------------------------------------------
-
-
-class InvertibleStep(BlockStep):
-    """An invertible module: reconstructed with its inverse (run with the state its forward left)
-    and backpropagated through a recomputation of its forward (run with the state it found)."""
-
-    def __init__(self, index: int, plan: BlockPlan, merge: Any, split: Any) -> None:
-        super().__init__(index, plan)
-        self.module: Invertible = plan.block
-        self.merge, self.split = merge, split
-        self.recording: Recording | None = None
-        self.layout: Layout | None = None
-
-    def forward(self, x1, x2, mine, context, run):
-        where = f"block {self.index} of a ReversibleSequence"
-        x = self.merge(x1, x2)
-        self.layout = Layout.of(x)
-        self.recording = Recording(
-            [self.module], run.preserve_rng, keep_left_state=True, root_owner=where
-        )
-        with self.recording:
-            if self.plan.hooked:
-                own_saving = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-                with torch.enable_grad(), own_saving:
-                    x = _NoGradientThroughForward.apply(x.detach().requires_grad_(), where)
-                    y = self.module(x).detach()
-            else:
-                y = self.module(x)
-        if not self.plan.hooked:
-            _refuse_gradients(self.recording, where)
-        y1, y2 = self.split(y)
-        return y1, y2, False
-
-    def reverse(self, carry, back, need_input_grad):
-        module, plan = self.module, self.plan
-        recording = self.recording
-        recording.check("ReversibleSequence", _REMEDY, prefix=f"blocks.{self.index}.")
-        kept = self.kept_input()
-        if kept is not None:
-            x = self.merge(*kept)
-        else:
-            y = self.merge(carry.y1, carry.y2)
-            with torch.no_grad(), back.autocast(), recording.left_state():
-                x = module.inverse(y)
-            del y
-            if not self.layout.holds(x):
-                x = self.layout.copy(x)
-        carry.y1 = carry.y2 = None
-        x_leaf = x.detach().requires_grad_()
-        del x
-        with torch.enable_grad(), back.autocast(), recording.replayed():
-            out = module(x_leaf)
-        check_reached(out, [x_leaf, *plan.params], module, f"blocks.{self.index}")
-        root = GradRoot(out)
-        del out
-        dy1, dy2 = carry.take_gradients()
-        grad_out = self.merge(dy1, dy2)
-        del dy1, dy2
-        inputs = [x_leaf, *plan.params] if need_input_grad else plan.params
-        grads = root.vjp(inputs, grad_out)
-        del root, grad_out
-        grad_x = grads.pop(0) if need_input_grad else None
-        x1, x2 = self.split(x_leaf.detach())
-        carry.y1, carry.y2 = x1, x2
-        carry.dy1, carry.dy2 = self.split(grad_x) if grad_x is not None else (None, None)
-        carry.mine = (False, False)  # halves of one tensor (or the kept input)
-        self.recording = None
-        return [(p, grad) for p, grad in zip(plan.params, grads) if grad is not None]
 
 
 def _refuse_gradients(recording: Recording, where: str) -> None:
