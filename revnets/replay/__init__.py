@@ -54,17 +54,13 @@ from revnets.replay.hooks import (
     silenced_tensor_hooks,
 )
 from revnets.replay.state import (
-    _python_generators,
+    Census,
     _Slot,
-    _slots,
     _storage_key,
-    _tracked_norms,
     _version,
     forked_rng,
     frozen_running_stats,
-    new_tensor_attributes,
     same_state,
-    scalar_attributes,
     state_tensors,
 )
 from revnets.replay.watch import Watch
@@ -151,30 +147,30 @@ class Recording:
         self.external: list[tuple[Tensor, Tensor]] = []
         self.assigned: list[_Slot] = []  # tensor attributes the run created or reassigned
         self._run: contextlib.ExitStack | None = None
+        self._census: Census | None = None
+        self.walked: list[nn.Module] = []  # every module below ``modules``, once
 
     # -- the recorded run ----------------------------------------------------------------------
     def __enter__(self) -> Recording:
-        self.norms = _tracked_norms(self.modules)
-        names = _names(self.modules) if self.norms else {}
-        exempt: dict[int, str | None] = {
-            _storage_key(b): (
-                names.get(id(m), "") + key if key in ("running_mean", "running_var") else None
-            )
-            for m in self.norms
+        census = self._census = Census.take(self.modules, self.preserve_rng)
+        self.norms = census.norms
+        # Running statistics of training-mode BatchNorms are left alone by the replay (rule 2),
+        # so nothing else may read them; the name is found only for the error message.
+        exempt: dict[int, tuple[nn.Module, str] | None] = {
+            _storage_key(b): (m, key) if key in ("running_mean", "running_var") else None
+            for m in census.norms
             for key, b in m._buffers.items()
             if b is not None
         }
-        frozen = {id(b) for m in self.norms for b in m._buffers.values()}
-        self.slots = [s for s in _slots(self.modules) if id(s.tensor) not in frozen]
-        self.scalars = scalar_attributes(self.modules)
+        self.slots = census.slots
+        self.scalars = census.scalars
         watched: dict[int, list[_Slot]] = {}
         for s in self.slots:
             if s.storage is not None:
                 watched.setdefault(s.storage, []).append(s)
-        if self.preserve_rng:
-            self.python = [(g, g.getstate()) for g in _python_generators(self.modules)]
+        self.python = [(g, g.getstate()) for g in census.python]
         self._watch = Watch(watched, self.preserve_rng, exempt)
-        self._hooks = HookWatch(self.modules, self.root_owner)
+        self._hooks = HookWatch(census.hooked, self.modules, self.root_owner)
         self._run = contextlib.ExitStack()
         self._run.enter_context(_uncached_parametrizations())
         self._run.enter_context(self._hooks)
@@ -197,9 +193,11 @@ class Recording:
                 "Change it outside the forward (before or after the training step)."
             )
         if watch.exempt_read is not None:
+            module, key = watch.exempt_read
+            name = _names(self.modules).get(id(module), "") + key
             raise RuntimeError(
-                f"{watch.exempt_read} of a BatchNorm in training mode is read by other code in "
-                "the forward pass. The replay in backward leaves BatchNorm's running statistics "
+                f"{name} of a BatchNorm in training mode is read by other code in the forward "
+                "pass. The replay in backward leaves BatchNorm's running statistics "
                 "as the forward left them, so that code would read other values. Read them "
                 "outside the recomputed part, or put the BatchNorm in eval mode."
             )
@@ -224,7 +222,9 @@ class Recording:
             self.changed.append(s)
             if self.keep_left_state:
                 s.left = now.detach().clone() if isinstance(now, Tensor) else now
-        created = new_tensor_attributes(self.modules, self.slots)
+        census, self._census = self._census, None
+        self.walked = census.modules
+        created = census.new_tensor_attributes()
         reassigned = [s for s in self.changed if s.table == "__dict__"]
         for s in created:
             self.changed.append(s)  # the replay runs without them, as the forward did
@@ -274,7 +274,7 @@ class Recording:
                 self._state_as(lambda s: None if s.found is None else s.found.clone())
             )
             stack.enter_context(frozen_running_stats(self.norms))
-            stack.enter_context(recomputing(self.modules, self.hooks))
+            stack.enter_context(recomputing(self.walked, self.hooks, walked=True))
             stack.enter_context(_uncached_parametrizations())
             yield
 
@@ -286,7 +286,7 @@ class Recording:
             self._random_replayed(),
             self._state_as(lambda s: s.left),
             frozen_running_stats(self.norms),
-            recomputing(self.modules),
+            recomputing(self.walked, walked=True),
         ):
             yield
 

@@ -47,12 +47,14 @@ class HookWatch:
     """Wraps the forward hooks of a run's modules (and the global ones) to see which of them
     replaced an output or changed it in place (NOTE [ Replay ], rule 4)."""
 
-    def __init__(self, modules: Sequence[nn.Module], root_owner: str | None) -> None:
+    def __init__(
+        self, hooked: Sequence[nn.Module], roots: Sequence[nn.Module], root_owner: str | None
+    ) -> None:
         self.root_owner = root_owner  # None: the roots' own hooks may transform too
-        self.roots = {id(m) for m in modules}
+        self.roots = {id(m) for m in roots}
         self.transforming: list[ReplayedHook] = []
         self.wrapped: list[tuple[nn.Module | None, dict]] = []
-        self.modules = [m for root in modules for m in root.modules() if m._forward_hooks]
+        self.modules = list(hooked)  # the modules below the roots that have forward hooks
 
     def __enter__(self) -> HookWatch:
         for m in self.modules:
@@ -119,15 +121,17 @@ def is_recomputing() -> bool:
 
 @contextlib.contextmanager
 def recomputing(
-    modules: Sequence[nn.Module] = (), replay_hooks: Sequence[ReplayedHook] = ()
+    modules: Sequence[nn.Module] = (),
+    replay_hooks: Sequence[ReplayedHook] = (),
+    walked: bool = False,
 ) -> Iterator[None]:
-    """Mark a replay for :func:`is_recomputing`, with the forward hooks of ``modules`` (and the
-    global ones) silenced but those in ``replay_hooks``, which changed an output in the recorded
-    run (NOTE [ Replay ], rule 4)."""
+    """Mark a replay for :func:`is_recomputing`, with the forward hooks of ``modules`` and their
+    submodules (``walked``: ``modules`` lists them all already) and the global ones silenced but
+    those in ``replay_hooks``, which changed an output in the recorded run (NOTE [ Replay ], rule
+    4)."""
     _RECOMPUTING.depth += 1
-    silenced = [
-        (m, m._forward_hooks) for root in modules for m in root.modules() if m._forward_hooks
-    ]
+    every = modules if walked else [m for root in modules for m in root.modules()]
+    silenced = [(m, m._forward_hooks) for m in every if m._forward_hooks]
     global_hooks = nn.modules.module._global_forward_hooks
     saved_global = dict(global_hooks)
     for m, _ in silenced:

@@ -69,30 +69,6 @@ class _NumpyGenerator:
         return repr(a) == repr(b)
 
 
-def _python_generators(modules: Iterable[nn.Module]) -> list[Any]:
-    """Python's and numpy's global generators, and the ``random.Random`` (and numpy) generators
-    the modules hold, also in lists, tuples and dicts. Generators reached another way (a closure,
-    a global of your own) are not seen."""
-    found: dict[int, Any] = {id(random._inst): random._inst}
-    numpy = sys.modules.get("numpy")
-    kinds: tuple[type, ...] = (random.Random,)
-    if numpy is not None:
-        found[id(numpy.random)] = _NumpyGenerator(numpy.random)
-        kinds += (numpy.random.RandomState, numpy.random.Generator)
-    for root in modules:
-        for m in root.modules():
-            for value in vars(m).values():
-                values = value.values() if isinstance(value, dict) else (
-                    value if isinstance(value, (list, tuple)) else (value,)
-                )
-                for v in values:
-                    if isinstance(v, random.Random):
-                        found[id(v)] = v
-                    elif isinstance(v, kinds):
-                        found[id(v)] = _NumpyGenerator(v)
-    return list(found.values())
-
-
 def same_state(generator: Any, a: Any, b: Any) -> bool:
     return generator.same(a, b) if isinstance(generator, _NumpyGenerator) else a == b
 
@@ -146,15 +122,6 @@ def state_tensors(
             if child is not None
         ]
     return found
-
-
-def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._NormBase]:
-    return [
-        m
-        for root in modules
-        for m in root.modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
-    ]
 
 
 @contextlib.contextmanager
@@ -226,39 +193,92 @@ def _each_module(modules: Sequence[nn.Module]) -> Iterator[nn.Module]:
                 yield m
 
 
-def _slots(modules: Sequence[nn.Module]) -> list[_Slot]:
-    slots = []
-    for m in _each_module(modules):
-        for table in ("_parameters", "_buffers"):
-            for key, t in getattr(m, table).items():
-                if t is not None:
-                    slots.append(_Slot(m, table, key, t, _version(t), _storage_key(t)))
-        for key, t in vars(m).items():
-            if isinstance(t, Tensor):
-                slots.append(_Slot(m, "__dict__", key, t, _version(t), _storage_key(t)))
-    return slots
+def _is_tracked_norm(m: nn.Module) -> bool:
+    return (
+        isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+    )
 
 
-def scalar_attributes(modules: Sequence[nn.Module]) -> list[tuple[dict, str, Any]]:
-    """The plain Python numbers and flags the modules hold (``training`` among them), as
-    (dictionary, key, value): a replay runs with the values the run found (NOTE [ Replay ],
-    rule 2)."""
-    found = []
-    for m in _each_module(modules):
-        d = vars(m)
-        found += [(d, k, v) for k, v in d.items() if type(v) in (bool, int, float)]
-    return found
+def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._NormBase]:
+    return [m for root in modules for m in root.modules() if _is_tracked_norm(m)]
 
 
-def new_tensor_attributes(modules: Sequence[nn.Module], slots: Sequence[_Slot]) -> list[_Slot]:
-    """Tensor attributes a run created: slots that did not exist before it."""
-    before = {(id(s.module), s.key) for s in slots if s.table == "__dict__"}
-    return [
-        _Slot(m, "__dict__", k, None, None)
-        for m in _each_module(modules)
-        for k, v in vars(m).items()
-        if isinstance(v, Tensor) and (id(m), k) not in before
-    ]
+# What every nn.Module keeps in its __dict__ (hook tables, _parameters, ...): no generators there.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+@dataclass
+class Census:
+    """What a run's modules hold before the run, found in one walk over them (every module once):
+    a recording runs for every transform of every step, so it looks at each module only here and
+    in :meth:`new_tensor_attributes`."""
+
+    modules: list[nn.Module]
+    norms: list[nn.modules.batchnorm._NormBase]  # BatchNorms in training mode (rule 2)
+    slots: list[_Slot]  # parameters, buffers and tensor attributes, BatchNorms' own left out
+    scalars: list[tuple[dict, str, Any]]  # plain numbers and flags, ``training`` among them
+    python: list[Any]  # Python's and numpy's generators: the global ones and the modules' own
+    hooked: list[nn.Module]  # modules with forward hooks
+
+    @classmethod
+    def take(cls, roots: Sequence[nn.Module], generators: bool) -> Census:
+        found = cls([], [], [], [], [], [])
+        kinds: tuple[type, ...] = (random.Random,)
+        numpy = sys.modules.get("numpy") if generators else None
+        python: dict[int, Any] = {}
+        if generators:
+            python[id(random._inst)] = random._inst
+        if numpy is not None:
+            python[id(numpy.random)] = _NumpyGenerator(numpy.random)
+            kinds += (numpy.random.RandomState, numpy.random.Generator)
+        for m in _each_module(roots):
+            found.modules.append(m)
+            norm = _is_tracked_norm(m)
+            if norm:
+                found.norms.append(m)
+            if m._forward_hooks:
+                found.hooked.append(m)
+            tables = ("_parameters",) if norm else ("_parameters", "_buffers")
+            for table in tables:
+                for key, t in getattr(m, table).items():
+                    if t is not None:
+                        found.slots.append(_Slot(m, table, key, t, _version(t), _storage_key(t)))
+            d = vars(m)
+            for key, value in d.items():
+                kind = type(value)
+                if kind in (bool, int, float):
+                    found.scalars.append((d, key, value))
+                elif isinstance(value, Tensor):
+                    found.slots.append(
+                        _Slot(m, "__dict__", key, value, _version(value), _storage_key(value))
+                    )
+                elif generators and key not in _MODULE_INTERNALS:
+                    _python_generators_in(value, kinds, python)
+        found.python = list(python.values())
+        return found
+
+    def new_tensor_attributes(self) -> list[_Slot]:
+        """Tensor attributes the run created: slots that did not exist before it."""
+        before = {(id(s.module), s.key) for s in self.slots if s.table == "__dict__"}
+        return [
+            _Slot(m, "__dict__", k, None, None)
+            for m in self.modules
+            for k, v in vars(m).items()
+            if isinstance(v, Tensor) and (id(m), k) not in before
+        ]
+
+
+def _python_generators_in(value: Any, kinds: tuple[type, ...], found: dict[int, Any]) -> None:
+    """Generators held directly, or in a list, tuple or dict. Generators reached another way (a
+    closure, a global of your own) are not seen."""
+    values = value.values() if isinstance(value, dict) else (
+        value if isinstance(value, (list, tuple)) else (value,)
+    )
+    for v in values:
+        if isinstance(v, random.Random):
+            found[id(v)] = v
+        elif isinstance(v, kinds):
+            found[id(v)] = _NumpyGenerator(v)
 
 
 def _storage_key(t: Tensor) -> int | None:

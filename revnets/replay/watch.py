@@ -4,12 +4,12 @@ and 2)."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from revnets.replay.state import (
     _CPU_STATE_BYTES,
@@ -76,7 +76,10 @@ class Watch(TorchDispatchMode):
     (rule 2)."""
 
     def __init__(
-        self, watched: dict[int, list[_Slot]], draws: bool, exempt: dict[int, str | None]
+        self,
+        watched: dict[int, list[_Slot]],
+        draws: bool,
+        exempt: dict[int, tuple[nn.Module, str] | None],
     ) -> None:
         super().__init__()
         self.watched = watched
@@ -91,7 +94,7 @@ class Watch(TorchDispatchMode):
         self.external: dict[int, tuple[Tensor, Tensor]] = {}
         self.created: set[int] = set()
         self.params_written: list[_Slot] = []
-        self.exempt_read: str | None = None
+        self.exempt_read: tuple[nn.Module, str] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,23 +106,24 @@ class Watch(TorchDispatchMode):
         if self.exempt and reads_exempt:
             self._note_exempt_reads(args, kwargs)
         out = func(*args, **kwargs)
-        for t in (out,) if isinstance(out, Tensor) else tree_leaves(out):
-            if isinstance(t, Tensor):
-                key = _storage_key(t)
-                if key is not None:
-                    self.created.add(key)
+        for t in (out,) if isinstance(out, Tensor) else _tensors_in(out):
+            key = _storage_key(t)
+            if key is not None:
+                self.created.add(key)
         return out
 
     def _note_exempt_reads(self, args: Any, kwargs: dict) -> None:
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, Tensor) and self.exempt_read is None:
-                name = self.exempt.get(_storage_key(t))
-                if name is not None:
-                    self.exempt_read = name
+        if self.exempt_read is not None:
+            return
+        for t in _tensor_arguments(args, kwargs):
+            read = self.exempt.get(_storage_key(t))
+            if read is not None:
+                self.exempt_read = read
+                return
 
     def _note_draw(self, args: Any, kwargs: dict) -> None:
         generator = next(
-            (v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Generator)), None
+            (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Generator)), None
         )
         device = generator.device if generator is not None else _device_of_op(args, kwargs)
         if device.type == "meta":
@@ -159,3 +163,21 @@ class Watch(TorchDispatchMode):
                 elif key not in self.created and key not in self.exempt:
                     flat = t.new_empty(0).set_(t.untyped_storage())
                     self.external[key] = (flat, flat.clone())
+
+
+def _tensor_arguments(args: Any, kwargs: dict) -> Iterator[Tensor]:
+    """The tensors an operator is called with."""
+    return _tensors_in((*args, *kwargs.values()))
+
+
+def _tensors_in(values: Any) -> Iterator[Tensor]:
+    """The tensors among an operator's arguments or results (schemas nest lists one deep)."""
+    if not isinstance(values, (tuple, list)):
+        return
+    for value in values:
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                if isinstance(v, Tensor):
+                    yield v
