@@ -93,12 +93,6 @@ NOT_RUN = {
     "python train.py experiment=revnet_cifar data.root=/path/to/data": "the paper's recipe, 80k "
     "steps on real CIFAR-10 on a GPU; its config composes and instantiates in "
     "tests/test_training.py",
-    "python train.py model=revnet110 data=cifar100 optim.lr=0.05 trainer.max_steps=2": "NOT YET "
-    "RUN: in this test's sandbox (small CIFAR-100 files in ./data, torchvision pointed at their "
-    "md5 sums by a sitecustomize) it did not finish within 5 minutes with the default 2 data "
-    "loader "
-    "workers (2026-11-23, a heavily shared 2-core machine; cause not found). Training on CIFAR "
-    "files in the real format runs in-process in tests/test_training.py",
 }
 # Run, but marked slow: many runs, or several processes.
 SLOW = {
@@ -151,7 +145,8 @@ def sandbox(tmp_path_factory) -> tuple[Path, dict]:
     folder = tmp_path_factory.mktemp("sandbox")
     for name in ("train.py", "configs"):
         (folder / name).symlink_to(ROOT / name)
-    digests = write_cifar(folder / "data", "cifar100")
+    # One batch of the docs' commands (data.batch_size=100) per split.
+    digests = write_cifar(folder / "data", "cifar100", per_file=100)
     # torchvision checks the published md5 sums: every Python started here is pointed at those
     # of the small files (as tests/test_training.py's cifar fixture does in-process).
     tools = folder / ".tools"

@@ -261,6 +261,16 @@ def test_training_on_cifar_files(cifar, tmp_path):
         train(config(*common, "data.num_classes=5"), tmp_path / "run2")
 
 
+def test_a_training_set_smaller_than_one_batch_is_refused_instead_of_looping_forever(cifar):
+    name, root, train_size = cifar
+    cfg = config(f"data={name}", f"data.root={root}", "data.num_workers=0",
+                 f"data.batch_size={train_size + 1}")
+    with pytest.raises(DataMismatchError, match=rf"has {train_size} samples, fewer than one "
+                       rf"batch of data.batch_size={train_size + 1}; set data.batch_size to at "
+                       rf"most {train_size}"):
+        build_loaders(cfg.data, seed=0)
+
+
 def write_imagenet(root: Path, classes=("n01440764", "n01443537", "n01484850")) -> None:
     """A small ImageNet as ImageFolder reads it: <root>/{train,val}/<wnid>/<name>.JPEG, JPEG
     files of assorted sizes, each a flat grey whose level encodes the class."""

@@ -150,6 +150,14 @@ def build_loaders(cfg: Any, seed: int, world_size: int = 1, rank: int = 0) -> Lo
         )
     train_set, val_set = build_datasets(cfg, seed)
     per_rank = cfg.batch_size // world_size
+    if len(train_set) // world_size < per_rank:
+        # Incomplete batches are dropped: an epoch would yield no batch, and training loop forever.
+        raise DataMismatchError(
+            f"the {cfg.name} training set has {len(train_set)} samples, fewer than one batch of "
+            f"data.batch_size={cfg.batch_size}"
+            + (f" ({per_rank} on each of {world_size} processes)" if world_size > 1 else "")
+            + f"; set data.batch_size to at most {len(train_set) // world_size * world_size}"
+        )
     sampler = ResumableSampler(train_set, world_size, rank, seed)
     common = dict(num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
     # Its own generator: creating an iterator then draws no number from the global RNG, which a
