@@ -107,6 +107,18 @@ def test_exact_float64_equals_ordinary_autograd():
     assert drift(sequence, x, None) == 0.0
 
 
+@pytest.mark.parametrize(
+    "memory", [Reconstruct(store_last_blocks=2, exact=True),
+               Reconstruct(keep_input_every=4, exact=True)], ids=str)
+def test_exact_with_stored_last_blocks_and_kept_inputs(memory):
+    sequence = stack(16)
+    x = torch.randn(2, 8, 4, 4)
+    sequence.memory = Store()
+    stored = gradients(sequence, x, "bf16")
+    sequence.memory = memory
+    assert relative_error(gradients(sequence, x, "bf16"), stored) <= 1e-4
+
+
 def test_exact_changes_the_function_by_the_rounding_only():
     """exact=True rounds the input and every update to a grid of 2^-14 in float32: the output
     moves by a few grid steps from the default arithmetic's, no more."""
