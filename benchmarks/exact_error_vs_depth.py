@@ -9,6 +9,7 @@ With ``exact=True`` they are equal (error 0, plotted at the floor).
 
     python benchmarks/exact_error_vs_depth.py              # 16..1000 blocks, ~30 min on 2 cores
     python benchmarks/exact_error_vs_depth.py --depths 16 64
+    python benchmarks/exact_error_vs_depth.py --replot    # the plot again, from the CSV
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from revnets import Reconstruct, ReversibleBlock, ReversibleSequence, Store
 
-from common import RESULTS, provenance, results_stem, write_csv, write_markdown
+from common import RESULTS, provenance, read_csv, results_stem, write_csv, write_markdown
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR = 1e-12  # where an error of exactly 0 is drawn on the log scale
@@ -84,7 +85,7 @@ def plot(rows: list[dict], path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("blocks")
     ax.set_ylabel("gradient relative error vs ordinary autograd")
-    ax.set_title(f"reversible path, conv+GroupNorm+GELU stack (cpu); {FLOOR:g} = exactly 0")
+    ax.set_title(f"conv+GroupNorm+GELU stack, cpu ({FLOOR:g}: exactly 0)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -94,7 +95,15 @@ def plot(rows: list[dict], path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[16, 64, 256, 1000])
+    parser.add_argument("--replot", action="store_true", help="redraw the plot from the CSV")
     args = parser.parse_args(argv)
+    stem = results_stem("exact_error_vs_depth", precision="fp32-bf16-fp16")
+    if args.replot:
+        rows = read_csv(RESULTS / f"{stem}.csv")
+        for row in rows:
+            row["exact"] = row["exact"] == "True"
+        plot(rows, RESULTS / f"{stem}.png")
+        return
     rows = []
     for depth in args.depths:
         for precision in PRECISIONS:
@@ -102,7 +111,6 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"blocks": depth, "precision": precision, "exact": exact,
                              "relative_error": error(depth, precision, exact)})
                 print(rows[-1], flush=True)
-    stem = results_stem("exact_error_vs_depth", precision="fp32-bf16-fp16")
     write_csv(RESULTS / f"{stem}.csv", rows)
     plot(rows, RESULTS / f"{stem}.png")
     lines = [
