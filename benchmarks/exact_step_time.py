@@ -5,7 +5,7 @@ float32 and under bfloat16 autocast.
 The stack is reversible_stack.py's (additive blocks, f = g = conv3x3-BatchNorm-ReLU), here 16
 blocks of 32 channels per half on 32x32 inputs, batch 16 by default. Both plans share the weights.
 
-    python benchmarks/exact_step_time.py                # ~5 min on 2 quiet cores
+    python benchmarks/exact_step_time.py                # about a minute on 2 cores
     python benchmarks/exact_step_time.py --repeats 2    # a quick check that it runs
 """
 
