@@ -13,6 +13,7 @@ average pooling to 4x4 and a linear head. SGD with momentum, 5 epochs.
 
     pip install scikit-learn   # the `bench` extra
     OMP_NUM_THREADS=1 python benchmarks/exact_accuracy.py   # ~15 min on a busy CPU; results/
+    python benchmarks/exact_accuracy.py --quick     # 1 epoch, 1 seed, printed only
 """
 
 from __future__ import annotations
@@ -108,7 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=len(SEEDS))
+    parser.add_argument("--quick", action="store_true", help="1 epoch, 1 seed, nothing written")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.epochs, args.seeds = 1, 1
     tasks = {"digits": digits(), "synthetic": synthetic_task()}
     rows = []
     for task_name, task in tasks.items():
@@ -120,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"task": task_name, "model": kind, "precision": precision,
                                  "seed": seed, "test_accuracy": round(accuracy, 4)})
                     print(rows[-1], f"{time.perf_counter() - start:.1f} s", flush=True)
+    if args.quick:
+        return
     stem = results_stem("exact_accuracy", precision="fp32-bf16")
     write_csv(RESULTS / f"{stem}.csv", rows)
     lines = [

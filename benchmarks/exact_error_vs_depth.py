@@ -10,6 +10,7 @@ With ``exact=True`` they are equal (error 0, plotted at the floor).
     python benchmarks/exact_error_vs_depth.py              # 16..1000 blocks, ~30 min on 2 cores
     python benchmarks/exact_error_vs_depth.py --depths 16 64
     python benchmarks/exact_error_vs_depth.py --replot    # the plot again, from the CSV
+    python benchmarks/exact_error_vs_depth.py --quick     # 8 blocks, printed only
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[16, 64, 256, 1000])
     parser.add_argument("--replot", action="store_true", help="redraw the plot from the CSV")
+    parser.add_argument("--quick", action="store_true", help="8 blocks, printed, nothing written")
     args = parser.parse_args(argv)
     stem = results_stem("exact_error_vs_depth", precision="fp32-bf16-fp16")
     if args.replot:
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
             row["exact"] = row["exact"] == "True"
         plot(rows, RESULTS / f"{stem}.png")
         return
+    if args.quick:
+        args.depths = [8]
     rows = []
     for depth in args.depths:
         for precision in PRECISIONS:
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"blocks": depth, "precision": precision, "exact": exact,
                              "relative_error": error(depth, precision, exact)})
                 print(rows[-1], flush=True)
+    if args.quick:
+        return
     write_csv(RESULTS / f"{stem}.csv", rows)
     plot(rows, RESULTS / f"{stem}.png")
     lines = [

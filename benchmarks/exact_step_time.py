@@ -6,7 +6,7 @@ The stack is reversible_stack.py's (additive blocks, f = g = conv3x3-BatchNorm-R
 blocks of 32 channels per half on 32x32 inputs, batch 16 by default. Both plans share the weights.
 
     python benchmarks/exact_step_time.py                # about a minute on 2 cores
-    python benchmarks/exact_step_time.py --repeats 2    # a quick check that it runs
+    python benchmarks/exact_step_time.py --quick        # a check that it runs, printed only
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="tiny and printed, nothing written")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.depth, args.half, args.size, args.batch, args.repeats = 4, 8, 8, 2, 1
     torch.manual_seed(0)
     model = Stack(args.depth, args.half)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)  # small: the weights stay sane
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"precision": name, "plan": plan,
                          **ratio_summary(timings.seconds[(plan, name)], baseline)})
             print(rows[-1], flush=True)
+    if args.quick:
+        return
     stem = results_stem("exact_step_time", precision="fp32-bf16")
     write_csv(RESULTS / f"{stem}.csv", rows)
     lines = [
