@@ -23,6 +23,7 @@ from revnets.reversible import (
     AdditiveCoupling,
     AffineCoupling,
     Coupling,
+    ExactAdditiveCoupling,
     ReversibleBlock,
     ReversibleSequence,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "Checkpoint",
     "Checkpointed",
     "Coupling",
+    "ExactAdditiveCoupling",
     "InjectivePad",
     "Invertible",
     "MemoryPlan",

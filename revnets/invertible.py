@@ -19,7 +19,15 @@ __all__ = ["InjectivePad", "Invertible", "SpaceToDepth", "check_invertible"]
 
 
 class Invertible(nn.Module):
-    """A module with an exact inverse: ``inverse(forward(x)) == x``."""
+    """A module with an exact inverse: ``inverse(forward(x)) == x``.
+
+    ``exact = True`` on a subclass says that this holds to the bit for values on the grid of an
+    exact sequence (NOTE [ Exact reversibility ]), and that its outputs stay on the grid, within
+    the range of its inputs: a permutation or zero padding. Only such modules may sit in a
+    ``ReversibleSequence(exact=True)``.
+    """
+
+    exact: bool = False
 
     def inverse(self, y: Tensor) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement inverse(y)")
@@ -33,6 +41,8 @@ class SpaceToDepth(Invertible):
     ``out[:, (i * b + j) * C + c, h, w] = x[:, c, h * b + i, w * b + j]``; torch's
     ``pixel_unshuffle`` orders them ``c * b * b + i * b + j``, the same up to a fixed permutation.
     """
+
+    exact = True  # a permutation
 
     def __init__(self, block_size: int = 2, groups: int = 1) -> None:
         super().__init__()
@@ -70,6 +80,8 @@ class SpaceToDepth(Invertible):
 class InjectivePad(Invertible):
     """i-RevNet's injective padding: ``channels`` zero channels appended along ``dim``; the
     inverse slices them off (injective, so invertible on its image)."""
+
+    exact = True  # zeros appended, sliced off
 
     def __init__(self, channels: int, dim: int = 1) -> None:
         super().__init__()

@@ -76,10 +76,12 @@ class Checkpoint:
 @dataclass(frozen=True)
 class Reconstruct:
     """Recompute a reversible part's inputs from its outputs in backward (see
-    :class:`~revnets.ReversibleSequence` for ``store_last_blocks`` and ``keep_input_every``)."""
+    :class:`~revnets.ReversibleSequence` for ``store_last_blocks``, ``keep_input_every`` and
+    ``exact``: grid arithmetic that makes reconstruction exact to the bit in any precision)."""
 
     store_last_blocks: int = 0
     keep_input_every: int | None = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.store_last_blocks, bool) or not isinstance(self.store_last_blocks, int) \
@@ -96,11 +98,15 @@ class Reconstruct:
                 "Reconstruct: keep_input_every must be a positive integer or None, got "
                 f"{self.keep_input_every!r}"
             )
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"Reconstruct: exact must be True or False, got {self.exact!r}")
 
     def __str__(self) -> str:
         options = [f"store_last_blocks={self.store_last_blocks}"] if self.store_last_blocks else []
         if self.keep_input_every is not None:
             options.append(f"keep_input_every={self.keep_input_every}")
+        if self.exact:
+            options.append("exact=True")
         return "reconstruct" + (f"({', '.join(options)})" if options else "")
 
 

@@ -45,3 +45,17 @@ def test_zoo_memory_quick_run():
 def test_vit_memory_quick_run():
     out = run_quick("vit_memory.py")
     assert "revvit_small_patch16_224" in out and "speed" in out
+
+
+def test_exact_scripts_quick_runs():
+    out = run_quick("exact_error_vs_depth.py")
+    assert "'precision': 'bf16', 'exact': True, 'relative_error': 0.0}" in out
+    assert "'precision': 'fp16', 'exact': True, 'relative_error': 0.0}" in out
+    assert "'plan': 'reversible(exact=true)'" in run_quick("exact_step_time.py")
+
+
+@pytest.mark.slow
+def test_exact_accuracy_quick_run():
+    out = run_quick("exact_accuracy.py")
+    assert "'model': 'revnet exact', 'precision': 'bf16'" in out
+

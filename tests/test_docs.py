@@ -109,6 +109,9 @@ EXPECTED = {
         "memory plan of revnet38: stages=reconstruct(keep_input_every=16), rest=checkpoint",
     "python train.py model=resnet32 memory=checkpoint memory.segments=4 trainer.max_steps=2":
         "memory plan of resnet32: stages=checkpoint(segments=4), rest=store",
+    "python train.py memory=reversible memory.exact=true trainer.precision=bf16 "
+    "trainer.max_steps=2":
+        "memory plan of revnet38: stages=reconstruct(exact=True), rest=store",
 }
 RUN = [command for command in shell_commands() if command not in NOT_RUN]
 

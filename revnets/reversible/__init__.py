@@ -20,6 +20,7 @@ convolutional f and g), and activation memory does not grow with the number of b
 Read top down:
 
 - ``coupling.py``: the couplings (pure maths);
+- ``grid.py``: the grid arithmetic of exact sequences (NOTE [ Exact reversibility ]);
 - ``block.py``: the block (split, merge, the checks on f and g);
 - ``sequence.py``: the sequence (the module users build);
 - ``function.py``: the autograd Function: forward records a tape, backward walks it;
@@ -34,13 +35,19 @@ Read top down:
 """
 
 from revnets.reversible.block import ReversibleBlock
-from revnets.reversible.coupling import AdditiveCoupling, AffineCoupling, Coupling
+from revnets.reversible.coupling import (
+    AdditiveCoupling,
+    AffineCoupling,
+    Coupling,
+    ExactAdditiveCoupling,
+)
 from revnets.reversible.sequence import ReversibleSequence
 
 __all__ = [
     "AdditiveCoupling",
     "AffineCoupling",
     "Coupling",
+    "ExactAdditiveCoupling",
     "ReversibleBlock",
     "ReversibleSequence",
 ]

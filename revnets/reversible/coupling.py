@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling", "make_coupling"]
+from revnets.reversible import grid
+
+__all__ = [
+    "AdditiveCoupling", "AffineCoupling", "Coupling", "ExactAdditiveCoupling", "make_coupling",
+]
 
 
 class Coupling:
@@ -28,11 +32,23 @@ class Coupling:
     #: the identity in both arguments.
     is_additive: bool = False
 
+    #: Reconstruction is exact to the bit (NOTE [ Exact reversibility ]): only such couplings may
+    #: sit in a ``ReversibleSequence(exact=True)``.
+    exact: bool = False
+
     def combine(self, x: Tensor, h: Tensor) -> Tensor:
         raise NotImplementedError
 
     def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def combine_(self, x: Tensor, h: Tensor) -> Tensor:
+        """``combine`` written into ``x``, for memory the engine owns."""
+        return x.copy_(self.combine(x, h))
+
+    def uncombine_(self, y: Tensor, h: Tensor) -> Tensor:
+        """``uncombine`` written into ``y``, for memory the engine owns."""
+        return y.copy_(self.uncombine(y, h))
 
     def transform_shape(self, half_shape: torch.Size) -> torch.Size:
         return half_shape
@@ -52,6 +68,36 @@ class AdditiveCoupling(Coupling):
 
     def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
         return y - h
+
+    def combine_(self, x: Tensor, h: Tensor) -> Tensor:
+        return x.add_(h)
+
+    def uncombine_(self, y: Tensor, h: Tensor) -> Tensor:
+        return y.sub_(h)
+
+
+class ExactAdditiveCoupling(AdditiveCoupling):
+    """``y = x + round(h)``, ``round`` to the grid of the stream (NOTE [ Exact reversibility ]):
+    ``uncombine`` recovers ``x`` bit for bit. The rounding's gradient is the identity, so the
+    coupling stays additive for the engine. ``ReversibleSequence(exact=True)`` puts its blocks'
+    additive couplings in this form and its input on the grid; ``x`` must be float32 or
+    float64."""
+
+    exact = True
+
+    def combine(self, x: Tensor, h: Tensor) -> Tensor:
+        y = x + grid.snap(h, x.dtype)
+        grid.check_range(y, "a reversible block's output")
+        return y
+
+    def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
+        return y - grid.snap(h, y.dtype)
+
+    def combine_(self, x: Tensor, h: Tensor) -> Tensor:
+        return grid.add_(x, h)  # range-checked by the engine (GridWatch)
+
+    def uncombine_(self, y: Tensor, h: Tensor) -> Tensor:
+        return grid.sub_(y, h)
 
 
 class AffineCoupling(Coupling):

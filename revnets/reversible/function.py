@@ -14,6 +14,7 @@ from revnets.invertible import Invertible
 from revnets.replay import AutocastState
 from revnets.reversible import gradient_memory
 from revnets.reversible.gradient_memory import GradientMemory
+from revnets.reversible.grid import GridWatch
 from revnets.reversible.invertible_step import InvertibleStep
 from revnets.reversible.steps import (
     Backward,
@@ -41,7 +42,10 @@ def _record(
         report=report,
         true_inputs=[] if report is not None else None,
     )
-    run = ForwardRun(x.device, sequence.preserve_rng_state, tape.memory_format, tape.autocast)
+    run = ForwardRun(
+        x.device, sequence.preserve_rng_state, tape.memory_format, tape.autocast,
+        GridWatch() if sequence.exact else None,
+    )
     # Under saved-tensor hooks, what backward needs is handed to them once (see below). A
     # stored block's graph would be unpacked by several inner backward passes instead, and a
     # surrounding checkpoint would recompute everything for each: recompute every block.
@@ -67,6 +71,8 @@ def _record(
             step.keep_input(x1, x2)
         x1, x2, mine = step.forward(x1, x2, mine, context, run)
         tape.steps.append(step)
+    if run.grid is not None:
+        run.grid.check()
     last = tape.steps[-1]
     if isinstance(last, StoredCouplingStep) and last.output is not None:
         y, last.output = last.output, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -10,7 +11,9 @@ from torch import Tensor, nn
 
 from revnets.invertible import Invertible
 from revnets.plan import Checkpoint, Decision, Reconstruct, Store
+from revnets.reversible import grid
 from revnets.reversible.block import ReversibleBlock, split_halves
+from revnets.reversible.coupling import AdditiveCoupling, ExactAdditiveCoupling
 from revnets.reversible.function import ReversibleFunction
 from revnets.reversible.steps import BlockPlan
 
@@ -44,6 +47,15 @@ class ReversibleSequence(nn.Module):
               more than k - 1 inverse steps from a true one. Bounds the round-off drift of very
               deep float32 or bfloat16 runs (see :func:`revnets.check_reconstruction`) for
               depth / k stored inputs.
+        exact: grid arithmetic (NOTE [ Exact reversibility ] in revnets/reversible/grid.py):
+            the streams are kept in float32 (float64 for a float64 input) on a fixed-point grid,
+            the input and every update ``f(x2)``, ``g(y1)`` rounded to it (straight-through
+            gradient), so that reconstruction is exact to the bit at any depth under any
+            autocast precision, at no memory cost. It changes the function computed (by the
+            rounding) whatever ``memory`` is: ``memory=Store(), exact=True`` is the reference
+            the reversible path equals. ``Reconstruct(exact=True)`` sets it too. Additive
+            couplings only (others, and invertible modules without ``exact = True``, are refused
+            by name); the output is in the stream dtype.
         preserve_rng_state: replay the random number generators so that dropout and any other
             randomness in f and g draw the same numbers in the backward recomputation.
         reuse_memory: let backward add the blocks' gradients into the gradient it is given, where
@@ -78,6 +90,7 @@ class ReversibleSequence(nn.Module):
         blocks: Iterable[ReversibleBlock | Invertible],
         memory: Reconstruct | Store = Reconstruct(),
         *,
+        exact: bool = False,
         preserve_rng_state: bool = True,
         reuse_memory: bool = True,
         **renamed: Any,
@@ -100,7 +113,10 @@ class ReversibleSequence(nn.Module):
             )
         self.blocks = nn.ModuleList(blocks)
         self.split_dim = split_dims.pop() if split_dims else 1
+        self._exact = False
         self.memory = memory
+        if exact:
+            self.exact = True
         self.preserve_rng_state = preserve_rng_state
         self.reuse_memory = reuse_memory
 
@@ -121,11 +137,28 @@ class ReversibleSequence(nn.Module):
                 "ReversibleSequence: memory must be revnets.Reconstruct(...) or revnets.Store(), "
                 f"got {memory!r}{hint}"
             )
+        if isinstance(memory, Reconstruct) and memory.exact != self._exact:
+            _make_exact(self.blocks, memory.exact)
+            self._exact = memory.exact
         self._memory = memory
+
+    @property
+    def exact(self) -> bool:
+        """Grid arithmetic, exact reconstruction (NOTE [ Exact reversibility ]); a Reconstruct
+        memory's ``exact`` sets it, a Store keeps it."""
+        return self._exact
+
+    @exact.setter
+    def exact(self, exact: bool) -> None:
+        _make_exact(self.blocks, exact)
+        self._exact = exact
+        if isinstance(self._memory, Reconstruct) and self._memory.exact != exact:
+            self._memory = replace(self._memory, exact=exact)
 
     def set_memory(self, decision: Decision) -> ReversibleSequence:
         """Follow a plan's decision for this sequence: reconstruct (with its options), or run the
-        blocks with ordinary autograd, stored or checkpointed by whoever runs the sequence."""
+        blocks with ordinary autograd, stored or checkpointed by whoever runs the sequence (in
+        the arithmetic in force: ``exact`` is kept)."""
         self.memory = decision if isinstance(decision, Reconstruct) else Store()
         return self
 
@@ -148,6 +181,8 @@ class ReversibleSequence(nn.Module):
     def forward(self, x: Tensor, *context: Any) -> Tensor:
         if not self.blocks:
             return x
+        if self.exact:
+            x = grid.enter_grid(x)
         if not (isinstance(self.memory, Reconstruct) and self.training and torch.is_grad_enabled()):
             return self.forward_plain(x, *context)
         _refuse_backward_hooks(self.blocks)
@@ -185,7 +220,8 @@ class ReversibleSequence(nn.Module):
         return self.merge(y1, y2)
 
     def extra_repr(self) -> str:
-        return f"memory={self.memory}"
+        exact = ", exact=True" if self.exact and not isinstance(self.memory, Reconstruct) else ""
+        return f"memory={self.memory}{exact}"
 
 
 @torch.compiler.disable
@@ -195,6 +231,35 @@ def _reversible(
     # The engine runs user code under dispatch modes and replays it by hand: torch.compile runs
     # it eagerly between the graphs it compiles around the sequence.
     return ReversibleFunction.apply(x, sequence, plans, len(context), *context, *params)
+
+
+def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:
+    """Put the blocks' additive couplings in their exact form (or back); refuse, by name, what
+    has none, before changing anything."""
+    blocks = list(blocks)
+    if exact:
+        for i, block in enumerate(blocks):
+            if isinstance(block, Invertible):
+                if not getattr(block, "exact", False):
+                    raise TypeError(
+                        f"ReversibleSequence(exact=True): block {i} is a {type(block).__name__}, "
+                        "an invertible module whose inverse is not known to be exact on the grid "
+                        "(NOTE [ Exact reversibility ]). Set exact = True on its class if its "
+                        "inverse is exact for grid values (a permutation, zero padding), or "
+                        "drop exact=True"
+                    )
+            elif not block.coupling.exact and type(block.coupling) is not AdditiveCoupling:
+                raise TypeError(
+                    f"ReversibleSequence(exact=True): block {i} has the coupling "
+                    f"{block.coupling!r}, which has no exact form; exact reconstruction needs "
+                    "coupling='additive' (or a Coupling of your own with exact = True)"
+                )
+    for block in blocks:
+        if isinstance(block, ReversibleBlock):
+            if exact and type(block.coupling) is AdditiveCoupling:
+                block.coupling = ExactAdditiveCoupling()
+            elif not exact and type(block.coupling) is ExactAdditiveCoupling:
+                block.coupling = AdditiveCoupling()
 
 
 def _hooked(block: nn.Module) -> bool:

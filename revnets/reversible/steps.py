@@ -25,6 +25,7 @@ from revnets.replay import AutocastState, Recording, has_forward_hooks, state_te
 from revnets.reversible.block import ReversibleBlock
 from revnets.reversible.coupling import Coupling
 from revnets.reversible.gradient_memory import GradientMemory
+from revnets.reversible.grid import GridWatch
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.tape import Carry, Context, Layout, dense
 
@@ -129,6 +130,7 @@ class ForwardRun:
     preserve_rng: bool
     memory_format: torch.memory_format
     autocast: AutocastState
+    grid: GridWatch | None = None  # the range check of an exact sequence (NOTE [ Exact ... ])
 
 
 # -- couplings -------------------------------------------------------------------------------------
@@ -137,14 +139,14 @@ class ForwardRun:
 def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor:
     # Updating x in place saves an allocation per half; only into memory the engine owns.
     if in_place and coupling.is_additive and torch.result_type(x, h) == x.dtype:
-        return x.add_(h)
+        return coupling.combine_(x, h)
     return coupling.combine(x, h)
 
 
 def _uncombine(coupling: Coupling, y: Tensor, h: Tensor) -> Tensor:
     # y is always the engine's own here (NOTE [ Layout ], rule 3).
     if coupling.is_additive and torch.result_type(y, h) == y.dtype:
-        return y.sub_(h)
+        return coupling.uncombine_(y, h)
     return coupling.uncombine(y, h)
 
 
@@ -261,7 +263,10 @@ class CouplingStep(_CouplingBackward):
         y1 = dense(_combine(block.coupling, x1, h, mine), True, run.memory_format)
         del h
         h = self._run("g", y1, context.values, run)
-        return y1, _combine(block.coupling, x2, h, True), True
+        y2 = _combine(block.coupling, x2, h, True)
+        if run.grid is not None:
+            run.grid.watch(self.index, y1, y2)
+        return y1, y2, True
 
     def _run(self, name: str, half: Tensor, context: tuple, run: ForwardRun) -> Tensor:
         self.layouts[name] = Layout.of(half)
@@ -373,7 +378,7 @@ class StoredCouplingStep(_CouplingBackward):
         self.output = _merged_like(block, x1, torch.promote_types(self.y1.dtype, y2_dtype))
         out1, out2 = block.split(self.output)
         out1.copy_(self.y1)
-        if coupling.is_additive:
+        if coupling.is_additive and not coupling.exact:
             torch.add(x2, self.h["g"].detach(), out=out2)
         else:
             out2.copy_(coupling.combine(x2, self.h["g"].detach()))
