@@ -24,6 +24,11 @@ from revnets import ReversibleBlock, ReversibleSequence
 from revnets.plan import PRESETS
 
 PLANS = list(PRESETS)
+# The default run covers the plain and the reconstructing plan; the checkpointing ones are slow.
+QUICK_PLANS = [
+    plan if plan in ("none", "reversible") else pytest.param(plan, marks=pytest.mark.slow)
+    for plan in PLANS
+]
 
 
 def small_revnet(plan: str) -> nn.Module:
@@ -67,7 +72,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("plan", QUICK_PLANS)
 def test_compiled_training_and_evaluation_alternate_without_reaching_the_recompile_limit(
     plan, fresh_dynamo
 ):
@@ -83,7 +88,7 @@ def test_compiled_training_and_evaluation_alternate_without_reaching_the_recompi
     assert counters["stats"]["unique_graphs"] <= 16
 
 
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("plan", QUICK_PLANS)
 def test_graph_breaks_are_the_reversible_sequences_in_training(plan, fresh_dynamo):
     """Reconstructing plans break the graph once per reversible sequence (the engine runs
     eagerly between the compiled graphs); nothing else breaks it, and evaluation not at all."""
