@@ -53,11 +53,16 @@ def alternate(net: nn.Module, x: torch.Tensor, target: torch.Tensor, rounds: int
 
 
 def assert_same_gradients(model: nn.Module, reference: nn.Module, rtol: float) -> None:
-    """Every gradient within ``rtol`` of the reference's largest entry for that parameter."""
+    """Every gradient within ``rtol`` of the reference's largest entry for that parameter, or of
+    1e-4 of the largest gradient entry in the model where the parameter's own is smaller (a
+    gradient that is zero in exact arithmetic, as an attention key's bias has, is round-off
+    noise in both runs)."""
+    grads = [q.grad for q in reference.parameters() if q.grad is not None]
+    floor = 1e-4 * max(g.abs().max().item() for g in grads)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
-            scale = q.grad.abs().max().item() or 1.0
+            scale = max(q.grad.abs().max().item(), floor)
             error = (p.grad - q.grad).abs().max().item() / scale
             assert error <= rtol, f"{name}: relative gradient error {error:.2e}"
 
