@@ -145,7 +145,7 @@ def measure(name: str, plan: str, batch: int, repeats: int) -> dict | None:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
                         help="comma-separated zoo names, or 'all' (default: %(default)s)")
@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="results file stem (default: timm-style)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     zoo = revnets_models()
     models = zoo if args.models == "all" else args.models.split(",")
     unknown = [m for m in models if m not in zoo]
@@ -179,7 +179,7 @@ def main() -> None:
     lines = [
         "# torch.compile: compiled / eager training step",
         "",
-        provenance("compile_speed.py " + " ".join(sys.argv[1:])),
+        provenance(" ".join(["compile_speed.py", *(sys.argv[1:] if argv is None else argv)])),
         "",
         "ratio: median compiled step / median eager step (below 1: compiling pays); paired: "
         "min / median / max of the per-round ratios. grad error: max |compiled - eager| / "
