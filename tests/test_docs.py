@@ -90,6 +90,8 @@ NOT_RUN = {
     "python benchmarks/timm_model_tests.py /tmp/timm-sdist/timm-1.0.31.tar.gz": "timm's own model "
     "tests, 6 to 23 minutes on 2 cores; tests/test_timm_suite.py runs it (slow) where "
     "TIMM_TEST_MODELS names the file",
+    "python benchmarks/compile_speed.py": "compiles a model for each plan (minutes each on 2 "
+    "cores) and rewrites the committed results; tests/test_compile.py checks the same properties",
     "python train.py experiment=revnet_cifar data.root=/path/to/data": "the paper's recipe, 80k "
     "steps on real CIFAR-10 on a GPU; its config composes and instantiates in "
     "tests/test_training.py",
@@ -97,6 +99,7 @@ NOT_RUN = {
 # Run, but marked slow: many runs, or several processes.
 SLOW = {
     "python train.py -m experiment=memory_vs_depth",
+    "python train.py trainer.compile=true trainer.max_steps=4 trainer.eval_every=2",
     "torchrun --nproc_per_node=2 train.py trainer.distributed=ddp",
     "torchrun --nproc_per_node=2 train.py trainer.distributed=fsdp",
 }

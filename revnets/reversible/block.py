@@ -86,8 +86,7 @@ class ReversibleBlock(nn.Module):
     def transform(self, name: str, half: Tensor, *context: Any) -> Tensor:
         """Run ``f`` or ``g`` (by ``name``) on a half, checking what reversibility relies on."""
         fn = self.f if name == "f" else self.g
-        # Inference tensors keep no version counter: an in-place change goes unseen there.
-        version = None if half.is_inference() else half._version
+        version = _version(half)
         try:
             h = fn(half, *context)
         except (RuntimeError, NotImplementedError) as error:
@@ -129,3 +128,18 @@ class ReversibleBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"coupling={self.coupling!r}, split_dim={self.split_dim}"
+
+
+def _version(half: Tensor) -> int | None:
+    """The version counter that catches f or g modifying its input in place (None: unchecked).
+
+    Inference tensors keep no version counter. Under torch.compile neither ``is_inference()``
+    nor a version compared after f ran traces (dynamo breaks the graph there, and every break
+    inside a block recompiles the code after it for each block shape), so compiled code leaves
+    the check out. It guards reconstruction, which compiled code never does: the reversible
+    engine runs eagerly (``torch.compiler.disable``), its checks included; stored and
+    checkpointed blocks are ordinary autograd. Only a compiled ``block.inverse`` goes unchecked.
+    """
+    if torch.compiler.is_compiling() or half.is_inference():
+        return None
+    return half._version
