@@ -20,6 +20,7 @@ from revnets.planning.chain import candidate_plans
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.planned import PlannedModel
 from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
+from revnets.planning.search import Option, Segments, modelled_peak_of, search
 from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.untouched import ModelState
 from revnets.prediction import predict_memory
@@ -30,10 +31,7 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 MiB = 2**20
 LossFn = Callable[[Any], Tensor]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
-SPREAD = 12  # candidate plans predicted before bisecting
 
-
-Segments = tuple[tuple[int, int, bool], ...]  # (start, stop, checkpointed) covering the chain
 
 
 class PlanningError(ValueError):
@@ -173,20 +171,27 @@ class _Planner:
         meta_chain = copy.deepcopy(chain).to("meta")
         meta_input = _meta_like(example_input)
         self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
-        # One profile with every reversible sequence stored, one with every one reconstructing;
-        # other steps profile the same in both.
+        # One profile with every reversible sequence stored, one with every one reconstructing
+        # (when there are any); other steps profile the same in both.
         self.profiles: dict[type, list[LayerProfile]] = {}
         meta_sequences = {i: _sequence_of(meta_chain[i]) for i in self.sequences}
-        for decision in (Store(), Reconstruct()):
+        for decision in (Store(), Reconstruct()) if self.sequences else (Store(),):
             for sequence in meta_sequences.values():
                 sequence.set_memory(decision)
             self.profiles[type(decision)] = profile_chain(list(meta_chain), meta_input)
+        self.profiles.setdefault(Reconstruct, self.profiles[Store])
         if measure_time and _device_type(example_input) != "meta":
             self._store_all()
-            times = profile_chain(list(chain), example_input, repeats=2)
+            times = profile_chain(list(chain), _timing_input(example_input), repeats=2)
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=t.forward_seconds)
                                        for p, t in zip(profiles, times)]
+        # What a step holds besides activations: the first guess of what an exact peak adds to
+        # a modelled one.
+        self.model_state = sum(
+            t.numel() * t.element_size() * (2 if getattr(t, "requires_grad", False) else 1)
+            for t in (*chain.parameters(), *chain.buffers())
+        )
         self.predictions = 0
 
     # -- predictions ------------------------------------------------------------------------
@@ -201,44 +206,45 @@ class _Planner:
             sequence.set_memory(Store())
 
     def _assign(self, reconstructed: frozenset[int]) -> list[LayerProfile]:
+        """Set the sequences' decisions for ``reconstructed``; their profiles."""
         for i, sequence in self.sequences.items():
             decision = self.original[i] if i in reconstructed else Store()
             sequence.set_memory(decision)
+        return self._profiles_of(reconstructed)
+
+    def _profiles_of(self, reconstructed: frozenset[int]) -> list[LayerProfile]:
         stored, rebuilt = self.profiles[Store], self.profiles[Reconstruct]
         return [rebuilt[i] if i in reconstructed else p for i, p in enumerate(stored)]
 
     # -- search -----------------------------------------------------------------------------
     def fit(self, budget: int) -> tuple[nn.Module, MemoryPlan]:
+        """The plan the modelled search picks (NOTE [ Modelled search, exact acceptance ]),
+        nested checkpoints below what one level reaches."""
         stored, rebuilt = self.profiles[Store], self.profiles[Reconstruct]
         # Reconstruct the sequences that save the most first: one choice per prefix.
         order = sorted(self.sequences, key=lambda i: rebuilt[i].saved_bytes - stored[i].saved_bytes)
-        choices = [frozenset(order[:k]) for k in range(len(order) + 1)]
-        best: tuple[float, frozenset[int], Segments, int] | None = None
-        smallest: tuple[int, str] = (math.inf, "")
-        for reconstructed in choices:
-            profiles = self._assign(reconstructed)
-            plans = self._candidates(profiles, reconstructed)
+        options: list[Option] = []
+        for reconstructed in (frozenset(order[:k]) for k in range(len(order) + 1)):
+            profiles = self._profiles_of(reconstructed)
             extra = sum(_seconds(profiles, i) for i in reconstructed)
-            found, peaks = self._first_fitting(plans, budget)
-            if found is None:  # every candidate was predicted: the smallest is exact
-                low = min(peaks.values())
-                if low < smallest[0]:
-                    index = min(peaks, key=peaks.get)
-                    smallest = (low, f"{len(reconstructed)} reversible sequences reconstructing, "
-                                     f"segments {[(a, b) for a, b, _ in plans[index]]}")
-                continue
-            plan, peak = found
-            cost = self._recompute(plan, profiles) + extra
-            if best is None or cost < best[0]:
-                best = (cost, reconstructed, plan, peak)
-            if cost == 0:
-                break
-        if best is None:
+            options += [Option(reconstructed, plan, self._recompute(plan, profiles) + extra,
+                               modelled_peak_of(plan, profiles, self.input_state))
+                        for plan in self._candidates(profiles, reconstructed)]
+        options.sort(key=lambda o: (o.cost, o.modelled))
+        found, peaks = search(options, budget, self._predict, self.model_state)
+        if found is None:
+            low = min(peaks, key=peaks.get)
+            smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
+                        f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
             return self._nested(frozenset(self.sequences), budget, smallest)
-        _, reconstructed, plan, peak = best
-        profiles = self._assign(reconstructed)
-        planned = self._apply(plan)
-        return planned, self._describe(plan, profiles, reconstructed, peak, budget)
+        profiles = self._assign(found.reconstructed)
+        planned = self._apply(found.segments)
+        return planned, self._describe(found.segments, profiles, found.reconstructed,
+                                       peaks[found], budget)
+
+    def _predict(self, option: Option) -> int:
+        self._assign(option.reconstructed)
+        return self.peak(self._apply(option.segments))
 
     # A reconstructing sequence keeps neither its input nor its internals: checkpointing it would
     # keep its input and run it once more. So every plan cuts around it and runs it as is.
@@ -277,51 +283,13 @@ class _Planner:
             steps += [Checkpointed(nn.Sequential(*run))] if checkpointed else run
         return nn.Sequential(*steps)
 
-    def _first_fitting(
-        self, plans: list[Segments], budget: int
-    ) -> tuple[tuple[Segments, int] | None, dict[int, int]]:
-        """Plans come in order of increasing recomputation, so memory mostly decreases along
-        them: bisect for the first that fits (each exact prediction runs on fake tensors).
-        Returns it with its peak (None if none fits, after predicting every plan) and the peaks
-        predicted, by plan index."""
-        peaks: dict[int, int] = {}
-
-        def peak(i: int) -> int:
-            if i not in peaks:
-                peaks[i] = self.peak(self._apply(plans[i]))
-            return peaks[i]
-
-        if peak(0) <= budget:
-            return (plans[0], peak(0)), peaks
-        # Memory is not monotonic along the order (tiny segments keep more checkpoints): look at
-        # a spread of plans first, then bisect before the first of them that fits.
-        spread = sorted({round(k * (len(plans) - 1) / (SPREAD - 1)) for k in range(SPREAD)})
-        fitting = [i for i in spread if peak(i) <= budget]
-        if not fitting:  # the plans that fit may lie between: look at every one
-            spread = list(range(len(plans)))
-            fitting = [i for i in spread if peak(i) <= budget]
-            if not fitting:
-                return None, peaks
-        high = fitting[0]
-        low = max(i for i in spread if i < high)
-        while high - low > 1:
-            middle = (low + high) // 2
-            if peak(middle) <= budget:
-                high = middle
-            else:
-                low = middle
-        return (plans[high], peak(high)), peaks
-
     def _nested(
         self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str]
     ) -> tuple[nn.Module, MemoryPlan]:
         """Below what one level of checkpoints reaches: checkpoints within recomputations."""
         profiles = self._assign(reconstructed)
         layers, grouped = group_chain(list(self.chain), profiles, NESTED_GROUPS)
-        model_state = sum(
-            t.numel() * t.element_size() * (2 if getattr(t, "requires_grad", False) else 1)
-            for t in (*self.chain.parameters(), *self.chain.buffers())
-        )
+        model_state = self.model_state
         low_peak, how = smallest
 
         def nested(schedule: NestedSchedule, peak: int) -> tuple[nn.Module, MemoryPlan]:
@@ -485,6 +453,20 @@ def _meta_like(value: Any) -> Any:
         if isinstance(t, Tensor) else t,
         value,
     )
+
+
+TIMED_BATCH = 8
+
+
+def _timing_input(example_input: Any) -> Any:
+    """What forward times are measured on: the first ``TIMED_BATCH`` samples of a large batch
+    (a tensor's first dimension), since times only order plans and scale alike with the batch;
+    anything else as given."""
+    if isinstance(example_input, Tensor) and example_input.dim() and (
+        example_input.shape[0] > TIMED_BATCH
+    ):
+        return example_input[:TIMED_BATCH]
+    return example_input
 
 
 def _first_input(chain: nn.Sequential) -> str:
