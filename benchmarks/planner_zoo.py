@@ -229,12 +229,13 @@ FIELDS = ["model", "input", "cut_asked_pct", "budget_mib", "refused_named_mib", 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="models whose name contains this")
+    parser.add_argument("--skip", default=None, help="leave out models whose name contains this")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps for the overhead")
     args = parser.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     rows = []
     for case in CASES:
-        if args.only not in case.name:
+        if args.only not in case.name or (args.skip and args.skip in case.name):
             continue
         start = time.perf_counter()
         for row in run_case(case, args.repeats):
