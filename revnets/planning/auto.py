@@ -122,14 +122,12 @@ def _auto_checkpoint(
                 f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
                 f"single-input steps ({error}); express it as an nn.Sequential of its stages"
             ) from error
-    planner = _Planner(chain, example_input, loss_fn, optimizer, measure_time)
+    planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time)
     planned, plan = planner.fit(budget)
-    result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
-    if planned is chain and result is not chain:
-        # Nothing checkpointed: the model itself runs the plan, if it fits as the chain did.
-        peak = planner.peak(model)
-        if peak <= budget:
-            result, plan = model, replace(plan, peak_bytes=peak)
+    if planned is chain:  # nothing checkpointed: the model itself, as predicted, runs the plan
+        result = model
+    else:
+        result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
     result.memory_plan = plan
     return result
 
@@ -157,13 +155,14 @@ class _Planner:
 
     def __init__(
         self,
+        model: nn.Module,
         chain: nn.Sequential,
         example_input: Any,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None,
         measure_time: bool,
     ) -> None:
-        self.chain, self.example_input = chain, example_input
+        self.model, self.chain, self.example_input = model, chain, example_input
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.sequences = {i: s for i, step in enumerate(chain)
                           if (s := _sequence_of(step)) is not None}
@@ -243,8 +242,11 @@ class _Planner:
                                        peaks[found], budget)
 
     def _predict(self, option: Option) -> int:
+        """The exact peak of ``option``; with nothing checkpointed, of the model itself (which
+        then runs the plan: its own code, the sequences' decisions set)."""
         self._assign(option.reconstructed)
-        return self.peak(self._apply(option.segments))
+        planned = self._apply(option.segments)
+        return self.peak(self.model if planned is self.chain else planned)
 
     # A reconstructing sequence keeps neither its input nor its internals: checkpointing it would
     # keep its input and run it once more. So every plan cuts around it and runs it as is.
@@ -298,24 +300,26 @@ class _Planner:
                               recompute_seconds=math.nan)]
             return schedule.apply(layers), _plan(parts, reconstructed, True, peak, budget)
 
+        # The most frugal schedule there is, found from sizes alone (not from the budget, not
+        # from measured times): always the same, so the budget a refusal names plans when asked.
+        frugal = _most_frugal(grouped)
+        if frugal is None:
+            raise PlanningError(_no_fit(budget, low_peak, how))
+        frugal_peak = self.peak(frugal.apply(layers))
+        if frugal_peak > budget:
+            if frugal_peak < low_peak:
+                low_peak, how = frugal_peak, f"nested checkpoints {frugal.tree}"
+            raise PlanningError(_no_fit(budget, low_peak, how))
         # The schedule's memory model leaves out transients: shrink its budget until the exact
-        # prediction fits.
-        for share in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+        # prediction fits, recomputing less than the frugal schedule where it does.
+        for share in (1.0, 0.8, 0.6):
             schedule = nested_schedule(grouped, int(share * (budget - model_state)))
             if schedule is None:
                 break
             peak = self.peak(schedule.apply(layers))
             if peak <= budget:
                 return nested(schedule, peak)
-        # The most frugal schedule there is, found from sizes alone (not from the budget, not
-        # from measured times): always the same, so the budget a refusal names plans when asked.
-        frugal = _most_frugal(grouped)
-        if frugal is not None:
-            peak = self.peak(frugal.apply(layers))
-            if peak <= budget:
-                return nested(frugal, peak)
-            if peak < low_peak:
-                low_peak, how = peak, f"nested checkpoints {frugal.tree}"
+        return nested(frugal, frugal_peak)
         raise PlanningError(_no_fit(budget, low_peak, how))
 
     # -- the plan as an object --------------------------------------------------------------

@@ -86,8 +86,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
             getattr(layer, "mutates_from", None) is not None)
         for _ in range(repeats if timed else 1):
             saved.clear()
-            x = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf) if copies \
-                else leaf
+            x = _writable(layer, leaf) if copies else leaf
             start = time.perf_counter()
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -97,7 +96,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                     raise
                 copies = True
                 saved.clear()
-                x = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf)
+                x = _writable(layer, leaf, everything=True)
                 start = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = layer(x)
@@ -120,6 +119,18 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
         )
         leaf = tree_map(_as_leaf, y)
     return profiles
+
+
+def _writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
+    """``leaf`` with copies where ``layer`` may write: the value a graph step overwrites, when it
+    names it, else every tensor."""
+    names, mutated = getattr(layer, "inputs", None), getattr(layer, "mutated", None)
+    if not everything and isinstance(leaf, tuple) and names and len(names) == len(leaf) and (
+        mutated in names
+    ):
+        return tuple(t.clone() if name == mutated and isinstance(t, Tensor) else t
+                     for name, t in zip(names, leaf))
+    return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf)
 
 
 def _storage_ids(value: Any) -> set[int]:
