@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import timm
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default="", help="models whose name contains this")
     parser.add_argument("--skip", default=None, help="leave out models whose name contains this")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps for the overhead")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where tables go")
     args = parser.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     rows = []
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
 def write(rows: list[dict], args: argparse.Namespace) -> None:
     suffix = f"-{args.only}" if args.only else ""
     stem = results_stem("planner_zoo") + suffix
-    write_csv(RESULTS / f"{stem}.csv", [{f: r.get(f, "") for f in FIELDS} for r in rows])
+    write_csv(args.results / f"{stem}.csv", [{f: r.get(f, "") for f in FIELDS} for r in rows])
     lines = [
         "# auto_checkpoint on models it was not tuned to",
         "",
@@ -283,7 +285,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     ]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(f, "-")) for f in FIELDS) + " |")
-    write_markdown(RESULTS / f"{stem}.md", lines)
+    write_markdown(args.results / f"{stem}.md", lines)
 
 
 if __name__ == "__main__":
