@@ -77,10 +77,11 @@ def auto_checkpoint(
     whole. Each reversible sequence can reconstruct (one extra forward of it) or store; around
     them, any run of steps can be checkpointed (nested where one level is not enough). For each
     choice of reconstructing sequences (those saving the most first), the candidate checkpoint
-    plans (Chen's budgeted and sqrt(n) plans, optimal plans over a range of budgets) are ordered
-    by what they recompute (forward time measured on ``example_input``'s device when
-    ``measure_time``, else steps counted) and the first that fits is found by bisection on exact
-    predictions; the cheapest over all choices wins.
+    plans (Chen's budgeted and sqrt(n) plans, optimal plans over a range of budgets), over all
+    choices, are ordered by what they recompute (forward time measured once on at most 8 samples
+    of ``example_input`` on its device when ``measure_time``, else steps counted); a chain model
+    of their peaks picks the few that are predicted exactly, and only an exact prediction
+    accepts a plan (NOTE [ Modelled search, exact acceptance ] in ``planning/search.py``).
 
     An ``nn.Sequential`` comes back as a new ``nn.Sequential`` over the same layers; any other
     model as a :class:`PlannedModel` that trains with the plan and evaluates with the model
@@ -181,7 +182,8 @@ class _Planner:
         self.profiles.setdefault(Reconstruct, self.profiles[Store])
         if measure_time and _device_type(example_input) != "meta":
             self._store_all()
-            times = profile_chain(list(chain), _timing_input(example_input), repeats=2)
+            # Once: times only order the plans.
+            times = profile_chain(list(chain), _timing_input(example_input), repeats=1)
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=t.forward_seconds)
                                        for p, t in zip(profiles, times)]
