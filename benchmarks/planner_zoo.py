@@ -156,7 +156,7 @@ CASES = [
     Case("timm_swin_tiny", tm("swin_tiny_patch4_window7_224", img_size=128, window_size=4),
          images(1, 128)),
     Case("timm_mixer_s16", tm("mixer_s16_224", img_size=128), images(2, 128)),
-    Case("timm_levit_128s", tm("levit_128s"), images(1, 224)),
+    Case("timm_levit_128s", tm("levit_128s"), images(2, 224)),
     Case("timm_coatnet_nano", tm("coatnet_nano_rw_224", img_size=128), images(2, 128)),
     # sequence models
     Case("gpt_4x256", lambda: GPT(2048, 256, 4, 4, 128), tokens(2, 128, 2048, per_token=True)),
@@ -240,7 +240,8 @@ FIELDS = ["model", "input", "cut_asked_pct", "budget_mib", "refused_named_mib", 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="models whose name contains this")
+    parser.add_argument("--only", default="",
+                        help="models whose name contains this (several: comma-separated)")
     parser.add_argument("--skip", default=None, help="leave out models whose name contains this")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps for the overhead")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where tables go")
@@ -248,7 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(torch.get_num_threads())
     rows = []
     for case in CASES:
-        if args.only not in case.name or (args.skip and args.skip in case.name):
+        if not any(name in case.name for name in args.only.split(",")) or (
+            args.skip and args.skip in case.name
+        ):
             continue
         start = time.perf_counter()
         for row in run_case(case, args.repeats):
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    suffix = f"-{args.only}" if args.only else ""
+    suffix = "-" + args.only.replace(",", "+") if args.only else ""
     stem = results_stem("planner_zoo") + suffix
     write_csv(args.results / f"{stem}.csv", [{f: r.get(f, "") for f in FIELDS} for r in rows])
     lines = [
