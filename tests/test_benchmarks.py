@@ -59,3 +59,15 @@ def test_exact_accuracy_quick_run():
     out = run_quick("exact_accuracy.py")
     assert "'model': 'revnet exact', 'precision': 'bf16'" in out
 
+
+@pytest.mark.slow  # about a minute
+def test_planner_zoo_plans_or_refuses_every_row_correctly(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "planner_zoo.py", "--only", "gpt", "--repeats", "1", "--results",
+         str(tmp_path)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in (tmp_path / next(p.name for p in tmp_path.glob("*.md")))
+            .read_text().splitlines() if line.startswith("| gpt")]
+    assert len(rows) == 2 and not any("WRONG" in row for row in rows)

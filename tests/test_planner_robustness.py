@@ -128,7 +128,7 @@ def test_a_model_drawing_from_python_random_in_its_own_forward_is_refused_by_nam
         as_graph_chain(DrawsInItsOwnForward())
 
 
-@pytest.mark.slow  # about a minute: a refusal predicts every candidate plan
+@pytest.mark.slow  # a refusal, then two plans at the budget it names
 def test_the_budget_a_refusal_names_plans():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), make_stack(3, half=8),

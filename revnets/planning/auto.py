@@ -20,6 +20,7 @@ from revnets.planning.chain import candidate_plans
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.planned import PlannedModel
 from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
+from revnets.planning.search import Option, Segments, modelled_peak_of, search
 from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.untouched import ModelState
 from revnets.prediction import predict_memory
@@ -30,10 +31,7 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 MiB = 2**20
 LossFn = Callable[[Any], Tensor]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
-SPREAD = 12  # candidate plans predicted before bisecting
 
-
-Segments = tuple[tuple[int, int, bool], ...]  # (start, stop, checkpointed) covering the chain
 
 
 class PlanningError(ValueError):
@@ -79,10 +77,11 @@ def auto_checkpoint(
     whole. Each reversible sequence can reconstruct (one extra forward of it) or store; around
     them, any run of steps can be checkpointed (nested where one level is not enough). For each
     choice of reconstructing sequences (those saving the most first), the candidate checkpoint
-    plans (Chen's budgeted and sqrt(n) plans, optimal plans over a range of budgets) are ordered
-    by what they recompute (forward time measured on ``example_input``'s device when
-    ``measure_time``, else steps counted) and the first that fits is found by bisection on exact
-    predictions; the cheapest over all choices wins.
+    plans (Chen's budgeted and sqrt(n) plans, optimal plans over a range of budgets), over all
+    choices, are ordered by what they recompute (forward time measured once on at most 8 samples
+    of ``example_input`` on its device when ``measure_time``, else steps counted); a chain model
+    of their peaks picks the few that are predicted exactly, and only an exact prediction
+    accepts a plan (NOTE [ Modelled search, exact acceptance ] in ``planning/search.py``).
 
     An ``nn.Sequential`` comes back as a new ``nn.Sequential`` over the same layers; any other
     model as a :class:`PlannedModel` that trains with the plan and evaluates with the model
@@ -124,14 +123,12 @@ def _auto_checkpoint(
                 f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
                 f"single-input steps ({error}); express it as an nn.Sequential of its stages"
             ) from error
-    planner = _Planner(chain, example_input, loss_fn, optimizer, measure_time)
+    planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time)
     planned, plan = planner.fit(budget)
-    result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
-    if planned is chain and result is not chain:
-        # Nothing checkpointed: the model itself runs the plan, if it fits as the chain did.
-        peak = planner.peak(model)
-        if peak <= budget:
-            result, plan = model, replace(plan, peak_bytes=peak)
+    if planned is chain:  # nothing checkpointed: the model itself, as predicted, runs the plan
+        result = model
+    else:
+        result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
     result.memory_plan = plan
     return result
 
@@ -159,13 +156,14 @@ class _Planner:
 
     def __init__(
         self,
+        model: nn.Module,
         chain: nn.Sequential,
         example_input: Any,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None,
         measure_time: bool,
     ) -> None:
-        self.chain, self.example_input = chain, example_input
+        self.model, self.chain, self.example_input = model, chain, example_input
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.sequences = {i: s for i, step in enumerate(chain)
                           if (s := _sequence_of(step)) is not None}
@@ -173,20 +171,28 @@ class _Planner:
         meta_chain = copy.deepcopy(chain).to("meta")
         meta_input = _meta_like(example_input)
         self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
-        # One profile with every reversible sequence stored, one with every one reconstructing;
-        # other steps profile the same in both.
+        # One profile with every reversible sequence stored, one with every one reconstructing
+        # (when there are any); other steps profile the same in both.
         self.profiles: dict[type, list[LayerProfile]] = {}
         meta_sequences = {i: _sequence_of(meta_chain[i]) for i in self.sequences}
-        for decision in (Store(), Reconstruct()):
+        for decision in (Store(), Reconstruct()) if self.sequences else (Store(),):
             for sequence in meta_sequences.values():
                 sequence.set_memory(decision)
             self.profiles[type(decision)] = profile_chain(list(meta_chain), meta_input)
+        self.profiles.setdefault(Reconstruct, self.profiles[Store])
         if measure_time and _device_type(example_input) != "meta":
             self._store_all()
-            times = profile_chain(list(chain), example_input, repeats=2)
+            # Once: times only order the plans.
+            times = profile_chain(list(chain), _timing_input(example_input), repeats=1)
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=t.forward_seconds)
                                        for p, t in zip(profiles, times)]
+        # What a step holds besides activations: the first guess of what an exact peak adds to
+        # a modelled one.
+        self.model_state = sum(
+            t.numel() * t.element_size() * (2 if getattr(t, "requires_grad", False) else 1)
+            for t in (*chain.parameters(), *chain.buffers())
+        )
         self.predictions = 0
 
     # -- predictions ------------------------------------------------------------------------
@@ -201,44 +207,48 @@ class _Planner:
             sequence.set_memory(Store())
 
     def _assign(self, reconstructed: frozenset[int]) -> list[LayerProfile]:
+        """Set the sequences' decisions for ``reconstructed``; their profiles."""
         for i, sequence in self.sequences.items():
             decision = self.original[i] if i in reconstructed else Store()
             sequence.set_memory(decision)
+        return self._profiles_of(reconstructed)
+
+    def _profiles_of(self, reconstructed: frozenset[int]) -> list[LayerProfile]:
         stored, rebuilt = self.profiles[Store], self.profiles[Reconstruct]
         return [rebuilt[i] if i in reconstructed else p for i, p in enumerate(stored)]
 
     # -- search -----------------------------------------------------------------------------
     def fit(self, budget: int) -> tuple[nn.Module, MemoryPlan]:
+        """The plan the modelled search picks (NOTE [ Modelled search, exact acceptance ]),
+        nested checkpoints below what one level reaches."""
         stored, rebuilt = self.profiles[Store], self.profiles[Reconstruct]
         # Reconstruct the sequences that save the most first: one choice per prefix.
         order = sorted(self.sequences, key=lambda i: rebuilt[i].saved_bytes - stored[i].saved_bytes)
-        choices = [frozenset(order[:k]) for k in range(len(order) + 1)]
-        best: tuple[float, frozenset[int], Segments, int] | None = None
-        smallest: tuple[int, str] = (math.inf, "")
-        for reconstructed in choices:
-            profiles = self._assign(reconstructed)
-            plans = self._candidates(profiles, reconstructed)
+        options: list[Option] = []
+        for reconstructed in (frozenset(order[:k]) for k in range(len(order) + 1)):
+            profiles = self._profiles_of(reconstructed)
             extra = sum(_seconds(profiles, i) for i in reconstructed)
-            found, peaks = self._first_fitting(plans, budget)
-            if found is None:  # every candidate was predicted: the smallest is exact
-                low = min(peaks.values())
-                if low < smallest[0]:
-                    index = min(peaks, key=peaks.get)
-                    smallest = (low, f"{len(reconstructed)} reversible sequences reconstructing, "
-                                     f"segments {[(a, b) for a, b, _ in plans[index]]}")
-                continue
-            plan, peak = found
-            cost = self._recompute(plan, profiles) + extra
-            if best is None or cost < best[0]:
-                best = (cost, reconstructed, plan, peak)
-            if cost == 0:
-                break
-        if best is None:
+            options += [Option(reconstructed, plan, self._recompute(plan, profiles) + extra,
+                               modelled_peak_of(plan, profiles, self.input_state))
+                        for plan in self._candidates(profiles, reconstructed)]
+        options.sort(key=lambda o: (o.cost, o.modelled))
+        found, peaks = search(options, budget, self._predict, self.model_state)
+        if found is None:
+            low = min(peaks, key=peaks.get)
+            smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
+                        f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
             return self._nested(frozenset(self.sequences), budget, smallest)
-        _, reconstructed, plan, peak = best
-        profiles = self._assign(reconstructed)
-        planned = self._apply(plan)
-        return planned, self._describe(plan, profiles, reconstructed, peak, budget)
+        profiles = self._assign(found.reconstructed)
+        planned = self._apply(found.segments)
+        return planned, self._describe(found.segments, profiles, found.reconstructed,
+                                       peaks[found], budget)
+
+    def _predict(self, option: Option) -> int:
+        """The exact peak of ``option``; with nothing checkpointed, of the model itself (which
+        then runs the plan: its own code, the sequences' decisions set)."""
+        self._assign(option.reconstructed)
+        planned = self._apply(option.segments)
+        return self.peak(self.model if planned is self.chain else planned)
 
     # A reconstructing sequence keeps neither its input nor its internals: checkpointing it would
     # keep its input and run it once more. So every plan cuts around it and runs it as is.
@@ -277,51 +287,13 @@ class _Planner:
             steps += [Checkpointed(nn.Sequential(*run))] if checkpointed else run
         return nn.Sequential(*steps)
 
-    def _first_fitting(
-        self, plans: list[Segments], budget: int
-    ) -> tuple[tuple[Segments, int] | None, dict[int, int]]:
-        """Plans come in order of increasing recomputation, so memory mostly decreases along
-        them: bisect for the first that fits (each exact prediction runs on fake tensors).
-        Returns it with its peak (None if none fits, after predicting every plan) and the peaks
-        predicted, by plan index."""
-        peaks: dict[int, int] = {}
-
-        def peak(i: int) -> int:
-            if i not in peaks:
-                peaks[i] = self.peak(self._apply(plans[i]))
-            return peaks[i]
-
-        if peak(0) <= budget:
-            return (plans[0], peak(0)), peaks
-        # Memory is not monotonic along the order (tiny segments keep more checkpoints): look at
-        # a spread of plans first, then bisect before the first of them that fits.
-        spread = sorted({round(k * (len(plans) - 1) / (SPREAD - 1)) for k in range(SPREAD)})
-        fitting = [i for i in spread if peak(i) <= budget]
-        if not fitting:  # the plans that fit may lie between: look at every one
-            spread = list(range(len(plans)))
-            fitting = [i for i in spread if peak(i) <= budget]
-            if not fitting:
-                return None, peaks
-        high = fitting[0]
-        low = max(i for i in spread if i < high)
-        while high - low > 1:
-            middle = (low + high) // 2
-            if peak(middle) <= budget:
-                high = middle
-            else:
-                low = middle
-        return (plans[high], peak(high)), peaks
-
     def _nested(
         self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str]
     ) -> tuple[nn.Module, MemoryPlan]:
         """Below what one level of checkpoints reaches: checkpoints within recomputations."""
         profiles = self._assign(reconstructed)
         layers, grouped = group_chain(list(self.chain), profiles, NESTED_GROUPS)
-        model_state = sum(
-            t.numel() * t.element_size() * (2 if getattr(t, "requires_grad", False) else 1)
-            for t in (*self.chain.parameters(), *self.chain.buffers())
-        )
+        model_state = self.model_state
         low_peak, how = smallest
 
         def nested(schedule: NestedSchedule, peak: int) -> tuple[nn.Module, MemoryPlan]:
@@ -330,24 +302,26 @@ class _Planner:
                               recompute_seconds=math.nan)]
             return schedule.apply(layers), _plan(parts, reconstructed, True, peak, budget)
 
+        # The most frugal schedule there is, found from sizes alone (not from the budget, not
+        # from measured times): always the same, so the budget a refusal names plans when asked.
+        frugal = _most_frugal(grouped)
+        if frugal is None:
+            raise PlanningError(_no_fit(budget, low_peak, how))
+        frugal_peak = self.peak(frugal.apply(layers))
+        if frugal_peak > budget:
+            if frugal_peak < low_peak:
+                low_peak, how = frugal_peak, f"nested checkpoints {frugal.tree}"
+            raise PlanningError(_no_fit(budget, low_peak, how))
         # The schedule's memory model leaves out transients: shrink its budget until the exact
-        # prediction fits.
-        for share in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+        # prediction fits, recomputing less than the frugal schedule where it does.
+        for share in (1.0, 0.8, 0.6):
             schedule = nested_schedule(grouped, int(share * (budget - model_state)))
             if schedule is None:
                 break
             peak = self.peak(schedule.apply(layers))
             if peak <= budget:
                 return nested(schedule, peak)
-        # The most frugal schedule there is, found from sizes alone (not from the budget, not
-        # from measured times): always the same, so the budget a refusal names plans when asked.
-        frugal = _most_frugal(grouped)
-        if frugal is not None:
-            peak = self.peak(frugal.apply(layers))
-            if peak <= budget:
-                return nested(frugal, peak)
-            if peak < low_peak:
-                low_peak, how = peak, f"nested checkpoints {frugal.tree}"
+        return nested(frugal, frugal_peak)
         raise PlanningError(_no_fit(budget, low_peak, how))
 
     # -- the plan as an object --------------------------------------------------------------
@@ -485,6 +459,20 @@ def _meta_like(value: Any) -> Any:
         if isinstance(t, Tensor) else t,
         value,
     )
+
+
+TIMED_BATCH = 8
+
+
+def _timing_input(example_input: Any) -> Any:
+    """What forward times are measured on: the first ``TIMED_BATCH`` samples of a large batch
+    (a tensor's first dimension), since times only order plans and scale alike with the batch;
+    anything else as given."""
+    if isinstance(example_input, Tensor) and example_input.dim() and (
+        example_input.shape[0] > TIMED_BATCH
+    ):
+        return example_input[:TIMED_BATCH]
+    return example_input
 
 
 def _first_input(chain: nn.Sequential) -> str:

@@ -79,13 +79,27 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
             return t
 
         seconds = math.inf
+        # Copies, not leaves, for layers that write their input in place (ReLU(inplace=True)),
+        # as inside a chain; the others read the leaves (copying a graph chain's whole live set
+        # at every step would cost more than the steps).
+        copies = bool(getattr(layer, "inplace", False)) or (
+            getattr(layer, "mutates_from", None) is not None)
         for _ in range(repeats if timed else 1):
             saved.clear()
-            # Not leaves, so in-place layers (ReLU(inplace=True)) work as inside a chain.
-            x = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf)
+            x = _writable(layer, leaf) if copies else leaf
             start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = layer(x)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = layer(x)
+            except RuntimeError:  # writes its input in place somewhere inside
+                if copies:
+                    raise
+                copies = True
+                saved.clear()
+                x = _writable(layer, leaf, everything=True)
+                start = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = layer(x)
             seconds = min(seconds, time.perf_counter() - start)
         ends = _storage_ids(x) | _storage_ids(y)
         intermediate = sum(nbytes for key, nbytes in saved.items() if key not in ends)
@@ -105,6 +119,18 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
         )
         leaf = tree_map(_as_leaf, y)
     return profiles
+
+
+def _writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
+    """``leaf`` with copies where ``layer`` may write: the value a graph step overwrites, when it
+    names it, else every tensor."""
+    names, mutated = getattr(layer, "inputs", None), getattr(layer, "mutated", None)
+    if not everything and isinstance(leaf, tuple) and names and len(names) == len(leaf) and (
+        mutated in names
+    ):
+        return tuple(t.clone() if name == mutated and isinstance(t, Tensor) else t
+                     for name, t in zip(names, leaf))
+    return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf)
 
 
 def _storage_ids(value: Any) -> set[int]:

@@ -62,6 +62,7 @@ class GraphStep(nn.Module):
         self.outputs = outputs  # None for the last step, which returns ``result``
         self.state_names = outputs if outputs is not None else [node.name]
         self.mutates_from: int | None = None
+        self.mutated: str | None = None  # the name of the value it overwrites
         self.inplace = False
 
     def _reference(self, node: torch.fx.Node, root: nn.Module) -> Any:
@@ -281,6 +282,7 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
         mutated = _mutated_argument(node, model)
         if mutated is not None and mutated.name in position:
             step.mutates_from = position[mutated.name]
+            step.mutated = mutated.name
             step.inplace = step.mutates_from == i - 1
         steps.append(step)
         live = after

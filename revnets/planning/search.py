@@ -1,0 +1,113 @@
+"""Which plan to predict next: a search over candidate plans that a chain model ranks and exact
+predictions decide.
+
+# NOTE [ Modelled search, exact acceptance ]
+# An exact prediction (``revnets.predict_memory`` on fake tensors) runs the whole training step:
+# tenths of a second for a small model, seconds for a thousand layers. A modelled peak is a sum
+# over the chain's profiles (what each step saves, the values live at each cut, the gradient in
+# flight) and costs microseconds, but leaves out transients (workspaces, a gradient and its
+# accumulation alive together) and may count a storage twice that two steps save. So:
+#
+# - every option (a choice of reconstructing sequences and a segmentation) gets a modelled peak;
+#   its estimated peak is that plus an offset per choice: the model state to begin with, then
+#   the error of the last option of the choice predicted;
+# - options are tried in order of what they recompute; the first whose estimate fits is
+#   predicted exactly, and accepted only if the prediction fits: a plan is never accepted on a
+#   model's word. Once one fits, cheaper options whose estimates now fit are tried, up to
+#   ``MAX_GUESSES`` predictions in all;
+# - when nothing fitted that way, each choice's floor
+#   (the option of least modelled peak, ties broken by the plan itself: sizes only, never timings)
+#   is predicted, in order of cost, and the first that fits wins. A refusal names the smallest
+#   floor predicted, so asked for that budget the search predicts that floor again and it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from revnets.planning.profile import LayerProfile
+
+__all__ = ["MAX_GUESSES", "Option", "Segments", "modelled_peak_of", "search"]
+
+Segments = tuple[tuple[int, int, bool], ...]  # (start, stop, checkpointed) covering the chain
+MAX_GUESSES = 6
+
+
+@dataclass(frozen=True)
+class Option:
+    """One plan of the search: which sequences reconstruct, and how the chain is segmented."""
+
+    reconstructed: frozenset[int]
+    segments: Segments
+    cost: float  # forward seconds recomputed (steps counted where not measured)
+    modelled: int  # activation bytes at the peak in the chain model (see modelled_peak_of)
+
+
+def modelled_peak_of(
+    segments: Segments, profiles: Sequence[LayerProfile], input_state: dict[str, int] | None
+) -> int:
+    """The activation peak of a segmentation in the chain model: at the end of the forward,
+    every checkpoint and what stored segments save; while a checkpointed segment is recomputed
+    and backpropagated, the checkpoints up to it (the union of their live values), what the
+    stored segments before it save, what it saves itself and the gradient arriving at its end."""
+    states = [input_state or {}] + [p.state for p in profiles]
+    saved = [0]
+    for p in profiles:
+        saved.append(saved[-1] + p.saved_bytes)
+    kept: dict[str, int] = {}
+    stored = peak = 0
+    for start, stop, checkpointed in segments:
+        inside = saved[stop] - saved[start]
+        if checkpointed:
+            kept.update(states[start])
+            peak = max(peak, sum(kept.values()) + stored + inside + sum(states[stop].values()))
+        else:
+            stored += inside
+    return max(peak, sum(kept.values()) + stored)
+
+
+def search(
+    options: Sequence[Option],
+    budget: int,
+    predict: Callable[[Option], int],
+    offset: int,
+) -> tuple[Option | None, dict[Option, int]]:
+    """The option the NOTE above picks for ``budget``, or None, with every peak predicted.
+    ``options`` come in order of cost; ``offset`` is the first guess of what an exact peak adds
+    to a modelled one (the model state)."""
+    peaks: dict[Option, int] = {}
+
+    def exact(option: Option) -> int:
+        if option not in peaks:
+            peaks[option] = predict(option)
+        return peaks[option]
+
+    offsets: dict[frozenset[int], int] = {}
+    best: Option | None = None
+    for _ in range(MAX_GUESSES):
+        cheaper = options[: options.index(best)] if best is not None else options
+        guess = next((o for o in cheaper if o not in peaks
+                      and o.modelled + offsets.get(o.reconstructed, offset) <= budget), None)
+        if guess is None:
+            break
+        if exact(guess) <= budget:
+            best = guess
+        offsets[guess.reconstructed] = peaks[guess] - guess.modelled
+    if best is not None:
+        return best, peaks
+    for floor in floors(options):
+        if exact(floor) <= budget:
+            return floor, peaks
+    return None, peaks
+
+
+def floors(options: Sequence[Option]) -> list[Option]:
+    """Each choice's option of least modelled peak (sizes only), in order of cost."""
+    best: dict[frozenset[int], Option] = {}
+    for option in options:
+        key = (option.modelled, option.segments)
+        held = best.get(option.reconstructed)
+        if held is None or key < (held.modelled, held.segments):
+            best[option.reconstructed] = option
+    return sorted(best.values(), key=lambda o: (o.cost, o.modelled))
