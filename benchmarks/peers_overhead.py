@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--quick", action="store_true", help="5 repeats, printed only")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = 5
     libraries = available([*OURS, "memcnn", "revlib", "revtorch"])
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, 2 * HALF, PIXELS, PIXELS, generator=generator)
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for row in rows:
         print("  ", row, flush=True)
+    if args.quick:
+        return
     stem = results_stem("peers_overhead")
     write_csv(RESULTS / f"{stem}.csv", rows)
     lines = [

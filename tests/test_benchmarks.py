@@ -71,3 +71,8 @@ def test_planner_zoo_plans_or_refuses_every_row_correctly(tmp_path):
     rows = [line for line in (tmp_path / next(p.name for p in tmp_path.glob("*.md")))
             .read_text().splitlines() if line.startswith("| gpt")]
     assert len(rows) == 2 and not any("WRONG" in row for row in rows)
+
+
+def test_peers_overhead_quick_run_times_revnets_beside_ordinary_autograd():
+    out = run_quick("peers_overhead.py")
+    assert "'library': 'none'" in out and "'library': 'revnets'" in out
