@@ -25,7 +25,7 @@ import collections
 import contextlib
 import copy
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -203,8 +203,10 @@ def _optimizer_to_fake(
 # NOTE [ CPU kernels that allocate unlike their meta kernels ]
 # Fake tensors run the meta kernels, which give the shapes and dtypes of every output. Where the
 # CPU kernel's outputs differ, the outputs are corrected here, exactly:
-# - native_batch_norm on a reduced-precision input with float32 parameters (autocast) keeps its
-#   saved mean and inverse standard deviation in float32 (the meta kernel: the input's dtype);
+# - native_batch_norm and native_group_norm on a reduced-precision input with float32 parameters
+#   (autocast) keep their saved mean and inverse standard deviation in float32 (the meta
+#   kernels: the input's dtype); native_group_norm_backward returns the input's gradient in the
+#   input's dtype (the meta kernel: float32 when the parameters are);
 # - mkldnn_rnn_layer (each layer and direction of nn.LSTM) returns a oneDNN workspace whose size
 #   oneDNN computes from the shapes, the instruction set and its version (the meta kernel: empty).
 #   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
@@ -213,8 +215,22 @@ def _optimizer_to_fake(
 
 
 def _batch_norm(out: Any, args: tuple, kwargs: dict) -> Any:
-    x, weight, bias, running_mean, running_var = args[:5]
-    params = [t for t in (weight, bias, running_mean, running_var) if t is not None]
+    return _float32_statistics(out, args[0], args[1:5])
+
+
+def _group_norm(out: Any, args: tuple, kwargs: dict) -> Any:
+    return _float32_statistics(out, args[0], args[1:3])
+
+
+def _group_norm_backward(out: Any, args: tuple, kwargs: dict) -> Any:
+    grad_input, x = out[0], args[1]
+    if grad_input is None or grad_input.dtype == x.dtype:
+        return out
+    return (grad_input.new_empty(grad_input.shape, dtype=x.dtype), *out[1:])
+
+
+def _float32_statistics(out: Any, x: Tensor, parameters: Sequence[Tensor | None]) -> Any:
+    params = [t for t in parameters if t is not None]
     mixed = x.dtype in (torch.bfloat16, torch.float16) and any(
         t.dtype == torch.float32 for t in params
     )
@@ -264,5 +280,7 @@ def _rnn_layer_backward(out: Any, args: tuple, kwargs: dict) -> Any:
 _CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_backward,
     torch.ops.aten.native_batch_norm.default: _batch_norm,
+    torch.ops.aten.native_group_norm.default: _group_norm,
+    torch.ops.aten.native_group_norm_backward.default: _group_norm_backward,
     torch.ops.aten.mkldnn_rnn_layer.default: _rnn_layer,
 }

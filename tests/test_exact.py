@@ -160,7 +160,8 @@ def test_exact_memory_is_flat_in_depth_and_predicted_to_the_byte():
 
 def test_under_autocast_exact_costs_one_copy_of_the_input_whatever_the_depth():
     """Under autocast torch caches a bfloat16 copy of every weight until the autocast region
-    ends, with or without exact; exact=True adds only the input's float32 copy on the grid."""
+    ends, with or without exact; exact=True adds only the input's float32 copy on the grid, and
+    both are predicted to the byte."""
 
     def step(model, x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -170,9 +171,14 @@ def test_under_autocast_exact_costs_one_copy_of_the_input_whatever_the_depth():
     x = torch.randn(4, 16, 8, 8)
     extra = {}
     for depth in (32, 64):
-        default = measure_memory(step, stack(depth, half=8, exact=False), x)
-        exact = measure_memory(step, stack(depth, half=8), x)
-        extra[depth] = exact.above_model_state_bytes - default.above_model_state_bytes
+        measured = {}
+        for exact in (False, True):
+            model = stack(depth, half=8, exact=exact)
+            predicted = revnets.predict_memory(step, model, x)
+            measured[exact] = measure_memory(step, model, x)
+            assert predicted.peak_bytes == measured[exact].peak_bytes
+        extra[depth] = (measured[True].above_model_state_bytes
+                        - measured[False].above_model_state_bytes)
     assert extra[32] == extra[64] == x.numel() * 4
 
 

@@ -127,9 +127,13 @@ def autocast_step(model, x):
     out.float().sum().backward()
 
 
-@pytest.mark.parametrize("name", ["resnet18", "vit", "reversible"])
+@pytest.mark.parametrize("name", ["resnet18", "vit", "reversible", "groupnorm"])
 def test_bfloat16_autocast_is_predicted(name):
-    if name == "resnet18":
+    if name == "groupnorm":  # the CPU keeps a bfloat16 input's statistics in float32
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(2, 16), nn.GELU(),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+        x = torch.randn(2, 3, 8, 8)
+    elif name == "resnet18":
         model, x = torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)
     elif name == "vit":
         model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
