@@ -17,8 +17,10 @@ predictions decide.
 #   ``MAX_GUESSES`` predictions in all;
 # - when nothing fitted that way, each choice's floor
 #   (the option of least modelled peak, ties broken by the plan itself: sizes only, never timings)
-#   is predicted, in order of cost, and the first that fits wins. A refusal names the smallest
-#   floor predicted, so asked for that budget the search predicts that floor again and it fits.
+#   is predicted, in order of cost, and the first that fits is kept; with the budget it leaves
+#   spare, up to ``MAX_GUESSES`` more predictions try options that recompute less, each choice's
+#   estimate corrected by the largest error seen for it. A refusal names the smallest floor
+#   predicted, so asked for that budget the search predicts that floor again and it fits.
 """
 
 from __future__ import annotations
@@ -83,23 +85,48 @@ def search(
             peaks[option] = predict(option)
         return peaks[option]
 
-    offsets: dict[frozenset[int], int] = {}
-    best: Option | None = None
+    best = _guesses(options, None, budget, exact, peaks, offset, {}, worst=False)
+    if best is not None:
+        return best, peaks
+    best = next((floor for floor in floors(options) if exact(floor) <= budget), None)
+    if best is None:
+        return None, peaks
+    # The model guessed low everywhere it was asked: the floor fits, with budget to spare. Spend
+    # the guesses again on options that recompute less, each choice's estimate now corrected by
+    # the largest error seen for it.
+    errors: dict[frozenset[int], int] = {}
+    for option, peak in peaks.items():
+        error = peak - option.modelled
+        errors[option.reconstructed] = max(errors.get(option.reconstructed, error), error)
+    return _guesses(options, best, budget, exact, peaks, offset, errors, worst=True), peaks
+
+
+def _guesses(
+    options: Sequence[Option],
+    best: Option | None,
+    budget: int,
+    exact: Callable[[Option], int],
+    peaks: dict[Option, int],
+    offset: int,
+    errors: dict[frozenset[int], int],
+    worst: bool,
+) -> Option | None:
+    """Up to ``MAX_GUESSES`` exact predictions of options cheaper than ``best`` (none predicted
+    before, in ``peaks``) whose estimate fits; the cheapest that fits. ``errors`` (exact minus
+    modelled peak per choice) is updated with the last error seen, or the largest if ``worst``."""
     for _ in range(MAX_GUESSES):
         cheaper = options[: options.index(best)] if best is not None else options
         guess = next((o for o in cheaper if o not in peaks
-                      and o.modelled + offsets.get(o.reconstructed, offset) <= budget), None)
+                      and o.modelled + errors.get(o.reconstructed, offset) <= budget), None)
         if guess is None:
             break
-        if exact(guess) <= budget:
+        peak = exact(guess)
+        if peak <= budget:
             best = guess
-        offsets[guess.reconstructed] = peaks[guess] - guess.modelled
-    if best is not None:
-        return best, peaks
-    for floor in floors(options):
-        if exact(floor) <= budget:
-            return floor, peaks
-    return None, peaks
+        error = peak - guess.modelled
+        held = errors.get(guess.reconstructed)
+        errors[guess.reconstructed] = max(held, error) if worst and held is not None else error
+    return best
 
 
 def floors(options: Sequence[Option]) -> list[Option]:
