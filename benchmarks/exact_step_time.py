@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--half", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument("--quick", action="store_true", help="tiny and printed, nothing written")
     args = parser.parse_args(argv)
     if args.quick:
