@@ -1,0 +1,254 @@
+"""Step time against peak memory: revnets' plans beside torch.compile's activation memory budget
+and torch.utils.checkpoint (per block, and selective: matmul outputs kept).
+
+Every point is one way of running the same model's training step (forward and backward from
+freed gradients). Memory: the peak of the step above what is alive when it starts (parameters),
+read from torch.profiler's allocator events (``profile_memory=True``: every allocation and free
+of the CPU allocator, Inductor's generated code included, which a dispatch-level meter such as
+``revnets.measure_memory`` cannot see), summed in time order; every point is measured by that one
+meter. Time: median of interleaved steps, over the eager step's.
+
+    python benchmarks/frontier.py            # gpt, resnet50, vit (writes results/frontier-*)
+    python benchmarks/frontier.py --quick    # small sizes, to check that it runs
+    python benchmarks/frontier.py --only gpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+import torchvision
+from planner_zoo import GPT
+from torch import Tensor, nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import revnets
+from revnets.planning import PlanningError
+
+from common import (
+    RESULTS,
+    MiB,
+    interleaved_times,
+    provenance,
+    results_stem,
+    write_csv,
+    write_markdown,
+)
+
+KEEPS = (0.7, 0.5, 0.3, 0.15)  # revnets: share of the activation part kept in the budget
+FRACTIONS = (0.7, 0.5, 0.3, 0.1)  # torch.compile's activation_memory_budget
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.convolution.default,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def step_of(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+    return step
+
+
+def peak_above_start(step: Callable[[], None]) -> int:
+    """The highest the CPU allocator's live bytes rise above where they were when ``step``
+    started (gradients freed before it starts)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+class PerBlock(nn.Module):
+    """Runs ``block`` under torch.utils.checkpoint, keeping matmul outputs when selective."""
+
+    def __init__(self, block: nn.Module, selective: bool) -> None:
+        super().__init__()
+        self.block, self.selective = block, selective
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.selective:
+            return checkpoint(self.block, x, use_reentrant=False)
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=_keep_matmuls)
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_keep_matmuls = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def blocks_of(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """The container of the repeated blocks torch.utils.checkpoint wraps, and its attribute."""
+    for owner, name in ((model, "blocks"), (model, "layer3")):
+        if isinstance(getattr(owner, name, None), nn.Sequential):
+            return owner, name
+    return None
+
+
+def with_checkpointed_blocks(model: nn.Module, selective: bool) -> nn.Module | None:
+    found = blocks_of(model)
+    if found is None:
+        return None
+    owner, name = found
+    wrapped = nn.Sequential(*(PerBlock(b, selective) for b in getattr(owner, name)))
+    copy = _shallow(model)
+    setattr(copy, name, wrapped)
+    return copy
+
+
+def _shallow(model: nn.Module) -> nn.Module:
+    """A module object of its own over the same submodules and parameters."""
+    clone = model.__new__(type(model))
+    clone.__dict__ = dict(model.__dict__)
+    clone._modules = dict(model._modules)
+    return clone
+
+
+def compiled(model: nn.Module, fraction: float, x: Tensor, y: Tensor) -> Callable[[], None]:
+    torch._dynamo.reset()
+    fn = torch.compile(model)
+    with torch._functorch.config.patch(activation_memory_budget=fraction):
+        step_of(fn, x, y)()  # compiles forward and backward under this budget
+    return step_of(fn, x, y)
+
+
+def cases(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor]]]:
+    def gpt() -> tuple[nn.Module, Tensor, Tensor]:
+        layers, width, length, batch = (2, 64, 32, 2) if quick else (6, 384, 256, 4)
+        model = GPT(4096, width, layers, 6 if not quick else 4, length)
+        tokens = torch.randint(0, 4096, (batch, length))
+        return model, tokens, torch.randint(0, 4096, (batch * length,))
+
+    def resnet() -> tuple[nn.Module, Tensor, Tensor]:
+        model = torchvision.models.resnet18() if quick else torchvision.models.resnet50()
+        size, batch = (32, 2) if quick else (64, 4)
+        return model, torch.randn(batch, 3, size, size), torch.randint(0, 1000, (batch,))
+
+    def vit() -> tuple[nn.Module, Tensor, Tensor]:
+        name = "deit_tiny_patch16_224" if quick else "vit_small_patch16_224"
+        size, batch = (32, 2) if quick else (128, 4)
+        model = timm.create_model(name, img_size=size, num_classes=10)
+        return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+
+    return {"gpt": gpt, "resnet": resnet, "vit": vit}
+
+
+def frontier(name: str, build: Callable, repeats: int, quick: bool) -> list[dict]:
+    torch.manual_seed(0)
+    model, x, y = build()
+    model.train()
+    steps: dict[str, Callable[[], None]] = {"eager": step_of(model, x, y)}
+    eager_peak = revnets.measure_memory(steps["eager"]).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    for keep in KEEPS[::2] if quick else KEEPS:
+        budget = int(state + keep * (eager_peak - state))
+        try:
+            planned = revnets.auto_checkpoint(model, x, budget,
+                                              loss_fn=lambda out: F.cross_entropy(out, y))
+        except PlanningError:
+            continue
+        steps[f"revnets keep {keep}"] = step_of(planned, x, y)
+    for selective in (False, True):
+        wrapped = with_checkpointed_blocks(model, selective)
+        if wrapped is not None:
+            steps["torch checkpoint " + ("SAC (matmuls kept)" if selective else "per block")] = \
+                step_of(wrapped, x, y)
+    for fraction in (1.0, *(FRACTIONS[::2] if quick else FRACTIONS)):
+        steps[f"compile budget {fraction}"] = compiled(model, fraction, x, y)
+    peaks = {}
+    for key, step in steps.items():
+        step()  # warm: the first step allocates what later ones reuse
+        model.zero_grad(set_to_none=True)
+        peaks[key] = peak_above_start(step)
+    times = interleaved_times(steps, repeats).seconds
+    eager = statistics.median(times["eager"])
+    return [{"model": name, "method": key, "peak_mib": round(peaks[key] / MiB, 2),
+             "time_ratio": round(statistics.median(times[key]) / eager, 3)} for key in steps]
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == name]
+        for family in ("revnets", "compile", "torch checkpoint", "eager"):
+            points = sorted((r["peak_mib"], r["time_ratio"], r["method"]) for r in mine
+                            if r["method"].startswith(family))
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=family)
+        ax.set_title(name)
+        ax.set_xlabel("step peak above parameters (MiB)")
+        ax.set_ylabel("step time / eager")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default="")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    rows = []
+    for name, build in cases(args.quick).items():
+        if args.only in name:
+            for row in frontier(name, build, args.repeats, args.quick):
+                print("  ", row, flush=True)
+                rows.append(row)
+    stem = results_stem("frontier") + ("-quick" if args.quick else "") + (
+        f"-{args.only}" if args.only else "")
+    write_csv(args.results / f"{stem}.csv", rows)
+    plot(rows, args.results / f"{stem}.png")
+    lines = [
+        "# Step time against peak memory",
+        "",
+        provenance("frontier.py" + (" --quick" if args.quick else "")),
+        "",
+        "Peak: the CPU allocator's live bytes at their highest during one training step above "
+        "where they were at its start (gradients freed), from torch.profiler's memory events "
+        "(the same meter for eager, planned and compiled steps). Time: median of "
+        f"{args.repeats} interleaved steps over the eager step's. revnets: `auto_checkpoint` "
+        "at budgets keeping the given share of the activation part of the eager peak; compile: "
+        "`torch.compile` under `torch._functorch.config.activation_memory_budget`; torch "
+        "checkpoint: `torch.utils.checkpoint` around each repeated block, all recomputed or "
+        "selectively (matmul, convolution and attention outputs kept).",
+        "",
+        f"![frontier]({stem}.png)",
+        "",
+        "| model | method | peak (MiB) | time / eager |",
+        "|---|---|---|---|",
+        *[f"| {r['model']} | {r['method']} | {r['peak_mib']} | {r['time_ratio']} |" for r in rows],
+    ]
+    write_markdown(args.results / f"{stem}.md", lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,295 @@
+"""auto_checkpoint on models nobody here tuned it to: how long planning takes, whether the plan
+meets its budget, and whether its predicted peak is the measured one.
+
+Each model (random init, nothing downloaded) trains one step at a small batch on this CPU. Its
+budget is the measured peak of the unplanned step with its activation part (the peak above
+parameters and their gradients) cut by 50 % and by 70 %. ``revnets.auto_checkpoint`` plans it
+(planning seconds: wall clock of that call, times measured included); the planned step is then
+measured (``revnets.measure_memory``) and compared with the plan's predicted peak, and timed
+against the unplanned step (overhead). A refusal must name the smallest budget that plans: that
+budget is asked for in turn, and the row records whether it planned within it.
+
+    python benchmarks/planner_zoo.py                  # every model (writes results/planner_zoo-*)
+    python benchmarks/planner_zoo.py --only resnet    # models whose name contains "resnet"
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+
+import revnets
+from revnets.planning import PlanningError
+
+from common import (
+    RESULTS,
+    MiB,
+    interleaved_times,
+    provenance,
+    results_stem,
+    write_csv,
+    write_markdown,
+)
+
+CUTS = (0.5, 0.7)
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[], tuple[Any, Any]]  # (model input, target)
+    loss: str = "cross_entropy"  # or "sum"
+    # False: too large to run on this machine; the input is a meta tensor standing for one on
+    # the CPU, the budget's base is predicted, and the plan's peak is not measured.
+    measured: bool = True
+
+
+class GPT(nn.Module):
+    """A GPT-2-like language model: pre-norm causal attention blocks, head tied to the token
+    embedding."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, length: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(1, length, width))
+        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) + self.position[:, : tokens.shape[1]]
+        return self.head(self.norm(self.blocks(x))).flatten(0, 1)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class LSTMClassifier(nn.Module):
+    """Embedding, a 2-layer bidirectional nn.LSTM, a linear head on the last time step."""
+
+    def __init__(self, vocab: int = 1000, width: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(2 * width, 10)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        out, _ = self.lstm(self.embed(tokens))
+        return self.head(out[:, -1])
+
+
+def images(batch: int, size: int, classes: int = 1000) -> Callable[[], tuple[Tensor, Tensor]]:
+    return lambda: (torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,)))
+
+
+def tokens(batch: int, length: int, vocab: int, per_token: bool):
+    targets = (batch * length,) if per_token else (batch,)
+    classes = vocab if per_token else 10
+    return lambda: (torch.randint(0, vocab, (batch, length)), torch.randint(0, classes, targets))
+
+
+def tv(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    return lambda: getattr(torchvision.models, name)(weights=None, **kwargs)
+
+
+def tm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    return lambda: timm.create_model(name, pretrained=False, **kwargs)
+
+
+CASES = [
+    # torchvision: one model of each family, 128x128 images
+    Case("tv_resnet18", tv("resnet18"), images(2, 128)),
+    Case("tv_resnet50", tv("resnet50"), images(2, 128)),
+    Case("tv_densenet121", tv("densenet121"), images(2, 128)),
+    Case("tv_mobilenet_v2", tv("mobilenet_v2"), images(2, 128)),
+    Case("tv_mobilenet_v3_small", tv("mobilenet_v3_small"), images(2, 128)),
+    Case("tv_efficientnet_b0", tv("efficientnet_b0"), images(2, 128)),
+    Case("tv_regnet_y_400mf", tv("regnet_y_400mf"), images(2, 128)),
+    Case("tv_shufflenet_v2_x0_5", tv("shufflenet_v2_x0_5"), images(2, 128)),
+    Case("tv_squeezenet1_1", tv("squeezenet1_1"), images(2, 128)),
+    Case("tv_mnasnet0_5", tv("mnasnet0_5"), images(2, 128)),
+    Case("tv_googlenet", tv("googlenet", aux_logits=False, init_weights=False), images(2, 128)),
+    Case("tv_inception_v3", tv("inception_v3", aux_logits=False, init_weights=False),
+         images(2, 128)),
+    Case("tv_convnext_tiny", tv("convnext_tiny"), images(2, 128)),
+    Case("tv_swin_t", tv("swin_t"), images(1, 128)),
+    Case("tv_vit_b_16", tv("vit_b_16", image_size=128), images(1, 128)),
+    # timm: CNNs, ViTs, a window transformer, an MLP-mixer, hybrids
+    Case("timm_resnet26d", tm("resnet26d"), images(2, 128)),
+    Case("timm_efficientnet_b0", tm("efficientnet_b0"), images(2, 128)),
+    Case("timm_convnext_atto", tm("convnext_atto"), images(2, 128)),
+    Case("timm_vit_small", tm("vit_small_patch16_224", img_size=128), images(2, 128)),
+    Case("timm_deit_tiny", tm("deit_tiny_patch16_224", img_size=128), images(2, 128)),
+    Case("timm_swin_tiny", tm("swin_tiny_patch4_window7_224", img_size=128, window_size=4),
+         images(1, 128)),
+    Case("timm_mixer_s16", tm("mixer_s16_224", img_size=128), images(2, 128)),
+    Case("timm_levit_128s", tm("levit_128s"), images(2, 224)),
+    Case("timm_coatnet_nano", tm("coatnet_nano_rw_224", img_size=128), images(2, 128)),
+    # sequence models
+    Case("gpt_4x256", lambda: GPT(2048, 256, 4, 4, 128), tokens(2, 128, 2048, per_token=True)),
+    Case("lstm_2x128_bidirectional", LSTMClassifier, tokens(2, 64, 1000, per_token=False)),
+    # the 1000-layer zoo model at batch 128
+    Case("revnet992_b128", lambda: timm.create_model("revnet992", memory="none"),
+         images(128, 32, 10),
+         measured=False),
+]
+
+
+def train_step(model: nn.Module, x: Any, loss: Callable[[Tensor], Tensor]) -> None:
+    model.zero_grad(set_to_none=True)
+    loss(model(x)).backward()
+
+
+def plan(model: nn.Module, x: Any, budget: int, loss: Callable) -> tuple[Any, float, str]:
+    start = time.perf_counter()
+    try:
+        planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss)
+    except PlanningError as error:
+        return None, time.perf_counter() - start, str(error)
+    return planned, time.perf_counter() - start, ""
+
+
+def run_case(case: Case, repeats: int) -> list[dict]:
+    torch.manual_seed(0)
+    model = case.build().train()
+    x, y = case.inputs()
+    loss = ((lambda out: F.cross_entropy(out, y)) if case.loss == "cross_entropy"
+            else (lambda out: out.float().sum()))
+    if not case.measured:
+        x = x.to("meta")  # the labels stay real: the prediction makes them fake on first use
+    measure = functools.partial(
+        revnets.measure_memory if case.measured else revnets.predict_memory, train_step)
+    unplanned = measure(model, x, loss).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    rows, previous_peak = [], None
+    for cut in CUTS:
+        budget = int(state + (1 - cut) * (unplanned - state))
+        row: dict[str, Any] = {"model": case.name, "input": "x".join(map(str, x.shape)),
+                               "cut_asked_pct": round(100 * cut), "budget_mib":
+                               round(budget / MiB, 2)}
+        planned, seconds, refusal = plan(model, x, budget, loss)
+        row["planning_s"] = round(seconds, 2)
+        if planned is None:
+            named = int(re.search(r"\((\d+) bytes", refusal).group(1))
+            row["refused_named_mib"] = round(named / MiB, 2)
+            planned, _, again = plan(model, x, named, loss)
+            if planned is None:
+                row["verdict"] = "WRONG: the named budget is refused too"
+                rows.append(row)
+                continue
+            budget = named
+        predicted = planned.memory_plan.peak_bytes
+        peak = measure(planned, x, loss).peak_bytes if case.measured else predicted
+        overhead = math.nan
+        if case.measured:
+            times = interleaved_times({"plain": functools.partial(train_step, model, x, loss),
+                                       "planned": functools.partial(train_step, planned, x, loss)},
+                                      repeats).seconds
+            overhead = statistics.median(times["planned"]) / statistics.median(times["plain"]) - 1
+        ok = peak == predicted and peak <= budget and (previous_peak is None
+                                                       or peak <= previous_peak)
+        row.update({
+            "cut_reached_pct": round(100 * (unplanned - peak) / (unplanned - state), 1),
+            "measured_mib": round(peak / MiB, 2) if case.measured else "-",
+            "measured_eq_predicted": peak == predicted if case.measured else "-",
+            "overhead_pct": round(100 * overhead, 1) if case.measured else "-",
+            "verdict": ("refused, named budget plans" if "refused_named_mib" in row
+                        else "planned") if ok else "WRONG",
+        })
+        previous_peak = peak
+        rows.append(row)
+    return rows
+
+
+FIELDS = ["model", "input", "cut_asked_pct", "budget_mib", "refused_named_mib", "cut_reached_pct",
+          "planning_s", "measured_mib", "measured_eq_predicted", "overhead_pct", "verdict"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="",
+                        help="models whose name contains this (several: comma-separated)")
+    parser.add_argument("--skip", default=None, help="leave out models whose name contains this")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps for the overhead")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where tables go")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(torch.get_num_threads())
+    rows = []
+    for case in CASES:
+        if not any(name in case.name for name in args.only.split(",")) or (
+            args.skip and args.skip in case.name
+        ):
+            continue
+        start = time.perf_counter()
+        for row in run_case(case, args.repeats):
+            print("  ", row, flush=True)
+            rows.append(row)
+        print(f"{case.name}: {time.perf_counter() - start:.0f} s", flush=True)
+        write(rows, args)  # after every model: an interrupted run keeps what it measured
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    suffix = "-" + args.only.replace(",", "+") if args.only else ""
+    stem = results_stem("planner_zoo") + suffix
+    write_csv(args.results / f"{stem}.csv", [{f: r.get(f, "") for f in FIELDS} for r in rows])
+    lines = [
+        "# auto_checkpoint on models it was not tuned to",
+        "",
+        provenance("planner_zoo.py" + (f" --only {args.only}" if args.only else "")),
+        "",
+        "Budget: the measured peak of one unplanned training step (cross-entropy on random "
+        "labels the loss closes over) with its activation part (above "
+        "parameters and gradients) cut by the share asked. Planning: wall-clock seconds of "
+        "`auto_checkpoint` (forward times measured included). Measured: `measure_memory` of the "
+        "planned step; predicted: the plan's `peak_bytes`. A refusal is followed by a request "
+        "for the budget it names, which must plan. RevNet-992 (stored, unplanned) at batch 128 "
+        "needs more memory than "
+        "this machine has: it is planned on a meta input standing for a CPU one (no forward "
+        "times measured), its budget's base predicted, its plan's peak not measured. Overhead: "
+        f"median of {args.repeats} interleaved steps, planned over unplanned. Timing columns are "
+        "from whatever machine ran this; the memory columns are deterministic.",
+        "",
+        "| model | input | cut asked | budget (MiB) | refused, named (MiB) | cut reached | "
+        "planning (s) | measured (MiB) | measured == predicted | overhead | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(f, "-")) for f in FIELDS) + " |")
+    write_markdown(args.results / f"{stem}.md", lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

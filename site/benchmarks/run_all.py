@@ -1,0 +1,32 @@
+"""Regenerate everything in results/ (about two and a half hours on 2 CPU cores; needs
+`.[bench]`). frontier.py writes no committed result yet and is left out.
+
+    pip install -e '.[bench]' && python benchmarks/run_all.py
+"""
+
+import accuracy
+import compile_speed
+import exact_accuracy
+import exact_error_vs_depth
+import exact_step_time
+import memory_timeline
+import memory_vs_depth
+import peers
+import peers_overhead
+import plan_example
+import planner_zoo
+import planning_lstm
+import planning_torchvision
+import vit_memory
+
+import reversible_stack
+import zoo_memory
+
+if __name__ == "__main__":
+    # Timing-sensitive scripts first, while the allocator is fresh.
+    for script in (reversible_stack, peers, peers_overhead, exact_step_time, compile_speed,
+                   zoo_memory, vit_memory, memory_timeline, memory_vs_depth, accuracy,
+                   planning_torchvision, planning_lstm, plan_example, planner_zoo,
+                   exact_error_vs_depth, exact_accuracy):
+        print(f"== {script.__name__}", flush=True)
+        script.main([])

@@ -1,0 +1,78 @@
+"""The README's demo and the results scripts keep running: their quick modes, end to end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run_quick(script: str) -> str:
+    done = subprocess.run(
+        [sys.executable, script, "--quick"],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_reversible_stack_demo_compares_every_strategy():
+    out = run_quick("reversible_stack.py")
+    plans = ("none", "checkpoint", "reversible", "reversible(store_last_blocks=1)")
+    for strategy in (*plans, "reversible(store_last_blocks=3)"):
+        assert f"memory  depth  16  {strategy} " in out
+        assert f"speed   fresh  {strategy} " in out
+    # The float64 gradient check of both couplings, exact to round-off.
+    errors = [line for line in out.splitlines() if line.lstrip().startswith("grads")]
+    assert len(errors) == 2
+    for line in errors:
+        assert "float64" in line
+        assert float(line.split("relative error")[1].split()[0]) < 1e-10
+
+
+@pytest.mark.slow
+def test_zoo_memory_quick_run():
+    out = run_quick("zoo_memory.py")
+    assert "revnet992" in out and "'ratio_to_resnet'" in out
+
+
+@pytest.mark.slow
+def test_vit_memory_quick_run():
+    out = run_quick("vit_memory.py")
+    assert "revvit_small_patch16_224" in out and "speed" in out
+
+
+def test_exact_scripts_quick_runs():
+    out = run_quick("exact_error_vs_depth.py")
+    assert "'precision': 'bf16', 'exact': True, 'relative_error': 0.0}" in out
+    assert "'precision': 'fp16', 'exact': True, 'relative_error': 0.0}" in out
+    assert "'plan': 'reversible(exact=true)'" in run_quick("exact_step_time.py")
+
+
+@pytest.mark.slow
+def test_exact_accuracy_quick_run():
+    out = run_quick("exact_accuracy.py")
+    assert "'model': 'revnet exact', 'precision': 'bf16'" in out
+
+
+@pytest.mark.slow  # about a minute
+def test_planner_zoo_plans_or_refuses_every_row_correctly(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "planner_zoo.py", "--only", "gpt", "--repeats", "1", "--results",
+         str(tmp_path)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in (tmp_path / next(p.name for p in tmp_path.glob("*.md")))
+            .read_text().splitlines() if line.startswith("| gpt")]
+    assert len(rows) == 2 and not any("WRONG" in row for row in rows)
+
+
+def test_peers_overhead_quick_run_times_revnets_beside_ordinary_autograd():
+    out = run_quick("peers_overhead.py")
+    assert "'library': 'none'" in out and "'library': 'revnets'" in out

@@ -1,0 +1,115 @@
+import pytest
+import torch
+from torch import nn
+
+import revnets
+from revnets.memory import measure_memory
+
+from conftest import conv_unit, max_grad_error, rel_error, twin
+
+
+def unit_chain(n: int, channels: int = 4, dropout: float = 0.0) -> nn.Sequential:
+    return nn.Sequential(*(conv_unit(channels, dropout=dropout) for _ in range(n)))
+
+
+def train(model, x, steps=3):
+    for step in range(steps):
+        torch.manual_seed(step)
+        model(x).square().sum().backward()
+
+
+def test_checkpointed_matches_plain_gradients_statistics_and_dropout():
+    model = revnets.Checkpointed(unit_chain(3, dropout=0.3)).double()
+    plain = twin(model)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    train(model, x), train(plain, x_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        if name.endswith("num_batches_tracked"):
+            assert a.item() == 3
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name
+
+
+def test_compiled_checkpointed_matches_plain():
+    model = nn.Sequential(revnets.Checkpointed(conv_unit(4)), conv_unit(4)).double()
+    plain = twin(model)
+    compiled = torch.compile(model)
+    for step in range(2):
+        x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+        assert torch.allclose(compiled(x), plain(x), rtol=0, atol=1e-12)
+        compiled(x).square().sum().backward()
+        plain(x).square().sum().backward()
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name  # updated once per forward
+
+
+def test_checkpointed_refuses_weights_swapped_for_the_forward_only():
+    """torch.utils.checkpoint alone recomputes with the module's own weights here: wrong
+    gradients, no error."""
+    model = revnets.Checkpointed(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    weights = {name: p.detach() * 1.5 for name, p in model.named_parameters()}
+    weights["module.2.weight"].requires_grad_()
+    out = torch.func.functional_call(model, weights, (torch.randn(3, 4),))
+    with pytest.raises(RuntimeError, match=r"checkpointed Sequential: 0.weight is not the tensor"):
+        out.square().sum().backward()
+
+
+def test_checkpointed_momentum_none_statistics():
+    chain = unit_chain(2)
+    for m in chain.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = None  # cumulative average: depends on num_batches_tracked
+    model = revnets.Checkpointed(chain).double()
+    plain = twin(model)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    train(model, x), train(plain, x)
+    for a, b in zip(model.buffers(), plain.buffers()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_checkpointed_saves_memory_and_switches_off():
+    def step(model, x):
+        model(x).square().mean().backward()
+
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)  # 32 KiB, like every activation here
+
+    def peak(n, memory):
+        model = nn.Sequential(*(revnets.Checkpointed(conv_unit(8), memory) for _ in range(n)))
+        return measure_memory(step, model, x).above_model_state_bytes
+
+    # Each unit more stores its conv and ReLU outputs (64 KiB) and BatchNorm's batch mean and
+    # inverse std (2 x 8 floats) when plain; only its input (32 KiB) when checkpointed.
+    assert peak(12, revnets.Store()) - peak(8, revnets.Store()) == 4 * (64 * 1024 + 2 * 8 * 4)
+    assert peak(12, revnets.Checkpoint()) - peak(8, revnets.Checkpoint()) == 4 * 32 * 1024
+
+
+def test_checkpoint_segments_sqrt_plan():
+    chain = unit_chain(16).double()
+    segmented = revnets.checkpoint_segments(chain)
+    assert len(segmented) == 4
+    assert [type(m).__name__ for m in segmented] == ["Checkpointed"] * 3 + ["Sequential"]
+    assert sum(len(m.module) if isinstance(m, revnets.Checkpointed) else len(m)
+               for m in segmented) == 16
+    reference = twin(chain)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    train(segmented, x, steps=1), train(reference, x, steps=1)
+    assert max_grad_error(chain, reference) <= 1e-10
+
+
+def test_checkpoint_segments_memory_grows_like_sqrt():
+    def step(model, x):
+        model(x).square().mean().backward()
+
+    x = torch.randn(2, 4, 16, 16, requires_grad=True)
+
+    def peak(n, plan):
+        chain = unit_chain(n)
+        model = revnets.checkpoint_segments(chain) if plan else chain
+        return measure_memory(step, model, x).above_model_state_bytes
+
+    # 4x the layers: plain memory grows ~4x, sqrt(n) checkpointing ~2x.
+    assert peak(64, False) / peak(16, False) > 3.5
+    assert peak(64, True) / peak(16, True) < 2.5

@@ -1,0 +1,186 @@
+"""torch.compile: a compiled model trains as the eager one, across training and evaluation, without
+recompiling per block.
+
+The reversible engine is one opaque region to dynamo (``torch.compiler.disable`` in
+revnets/reversible/sequence.py): one graph break per reversible sequence in a training forward,
+none in evaluation or under the other plans. Most tests use the ``aot_eager`` backend, which runs
+what dynamo and AOTAutograd captured with eager kernels: graph breaks and recompilations are
+dynamo's whatever the backend, and gradients then match eager's to float32 round-off. The slow
+tests use inductor, the default backend, on every zoo model and plan.
+"""
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+import revnets
+from revnets import ReversibleBlock, ReversibleSequence
+from revnets.plan import PRESETS
+
+PLANS = list(PRESETS)
+# The default run covers the plain and the reconstructing plan; the checkpointing ones are slow.
+QUICK_PLANS = [
+    plan if plan in ("none", "reversible") else pytest.param(plan, marks=pytest.mark.slow)
+    for plan in PLANS
+]
+
+
+def small_revnet(plan: str) -> nn.Module:
+    """Three stages of two RevNet units, each stage with its own block shape (as the issue's
+    recompilations were per block shape)."""
+    torch.manual_seed(0)
+    return timm.create_model(
+        "revnet38", units=(2, 2, 2), channels=(8, 8, 16, 32), num_classes=10, memory=plan
+    )
+
+
+def alternate(net: nn.Module, x: torch.Tensor, target: torch.Tensor, rounds: int) -> None:
+    """Training steps (gradients kept) and evaluation forwards, alternating, as a loop does."""
+    for _ in range(rounds):
+        net.train()
+        net.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        F.cross_entropy(net(x), target).backward()
+        net.eval()
+        with torch.no_grad():
+            net(x)
+
+
+def assert_same_gradients(model: nn.Module, reference: nn.Module, rtol: float) -> None:
+    """Every gradient within ``rtol`` of the reference's largest entry for that parameter, or of
+    1e-4 of the largest gradient entry in the model where the parameter's own is smaller (a
+    gradient that is zero in exact arithmetic, as an attention key's bias has, is round-off
+    noise in both runs)."""
+    grads = [q.grad for q in reference.parameters() if q.grad is not None]
+    floor = 1e-4 * max(g.abs().max().item() for g in grads)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            scale = max(q.grad.abs().max().item(), floor)
+            error = (p.grad - q.grad).abs().max().item() / scale
+            assert error <= rtol, f"{name}: relative gradient error {error:.2e}"
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    # A recompile-limit hit raises instead of silently running the frame eagerly from then on.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("plan", QUICK_PLANS)
+def test_compiled_training_and_evaluation_alternate_without_reaching_the_recompile_limit(
+    plan, fresh_dynamo
+):
+    """Compiled (aot_eager) and eager copies of the same weights, two rounds of a training step
+    then an evaluation forward: no recompile-limit hit (it raises), and eager's gradients."""
+    model = small_revnet(plan)
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    alternate(torch.compile(model, backend="aot_eager"), x, target, rounds=2)
+    alternate(reference, x, target, rounds=2)
+    assert_same_gradients(model, reference, rtol=1e-5)
+    # Training and evaluation each compile their own graphs once: nothing grows with the rounds.
+    assert counters["stats"]["unique_graphs"] <= 16
+
+
+@pytest.mark.parametrize("plan", QUICK_PLANS)
+def test_graph_breaks_are_the_reversible_sequences_in_training(plan, fresh_dynamo):
+    """Reconstructing plans break the graph once per reversible sequence (the engine runs
+    eagerly between the compiled graphs); nothing else breaks it, and evaluation not at all."""
+    model = small_revnet(plan)
+    sequences = [m for m in model.modules() if isinstance(m, ReversibleSequence)]
+    x = torch.randn(2, 3, 32, 32)
+    model.train()
+    breaks = torch._dynamo.explain(model)(x).break_reasons
+    # Dynamo lists a break each time a frame it traces reaches a sequence: once per sequence
+    # here; a model whose enclosing frames are re-traced after a nested break lists more.
+    expected = len(sequences) if PRESETS[plan].reconstructs else 0
+    assert len(breaks) == expected, breaks
+    for reason in breaks:
+        assert "torch.compiler.disable" in reason.reason
+        assert reason.user_stack[-1].filename.endswith("reversible/sequence.py")
+    model.eval()
+    with torch.no_grad():
+        assert torch._dynamo.explain(model)(x).break_reasons == []
+
+
+class _DropoutFeedForward(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_compiled_model_replays_dropout_inside_its_reversible_sequence(fresh_dynamo):
+    """Dropout in f and g under a compiled model: the engine (eager inside the compiled model)
+    replays the masks in its recomputation, so the gradients are ordinary autograd's."""
+
+    def model(memory):
+        torch.manual_seed(0)
+        blocks = [
+            ReversibleBlock(_DropoutFeedForward(8), _DropoutFeedForward(8), split_dim=-1)
+            for _ in range(3)
+        ]
+        return nn.Sequential(
+            nn.Linear(4, 16), ReversibleSequence(blocks, memory=memory), nn.Linear(16, 3)
+        )
+
+    reversible, stored = model(revnets.Reconstruct()), model(revnets.Store())
+    x = torch.randn(5, 4)
+    for net in (torch.compile(reversible, backend="aot_eager"), stored):
+        torch.manual_seed(3)
+        net(x).square().sum().backward()
+    assert_same_gradients(reversible, stored, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("name", ["resnet32", "revnet38", "irevnet163", "revvit_small_patch16_224"])
+def test_inductor_compiled_zoo_model_trains_as_eager(name, plan, fresh_dynamo, request):
+    """The default backend on one model of each zoo family: no recompile-limit hit, and eager's
+    gradients within 5e-2 of each parameter's largest gradient. Not tighter: inductor's CPU
+    kernels differ from eager by up to a few 1e-2 on RevNet units even under the plan "none",
+    where the model is ordinary modules (docs/compile.md); what this catches is a wrong mask, a
+    missing term or a stale weight, all errors of order 1."""
+    if name == "irevnet163" and plan in ("none", "checkpoint"):
+        # Measured 2026-11-23: 9e-2 and 1e-1 relative errors (blocks.0.g.6, blocks.8.f.3), in
+        # the plain path dynamo compiles whole; the reversible plans (f and g eager) pass.
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="inductor's CPU gradients of i-RevNet blocks differ from eager "
+            "beyond 5e-2 (docs/compile.md); cause not found"))
+    kwargs = {"img_size": 32, "patch_size": 8, "depth": 4} if name.startswith("revvit") else {}
+    torch.manual_seed(0)
+    try:
+        model = timm.create_model(name, num_classes=10, memory=plan, **kwargs)
+    except ValueError as error:
+        assert "does not fit" in str(error)
+        pytest.skip(str(error))
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    alternate(torch.compile(model), x, target, rounds=2)
+    alternate(reference, x, target, rounds=2)
+    assert_same_gradients(model, reference, rtol=5e-2)
+
+
+@pytest.mark.slow
+def test_trainer_compiles_once_for_training_and_evaluation(tmp_path, fresh_dynamo):
+    """``trainer.compile=true`` with evaluations between the steps: no recompile-limit hit (it
+    raises here) and a finite validation loss."""
+    from revnets.training import train
+
+    from test_training import SMALL, config
+
+    result = train(config(*SMALL, "trainer.compile=true", "trainer.eval_every=2"), tmp_path)
+    assert result["step"] == 4 and torch.isfinite(torch.tensor(result["val_loss"]))

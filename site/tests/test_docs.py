@@ -1,0 +1,199 @@
+"""The README's and the docs' examples run as written: every Python block, and every command of
+every ```bash block, typed exactly as a reader would type it (or the reason it is not run here)."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_training import write_cifar
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# What the Python fragments take as given: a zoo model, its optimizer, a batch and a step.
+GIVEN = """
+import torch
+import torch.nn.functional as F
+import timm
+import revnets
+
+model = timm.create_model("revnet38")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+x, target = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+example_input = x
+
+def train_step(model, optimizer, x, target):
+    optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), target).backward()
+    optimizer.step()
+"""
+
+
+def fenced(language: str) -> list[tuple[str, str]]:
+    """(page, block) for every ```language block of the README and docs/."""
+    return [(page.relative_to(ROOT).as_posix(), block) for page in PAGES
+            for block in re.findall(rf"```{language}\n(.*?)```", page.read_text(), flags=re.S)]
+
+
+def shell_commands() -> list[str]:
+    """Every command of every ```bash block, comments dropped, `a && b` as two commands."""
+    commands = []
+    for _, block in fenced("bash"):
+        for line in block.splitlines():
+            line = line.split(" # ")[0].strip()
+            commands += [part.strip() for part in line.split(" && ") if part.strip()]
+    return list(dict.fromkeys(commands))
+
+
+PYTHON_BLOCKS = fenced("python")
+
+
+def test_the_readme_and_docs_have_python_examples():
+    pages = [page for page, _ in PYTHON_BLOCKS]
+    assert pages.count("README.md") >= 1 and len(pages) >= 8
+
+
+# What an example prints that its page quotes.
+PRINTS = {
+    "README.md": ["none                    49.0 MiB", "reversible              15.0 MiB",
+                  "reversible+checkpoint    9.2 MiB"],
+}
+
+
+@pytest.mark.parametrize("page, block", PYTHON_BLOCKS,
+                         ids=[f"{page}-{i}" for i, (page, _) in enumerate(PYTHON_BLOCKS)])
+def test_python_example_runs(page, block, capsys):
+    namespace: dict = {}
+    exec(compile(GIVEN, "<given>", "exec"), namespace)
+    exec(compile(block, f"{page} python block", "exec"), namespace)
+    printed = capsys.readouterr().out
+    for line in PRINTS.get(page, []) if "print(" in block else []:
+        assert line in printed
+
+
+# Commands of the README and docs that no test runs, and why.
+CI = ".ci/run runs it as typed in a fresh virtual environment"
+NOT_RUN = {
+    "pip install -e '.[test]'": CI,
+    "python -m pytest -q": CI,
+    "pip install -e '.[bench]'": "installs the peer libraries the benchmarks compare with",
+    "python benchmarks/run_all.py": "regenerates results/ (about two and a half hours) and rewrites the "
+    "committed files; each script's quick mode runs in tests/test_benchmarks.py",
+    "pip download timm==1.0.31 --no-binary :all: --no-deps -d /tmp/timm-sdist": "downloads timm's "
+    "source from PyPI, for the next command",
+    "python benchmarks/timm_model_tests.py /tmp/timm-sdist/timm-1.0.31.tar.gz": "timm's own model "
+    "tests, 6 to 23 minutes on 2 cores; tests/test_timm_suite.py runs it (slow) where "
+    "TIMM_TEST_MODELS names the file",
+    "python benchmarks/compile_speed.py": "compiles a model for each plan (minutes each on 2 "
+    "cores) and rewrites the committed results; tests/test_compile.py checks the same properties",
+    "python train.py experiment=revnet_cifar data.root=/path/to/data": "the paper's recipe, 80k "
+    "steps on real CIFAR-10 on a GPU; its config composes and instantiates in "
+    "tests/test_training.py",
+}
+# Run, but marked slow: many runs, or several processes.
+SLOW = {
+    "python train.py -m experiment=memory_vs_depth",
+    "python train.py trainer.compile=true trainer.max_steps=4 trainer.eval_every=2",
+    "torchrun --nproc_per_node=2 train.py trainer.distributed=ddp",
+    "torchrun --nproc_per_node=2 train.py trainer.distributed=fsdp",
+}
+# What a command's output must show, beyond finishing without an error.
+EXPECTED = {
+    "python train.py": "memory plan of revnet38: reversible",
+    "python train.py memory=reversible memory.store_last_blocks=2 trainer.max_steps=2":
+        "memory plan of revnet38: stages=reconstruct(store_last_blocks=2), rest=store",
+    "python train.py memory=reversible_checkpoint memory.keep_input_every=16 trainer.max_steps=2":
+        "memory plan of revnet38: stages=reconstruct(keep_input_every=16), rest=checkpoint",
+    "python train.py model=resnet32 memory=checkpoint memory.segments=4 trainer.max_steps=2":
+        "memory plan of resnet32: stages=checkpoint(segments=4), rest=store",
+    "python train.py memory=reversible memory.exact=true trainer.precision=bf16 "
+    "trainer.max_steps=2":
+        "memory plan of revnet38: stages=reconstruct(exact=True), rest=store",
+}
+RUN = [command for command in shell_commands() if command not in NOT_RUN]
+
+
+def test_every_shell_command_is_run_or_says_why_not():
+    commands = shell_commands()
+    for command in RUN:
+        assert command.startswith(("python train.py", "torchrun ")), (
+            f"{command!r} is neither run here nor in NOT_RUN with a reason")
+    assert set(NOT_RUN) <= set(commands) and SLOW <= set(RUN) and set(EXPECTED) <= set(RUN)
+
+
+def test_ci_runs_the_readme_set_up_as_typed():
+    ci = (ROOT / ".ci" / "run").read_text()
+    for command, reason in NOT_RUN.items():
+        if reason == CI:
+            assert f"\n{command}" in ci
+
+
+def test_every_train_command_in_the_text_is_one_that_runs():
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for span in re.findall(r"`(python train\.py[^`]*)`", text):
+            assert " ".join(span.split()) in shell_commands(), f"{page.name}: {span}"
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory) -> tuple[Path, dict]:
+    """A folder to run commands in as a reader would in the repository (train.py and configs/,
+    Hydra's outputs/ kept out of the checkout), with a small CIFAR-100 in ./data, in the real
+    format, for the commands that name it."""
+    from torchvision.datasets import CIFAR100
+
+    folder = tmp_path_factory.mktemp("sandbox")
+    for name in ("train.py", "configs"):
+        (folder / name).symlink_to(ROOT / name)
+    # One batch of the docs' commands (data.batch_size=100) per split.
+    digests = write_cifar(folder / "data", "cifar100", per_file=100)
+    # torchvision checks the published md5 sums: every Python started here is pointed at those
+    # of the small files (as tests/test_training.py's cifar fixture does in-process).
+    tools = folder / ".tools"
+    tools.mkdir()
+    (tools / "sitecustomize.py").write_text(
+        "from torchvision.datasets import CIFAR100\n"
+        f"CIFAR100.train_list = [['train', {digests['train']!r}]]\n"
+        f"CIFAR100.test_list = [['test', {digests['test']!r}]]\n"
+        f"CIFAR100.meta = {{**CIFAR100.meta, 'md5': {digests['meta']!r}}}\n"
+    )
+    assert CIFAR100.base_folder == "cifar-100-python"
+    # `python` and `torchrun` are this interpreter's (called by path, so a venv stays a venv).
+    torchrun = Path(sys.executable).parent / "torchrun"
+    for name, program in (("python", sys.executable), ("torchrun", torchrun)):
+        (tools / name).write_text(f'#!/bin/sh\nexec "{program}" "$@"\n')
+        (tools / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": f"{tools}{os.pathsep}{ROOT}"}
+    return folder, env
+
+
+def run(command: str, folder: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(command, shell=True, executable=shutil.which("bash"), cwd=folder,
+                          env=env, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.mark.parametrize("command", [
+    pytest.param(command, marks=pytest.mark.slow) if command in SLOW else command
+    for command in RUN
+])
+def test_shell_command_runs_as_typed(command, sandbox):
+    folder, env = sandbox
+    resumed = re.search(r"trainer\.resume=(\S+)", command)
+    if resumed and not (folder / resumed[1]).exists():  # the run it continues, stopped early
+        done = run(f"python train.py trainer.max_steps=2 hydra.run.dir={resumed[1]}", folder, env)
+        assert done.returncode == 0, done.stderr
+    done = run(command, folder, env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert EXPECTED.get(command, "") in done.stdout
+    if resumed:  # some run's log says it continued from the earlier run's step 2
+        records = [json.loads(line) for log in (folder / "outputs").rglob("metrics.jsonl")
+                   for line in log.read_text().splitlines()]
+        assert {"event": "resumed", "from": resumed[1], "step": 2} in records

@@ -1,0 +1,245 @@
+"""The memory meter on cases whose answer is known by arithmetic."""
+
+import pytest
+import torch
+from torch import nn
+
+import revnets
+from revnets.memory import MemoryTracker, measure_memory
+from revnets.prediction import predict_memory
+
+from conftest import make_stack
+
+KiB = 1024
+
+
+def test_peak_of_known_allocations():
+    def fn():
+        a = torch.empty(256 * KiB, dtype=torch.uint8)
+        b = torch.empty(512 * KiB, dtype=torch.uint8)
+        del a
+        c = torch.empty(128 * KiB, dtype=torch.uint8)
+        d = c.view(-1)[:10]  # a view: no new storage
+        return b.numel() + d.numel()
+
+    report = measure_memory(fn)
+    assert report.peak_bytes == (512 + 256) * KiB
+    assert report.activations == (512 + 256) * KiB
+    assert report.result == 512 * KiB + 10
+
+
+def test_freed_memory_is_reused_in_the_count():
+    def fn():
+        for _ in range(10):
+            torch.empty(100 * KiB, dtype=torch.uint8)
+        return None
+
+    assert measure_memory(fn).peak_bytes == 100 * KiB
+
+
+def test_training_step_categories():
+    linear = nn.Linear(256, 128, bias=False)  # 128 KiB of float32 weight
+    optimizer = torch.optim.SGD(linear.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(64, 256)  # 64 KiB
+
+    def step(model, optimizer, x):
+        optimizer.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+        optimizer.step()
+
+    step(linear, optimizer, x)  # creates .grad and the momentum buffer
+    report = measure_memory(step, linear, optimizer, x)
+    assert report.parameters == 128 * KiB
+    assert report.gradients == 128 * KiB
+    assert report.optimizer_state == 128 * KiB
+    assert report.inputs == 64 * KiB
+    # The output (64 x 128 floats = 32 KiB) and the weight gradient before it is accumulated
+    # (128 KiB) are the largest things the step allocates at once.
+    assert report.peak_bytes == report.model_state_bytes + report.inputs + report.activations
+    assert 128 * KiB <= report.activations <= 128 * KiB + 2 * 32 * KiB
+
+
+def test_activations_of_a_relu_chain_scale_with_depth():
+    def forward(model, x):
+        return model(x)
+
+    x = torch.randn(1024, requires_grad=True)  # 4 KiB
+    for depth in (1, 4, 16):
+        chain = nn.Sequential(*(nn.Softplus() for _ in range(depth)))
+        report = measure_memory(forward, chain, x)
+        # Every Softplus output is kept (the next one saves it for backward).
+        assert report.activations == depth * 4 * KiB
+
+
+def test_tracker_as_context_manager_sees_backward():
+    w = nn.Parameter(torch.randn(1000))
+    with MemoryTracker() as tracker:
+        (w * 2).sum().backward()
+    assert tracker.report().peak_bytes >= 2 * 4000
+
+
+def test_prediction_equals_measurement():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 64, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+
+    def step(model, optimizer, x, y):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    step(model, optimizer, x, y)
+    measured = measure_memory(step, model, optimizer, x, y)
+    predicted = predict_memory(step, model, optimizer, x, y)
+    assert (predicted.device, predicted.method) == ("cpu", "fake-tensor-storage")
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes
+    assert predicted.optimizer_state == measured.optimizer_state > 0
+
+
+def test_prediction_of_a_reversible_stack():
+    from conftest import make_stack
+
+    model = make_stack(6, half=8)
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+
+    def step(model, x):
+        model(x).square().mean().backward()
+
+    # Predicted first: the measured step leaves gradients behind, and a step that accumulates
+    # into them needs more (the prediction copies them too).
+    predicted = revnets.predict_memory(step, model, x)
+    measured = measure_memory(step, model, x)
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes
+    assert revnets.predict_memory(step, model, x).peak_bytes == measure_memory(
+        step, model, x
+    ).peak_bytes
+
+
+def test_retained_bytes_are_what_a_forward_keeps_for_backward():
+    def forward(model, x):
+        return model(x)
+
+    x = torch.randn(1024, requires_grad=True)  # 4 KiB
+    chain = nn.Sequential(*(nn.Softplus() for _ in range(5)))
+    report = measure_memory(forward, chain, x)
+    # Four outputs are saved by the next Softplus; the fifth is the returned output itself.
+    assert report.retained_bytes == 5 * 4 * KiB
+    del report
+    assert measure_memory(lambda m, x: m(x).sum().item(), chain, x).retained_bytes == 0
+
+
+def _optimizers() -> list[type]:
+    """Every optimizer torch.optim ships, but LBFGS and Adafactor (their steps read loss, gradient
+    or parameter values with .item(): data-dependent, which nothing on the meta device can
+    predict) and SparseAdam (sparse gradients only)."""
+    return sorted(
+        (
+            cls
+            for cls in vars(torch.optim).values()
+            if isinstance(cls, type)
+            and issubclass(cls, torch.optim.Optimizer)
+            and cls.__name__ not in ("Optimizer", "LBFGS", "Adafactor", "SparseAdam")
+        ),
+        key=lambda cls: cls.__name__,
+    )
+
+
+def _train_step(model, optimizer, x):
+    optimizer.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("optimizer_class", _optimizers(), ids=lambda cls: cls.__name__)
+def test_prediction_equals_measurement_for_every_optimizer_after_any_number_of_steps(
+    optimizer_class,
+):
+    # Matrices only: Muon takes nothing else.
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 8, bias=False))
+    optimizer = optimizer_class(model.parameters(), lr=0.01)
+    x = torch.randn(4, 16)
+    for _ in range(3):  # before the first step (no state yet), after one, after two
+        predicted = predict_memory(_train_step, model, optimizer, x)
+        measured = measure_memory(_train_step, model, optimizer, x)
+        assert predicted.peak_bytes == measured.peak_bytes
+        assert predicted.optimizer_state == measured.optimizer_state
+
+
+def test_prediction_equals_measurement_for_a_reversible_stack_with_dropout():
+    model = make_stack(6, dropout=0.3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(2, 8, 6, 6, requires_grad=True)
+    _train_step(model, optimizer, x)
+    predicted = predict_memory(_train_step, model, optimizer, x)
+    measured = measure_memory(_train_step, model, optimizer, x)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes
+
+
+def test_random_number_state_is_the_only_memory_that_grows_with_depth():
+    """Blocks that draw random numbers keep the CPU generator's state for their replay: 5056
+    bytes of mt19937 state per transform, counted and predicted; nothing else grows."""
+    state_bytes = torch.get_rng_state().numel()
+    above = {}
+    for depth in (4, 8):
+        for dropout in (0.0, 0.3):
+            model = make_stack(depth, dropout=dropout)
+            x = torch.randn(2, 8, 6, 6, requires_grad=True)
+            report = measure_memory(lambda m, x: m(x).square().sum().backward(), model, x)
+            above[depth, dropout] = report.above_model_state_bytes
+    assert above[8, 0.0] == above[4, 0.0]
+    assert above[8, 0.3] - above[4, 0.3] == 4 * 2 * state_bytes
+
+
+def test_tracker_device_without_index_means_the_current_one():
+    assert MemoryTracker(device="cpu").device == torch.device("cpu")
+    assert MemoryTracker(device="meta").device == torch.device("meta")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tracker_on_cuda_without_index_records():
+    tracker = MemoryTracker(device="cuda")
+    assert tracker.device == torch.device("cuda", torch.cuda.current_device())
+    with tracker:
+        a = torch.empty(KiB, dtype=torch.uint8, device="cuda")
+        del a
+    assert tracker.report().peak_bytes == KiB
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_categories_are_split_at_the_allocator_peak():
+    model = make_stack(4).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 8, 16, 16, device="cuda", requires_grad=True)
+    _train_step(model, optimizer, x)
+    report = measure_memory(_train_step, model, optimizer, x)
+    assert report.method == "cuda-allocator"
+    parts = (report.parameters + report.gradients + report.optimizer_state + report.inputs
+             + report.activations)
+    assert parts == report.peak_bytes
+    assert report.gradients > 0  # at the allocator's peak (in backward) gradients exist
+
+
+def test_prediction_takes_the_cpus_fused_attention_kernel():
+    """On meta tensors torch computes attention the math way (the full attention matrix); a CPU
+    run takes the fused flash kernel, and the prediction follows it."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=64, num_classes=10)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(2, 3, 64, 64)
+
+    def step(model, optimizer, x):
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        optimizer.step()
+
+    step(model, optimizer, x)
+    predicted = predict_memory(step, model, optimizer, x)
+    measured = measure_memory(step, model, optimizer, x)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes

@@ -1,0 +1,168 @@
+"""auto_checkpoint on models it was not built on: window transformers, code torch.fx cannot
+trace, Python randomness, refusals, and failures that must leave the user's model untouched."""
+
+import copy
+import random
+import re
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import revnets
+from revnets.memory import measure_memory
+from revnets.planning import as_graph_chain
+
+from conftest import make_stack
+
+
+def train_step(model, x):
+    model.zero_grad(set_to_none=True)
+    model(x).float().sum().backward()
+
+
+def activation_budget(model, x, keep: float) -> int:
+    """The measured peak with only ``keep`` of its activation part."""
+    peak = measure_memory(train_step, model, x).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(state + keep * (peak - state))
+
+
+@pytest.mark.slow  # about 30 s
+def test_a_window_transformer_is_planned():
+    """timm's swin pads to whole windows and slices back (x[:, :H, :W], the bounds computed
+    by the graph). Its attention masks and position indices are buffers inside checkpoints:
+    waits for replay.py's rewrite too (see test_prediction's constant buffers)."""
+    model = timm.create_model("swin_tiny_patch4_window7_224", img_size=64, embed_dim=24,
+                              depths=(1, 1, 1, 1), num_heads=(1, 2, 3, 6), num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
+    budget = activation_budget(model, x, 0.7)
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert planned.memory_plan.peak_bytes == measure_memory(train_step, planned, x).peak_bytes
+    assert planned.memory_plan.peak_bytes <= budget
+
+
+class LayerDrop(nn.Module):
+    """A residual layer skipped at random in training (stochastic depth drawn with Python)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+
+    def forward(self, x):
+        if self.training and random.random() < 0.5:
+            return x
+        return x + self.body(x)
+
+
+class ShapeBranch(nn.Module):
+    """Control flow on a shape: torch.fx cannot trace it, fake tensors can run it."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.a(x)
+        if x.shape[0] > 1:
+            x = x.flip(0)
+        return self.b(x)
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.stem = nn.Linear(16, width)
+        self.blocks = nn.ModuleList([LayerDrop(width), ShapeBranch(width), LayerDrop(width),
+                                     nn.Sequential(nn.Linear(width, width), nn.ReLU())])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_untraceable_and_randomly_drawing_modules_are_kept_whole():
+    model = Net()
+    state = random.getstate()
+    chain = as_graph_chain(model)
+    assert random.getstate() == state  # tracing drew nothing that counts
+    steps = {step.label: step for step in chain}
+    for name in ("blocks_0", "blocks_1", "blocks_2"):  # whole, called as modules
+        assert steps[name].op == "call_module"
+    assert "blocks_3_0" in steps  # traced into where it can
+
+    x = torch.randn(256, 16)
+    random.seed(0)  # the layers the measured step drops are those the predictions drop
+    budget = activation_budget(model, x, 0.8)
+    random.seed(0)
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    model.zero_grad(set_to_none=True)
+    reference = copy.deepcopy(model)
+    random.seed(3)
+    planned(x).sum().backward()
+    random.seed(3)
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad)  # the same layers dropped, replayed the same
+
+
+class DrawsInItsOwnForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) if random.random() < 0.5 else self.b(x)
+
+
+def test_a_model_drawing_from_python_random_in_its_own_forward_is_refused_by_name():
+    with pytest.raises(revnets.planning.NotAChainError, match="DrawsInItsOwnForward.*random"):
+        as_graph_chain(DrawsInItsOwnForward())
+
+
+@pytest.mark.slow  # a refusal, then two plans at the budget it names
+def test_the_budget_a_refusal_names_plans():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), make_stack(3, half=8),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), make_stack(3, half=8),
+                          nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+    x = torch.randn(4, 3, 16, 16)
+    with pytest.raises(revnets.PlanningError) as refused:
+        revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.05))
+    named = int(re.search(r"\((\d+) bytes", str(refused.value)).group(1))
+    for _ in range(2):  # measured times differ from run to run; the answer must not
+        planned = revnets.auto_checkpoint(model, x, named)
+        assert measure_memory(train_step, planned, x).peak_bytes <= named
+
+
+class FailingLoss(Exception):
+    pass
+
+
+def test_any_failure_leaves_the_model_as_it_was():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), make_stack(2, half=4),
+                          nn.Conv2d(8, 8, 3, padding=1), make_stack(2, half=4))
+    sequences = [m for m in model.modules() if isinstance(m, revnets.ReversibleSequence)]
+    sequences[1].memory = revnets.Reconstruct(store_last_blocks=1)
+    before = [s.memory for s in sequences]
+    x = torch.randn(2, 3, 8, 8)
+    calls = []
+
+    def loss_fn(out):
+        calls.append(1)
+        if len(calls) > 3:  # fails in the middle of the search
+            raise FailingLoss
+        return out.sum()
+
+    with pytest.raises(FailingLoss):
+        revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.3), loss_fn=loss_fn,
+                                measure_time=False)
+    assert [s.memory for s in sequences] == before

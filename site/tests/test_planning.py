@@ -1,0 +1,383 @@
+import copy
+import itertools
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchvision.models.resnet import Bottleneck
+
+import revnets
+from revnets.memory import measure_memory
+from revnets.planning import (
+    LayerProfile,
+    as_graph_chain,
+    budget_plan,
+    candidate_plans,
+    forbidden_cuts,
+    modelled_peak,
+    nested_schedule,
+    optimal_plan,
+    profile_chain,
+    recompute_cost,
+    sqrt_plan,
+)
+
+from conftest import conv_unit, max_grad_error
+
+
+def chain(units: int = 4, channels: int = 8) -> nn.Sequential:
+    """A flat chain of 3 x ``units`` layers: conv, BatchNorm, ReLU, conv, ..."""
+    return nn.Sequential(*(layer for _ in range(units) for layer in conv_unit(channels)))
+
+
+def training_peak(model, x):
+    """A training step's measured peak, from freed gradients as auto_checkpoint's budget."""
+
+    def step(model, x):
+        model.zero_grad(set_to_none=True)
+        model(x).float().sum().backward()
+
+    return measure_memory(step, model, x).peak_bytes
+
+
+def test_profile_counts_what_autograd_saves():
+    x = torch.randn(2, 8, 8, 8)  # 4 KiB
+    profiles = profile_chain(list(conv_unit(8)), x)
+    assert [p.name for p in profiles] == ["Conv2d", "BatchNorm2d", "ReLU"]
+    assert all(p.output_bytes == 4096 for p in profiles)
+    # conv saves its input; BatchNorm its input plus mean and inverse std; ReLU its output.
+    assert [p.saved_bytes for p in profiles] == [4096, 4096 + 2 * 8 * 4, 4096]
+    meta = profile_chain(list(conv_unit(8).to("meta")), x.to("meta"))
+    assert [p.saved_bytes for p in meta] == [p.saved_bytes for p in profiles]
+
+
+def test_chen_plans():
+    assert sqrt_plan(16) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    profiles = profile_chain(list(chain(4)), torch.randn(1, 8, 4, 4))  # 12 layers of 512 B each
+    per_layer = [p.saved_bytes for p in profiles]
+    plan = budget_plan(profiles, segment_budget=3 * max(per_layer))
+    assert plan[0][0] == 0 and plan[-1][1] == 12
+    assert all(sum(per_layer[a:b]) <= 3 * max(per_layer) for a, b in plan)
+    plans = candidate_plans(profiles)
+    # The finest plan cuts everywhere but before the in-place ReLUs (layers 2, 5, 8, 11): a
+    # checkpointed segment starting with one would overwrite the input its checkpoint keeps.
+    starts = [0, 1, 3, 4, 6, 7, 9, 10]
+    assert plans[0] == [(0, 12)] and plans[-1] == list(zip(starts, starts[1:] + [12]))
+    assert all(profiles[a].inplace is False for plan in plans for a, _ in plan)
+
+
+def test_checkpoint_segments_refuses_a_cut_before_an_in_place_layer():
+    with pytest.raises(ValueError, match=r"starts with an in-place layer \(ReLU\)"):
+        revnets.checkpoint_segments(chain(2), [(0, 2), (2, 4), (4, 6)])
+
+
+def test_auto_checkpoint_meets_the_budget_with_identical_gradients():
+    torch.manual_seed(0)
+    model = chain(16).double()
+    x = torch.randn(4, 8, 16, 16, dtype=torch.float64)
+    full = training_peak(model, x)
+    budget = int(0.5 * full)
+    planned = revnets.auto_checkpoint(model, x, budget)
+    assert isinstance(planned[0], revnets.Checkpointed)
+    assert training_peak(planned, x) <= budget  # measured, on this CPU
+    model.zero_grad(set_to_none=True)
+    reference = copy.deepcopy(model)
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    assert max_grad_error(model, reference) <= 1e-6  # float32; recomputation repeats the same ops
+    for a, b in zip(model.buffers(), reference.buffers()):
+        assert torch.equal(a, b)
+
+
+def test_auto_checkpoint_leaves_a_model_that_fits_alone():
+    model = chain(4)
+    x = torch.randn(2, 8, 8, 8)
+    assert revnets.auto_checkpoint(model, x, budget=10 * training_peak(model, x)) is model
+
+
+def test_auto_checkpoint_names_the_smallest_reachable_budget():
+    model = chain(8)
+    x = torch.randn(2, 8, 8, 8)
+    with pytest.raises(revnets.PlanningError, match=r"smallest budget .* is [\d.]+ MiB"):
+        revnets.auto_checkpoint(model, x, budget=1000)
+
+
+@pytest.mark.parametrize("name", ["revnet38", "irevnet163"])
+def test_auto_checkpoint_fits_zoo_models_to_the_byte(name):
+    model = timm.create_model(name, memory="none", units=(2, 2, 2))
+    x = torch.randn(8, 3, 32, 32)
+    budget = training_peak(copy.deepcopy(model).set_memory("reversible"), x)
+    assert budget < training_peak(model, x)
+    planned = revnets.auto_checkpoint(model, x, budget)
+    assert training_peak(planned, x) == planned.memory_plan.peak_bytes <= budget
+    assert planned.memory_plan.reconstructs
+
+
+class UntraceableRevViT(revnets.models.ReversibleVisionTransformer):
+    """A zoo model branching on its input's shape in Python, which torch.fx cannot trace."""
+
+    def forward(self, x):
+        if x.shape[-1] > x.shape[-2]:
+            x = x.transpose(-1, -2)
+        return super().forward(x)
+
+
+def rev_vit(cls=None):
+    args = dict(img_size=32, patch_size=8, depth=4, embed_dim=32, num_heads=2, memory="none")
+    return cls(**args) if cls else timm.create_model("revvit_small_patch16_224", **args)
+
+
+def test_auto_checkpoint_plans_rev_vit_through_its_graph():
+    # Rev-ViT traces (its input-size check is torch._assert, as in timm's ViT): planned as a
+    # graph, its blocks reconstructing, the prediction an upper bound of the CPU's measurement.
+    model, x = rev_vit(), torch.randn(8, 3, 32, 32)
+    budget = int(1.01 * training_peak(copy.deepcopy(model).set_memory("reversible"), x))
+    planned = revnets.auto_checkpoint(model, x, budget)
+    assert planned.memory_plan.reconstructs
+    assert training_peak(planned, x) <= planned.memory_plan.peak_bytes <= budget
+
+
+def test_auto_checkpoint_picks_a_preset_for_zoo_models_it_cannot_trace():
+    model, x = rev_vit(UntraceableRevViT), torch.randn(8, 3, 32, 32)
+    # Slack: the prediction of Rev-ViT's reversible backward is about 5 KiB above the CPU's
+    # measurement at this size (not yet explained; the other presets predict to the byte).
+    budget = int(1.01 * training_peak(copy.deepcopy(model).set_memory("reversible"), x))
+    planned = revnets.auto_checkpoint(model, x, budget)
+    assert planned is model and model.memory_plan.name == "reversible"
+    assert training_peak(planned, x) <= model.memory_plan.peak_bytes <= budget
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        return x if x.sum() > 0 else -x
+
+
+def test_auto_checkpoint_refuses_what_it_cannot_plan():
+    with pytest.raises(TypeError, match="DataDependent cannot be traced"):
+        revnets.auto_checkpoint(DataDependent(), torch.randn(1, 2), budget=10**6)
+
+
+def synthetic_profiles(n, seed):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(low, high):
+        return int(torch.randint(low, high, (1,), generator=generator))
+
+    return [
+        LayerProfile(i, "layer", 0, draw(1, 100), float(draw(1, 10)), state={str(i): draw(1, 50)},
+                     mutates_from=i - 1 if i % 4 == 3 else None)
+        for i in range(n)
+    ]
+
+
+def all_plans(n):
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0, *(i + 1 for i, cut in enumerate(cuts) if cut), n]
+        yield list(zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_optimal_plan_is_the_best_of_all_plans(seed):
+    n = 10
+    profiles = synthetic_profiles(n, seed)
+    forbidden = forbidden_cuts(profiles)
+    assert forbidden == {i for i in range(n) if i % 4 == 3}
+    allowed = [p for p in all_plans(n) if not any(a in forbidden for a, _ in p[1:])]
+    for budget in range(100, 700, 25):
+        fitting = [p for p in allowed if modelled_peak(p, profiles) <= budget]
+        plan = optimal_plan(profiles, budget)
+        if not fitting:
+            assert plan is None
+            continue
+        assert plan in fitting
+        best = min(recompute_cost(p, profiles) for p in fitting)
+        assert recompute_cost(plan, profiles) == best
+
+
+class Branches(nn.Module):
+    """Two branches, a concatenation, a residual, an in-place ReLU and a parameter read directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.b = nn.Linear(8, 8)
+        self.mix = nn.Linear(16, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)
+        out = self.mix(torch.cat([a, b], dim=1)) + x
+        return torch.tanh(F.relu(out, inplace=True)) * self.scale
+
+
+def test_graph_chain_of_a_branching_model():
+    torch.manual_seed(0)
+    model = Branches().double()
+    chain = as_graph_chain(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    assert torch.equal(chain(x), model(x))
+    assert {p for p in chain.parameters()} == set(model.parameters())
+    profiles = profile_chain(list(chain), x)
+    # The in-place ReLU overwrites the sum before it: no checkpoint between the two.
+    relu = next(i for i, step in enumerate(chain) if step.label == "relu")
+    assert chain[relu].mutates_from == relu - 1 and relu in forbidden_cuts(profiles)
+    for plan in all_plans(len(chain)):
+        if any(a in forbidden_cuts(profiles) for a, _ in plan[1:]):
+            continue
+        planned = revnets.checkpoint_segments(chain, plan)
+        grads = torch.autograd.grad(planned(x).sum(), list(model.parameters()))
+        reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        assert all(torch.allclose(g, r, rtol=0, atol=1e-12) for g, r in zip(grads, reference))
+
+
+MODELS_NOBODY_HERE_WROTE = {
+    # Small versions, so that activations outweigh weights at a test-sized input.
+    # name: (builder, share of activation memory to keep)
+    "torchvision.resnet": (
+        lambda: torchvision.models.resnet.ResNet(Bottleneck, [1, 2, 1, 1], num_classes=10), 0.85
+    ),
+    # Cuts inside the dense blocks: only the per-layer BatchNorm/ReLU outputs are recomputed.
+    "torchvision.densenet": (
+        lambda: torchvision.models.DenseNet(8, (4, 4, 4), 16, bn_size=2, num_classes=10), 0.5
+    ),
+    "timm.convnext_atto": (lambda: timm.create_model("convnext_atto", num_classes=10), 0.65),
+    "timm.vit": (
+        lambda: timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=64,
+                                  patch_size=8, depth=4),
+        0.65,
+    ),
+    "timm.mobilenetv3": (lambda: timm.create_model("mobilenetv3_small_050", num_classes=10), 0.6),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS_NOBODY_HERE_WROTE))
+def test_models_nobody_here_wrote(name):
+    build, keep = MODELS_NOBODY_HERE_WROTE[name]
+    torch.manual_seed(0)
+    model = build()
+    x = torch.randn(8, 3, 64, 64)
+    reference = copy.deepcopy(model)
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights, grads
+    budget = int(state + keep * (training_peak(model, x) - state))  # less activation memory
+    model.zero_grad(set_to_none=True)
+    before = copy.deepcopy(model.state_dict())
+    planned = revnets.auto_checkpoint(model, x, budget)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert training_peak(planned, x) <= budget
+    model.zero_grad(set_to_none=True)
+    reference.load_state_dict(model.state_dict())
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    assert max_grad_error(model, reference) <= 1e-6  # float32; recomputation repeats the same ops
+    for a, b in zip(model.buffers(), reference.buffers()):
+        assert torch.equal(a, b)
+    planned.eval(), reference.eval()
+    assert not model.training
+    assert torch.equal(planned(x), reference(x))  # evaluation runs the model itself
+
+
+class RNNStep(nn.Module):
+    """Step t of an unrolled RNN whose state (inputs, hidden) passes along the chain."""
+
+    def __init__(self, cell: nn.RNNCell, t: int):
+        super().__init__()
+        self.cell, self.t = cell, t
+
+    def forward(self, state):
+        inputs, h = state
+        return inputs, self.cell(inputs[self.t], h)
+
+
+def test_recurrent_chain_with_tuple_state():
+    torch.manual_seed(0)
+    cell = nn.RNNCell(16, 128).double()
+    model = nn.Sequential(*(RNNStep(cell, t) for t in range(40)))
+    state = (torch.randn(40, 32, 16, dtype=torch.float64),
+             torch.zeros(32, 128, dtype=torch.float64))
+
+    def loss(out):
+        return out[1].sum()
+
+    def peak(m):
+        return measure_memory(lambda m, s: loss(m(s)).backward(), m, state).peak_bytes
+
+    budget = int(0.7 * peak(model))
+    cell.zero_grad(set_to_none=True)
+    planned = revnets.auto_checkpoint(model, state, budget, loss)
+    cell.zero_grad(set_to_none=True)
+    assert peak(planned) == planned.memory_plan.peak_bytes <= budget
+    cell.zero_grad(set_to_none=True)
+    loss(planned(state)).backward()
+    grads = [p.grad.clone() for p in cell.parameters()]
+    cell.zero_grad(set_to_none=True)
+    loss(model(state)).backward()
+    for a, p in zip(grads, cell.parameters()):
+        assert torch.allclose(a, p.grad, rtol=1e-12, atol=1e-12)
+
+
+def tanh_chain(n, width=128):
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)))
+
+
+def activation_peak(model, x):
+    model.zero_grad(set_to_none=True)
+    return measure_memory(lambda m, x: m(x).sum().backward(), model, x).above_model_state_bytes
+
+
+def test_nested_schedules_go_below_one_level_plans():
+    model = tanh_chain(32).double()
+    x = torch.randn(64, 128, dtype=torch.float64)
+    profiles = profile_chain(list(model), x)
+    full = activation_peak(model, x)
+    costs = []
+    for share in (2.0, 0.5, 0.3, 0.2, 0.15):
+        schedule = nested_schedule(profiles, int(share * full))
+        one_level = optimal_plan(profiles, int(share * full))
+        if share <= 0.3:
+            assert one_level is None and schedule.depth() >= 2
+        costs.append(schedule.recompute_cost)
+        planned = schedule.apply(list(model))
+        assert activation_peak(planned, x) <= 1.1 * share * full
+        grads = torch.autograd.grad(planned(x).sum(), list(model.parameters()))
+        reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        assert all(torch.equal(g, r) for g, r in zip(grads, reference))
+    assert costs[0] == 0 and costs == sorted(costs)  # less memory, more recomputation
+
+
+def test_auto_checkpoint_nests_checkpoints_when_one_level_is_not_enough():
+    model = tanh_chain(32, width=64)
+    x = torch.randn(512, 64)  # activations outweigh weights and gradients
+    full = training_peak(model, x)
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(state + 0.25 * (full - state))
+    model.zero_grad(set_to_none=True)
+    planned = revnets.auto_checkpoint(model, x, budget)
+    nested = [m for m in planned.modules() if isinstance(m, revnets.Checkpointed)
+              and any(isinstance(c, revnets.Checkpointed) for c in m.module.modules())]
+    assert nested
+    assert training_peak(planned, x) <= budget
+
+
+def test_inception_v3_plan_keeps_gradients_and_statistics():
+    # Inception-v3 has no small variant: its smallest input, with every segment but the last
+    # checkpointed, shows that branches and concatenations are recomputed exactly.
+    torch.manual_seed(0)
+    model = torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=False)
+    x = torch.randn(2, 3, 75, 75)
+    chain = as_graph_chain(model)
+    profiles = profile_chain(list(copy.deepcopy(chain).to("meta")), x.to("meta"))
+    plan = candidate_plans(profiles)[-1]  # the finest: a checkpoint wherever one may go
+    assert len(plan) > 20
+    planned = revnets.checkpoint_segments(chain, plan)
+    reference = copy.deepcopy(model)
+    for m in (planned, reference):
+        torch.manual_seed(1)  # the same dropout mask for both; checkpoints replay it
+        m(x).sum().backward()
+    assert max_grad_error(model, reference) <= 1e-6
+    for a, b in zip(model.buffers(), reference.buffers()):
+        assert torch.equal(a, b)

@@ -1,0 +1,114 @@
+"""How auto_checkpoint finds a plan quickly: candidate plans are ranked by a chain model of their
+peak, and exact predictions (a whole training step on fake tensors each) only accept or reject
+the few it picks (NOTE [ Modelled search, exact acceptance ] in revnets/planning/search.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+import revnets
+import revnets.planning.auto as auto
+from revnets.memory import measure_memory
+from revnets.planning.search import MAX_GUESSES
+
+from conftest import make_stack
+
+
+def train_step(model, x):
+    model.zero_grad(set_to_none=True)
+    model(x).float().sum().backward()
+
+
+def conv_chain(depth: int = 12, width: int = 16) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, width, 3, padding=1)]
+    for _ in range(depth):
+        layers += [nn.BatchNorm2d(width), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1)]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(width * 16 * 16, 10))
+
+
+def activation_budget(model, x, keep: float) -> int:
+    peak = measure_memory(train_step, model, x).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(state + keep * (peak - state))
+
+
+@pytest.fixture
+def predictions(monkeypatch):
+    """The calls auto_checkpoint makes to predict_memory."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return revnets.predict_memory(*args, **kwargs)
+
+    monkeypatch.setattr(auto, "predict_memory", counted)
+    return calls
+
+
+def test_a_plan_that_exists_is_found_in_a_few_exact_predictions(predictions):
+    model, x = conv_chain(), torch.randn(4, 3, 16, 16)
+    budget = activation_budget(model, x, 0.5)
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert 1 <= len(predictions) <= MAX_GUESSES  # bisecting over exact predictions took 15-30
+    assert measure_memory(train_step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
+    assert planned.memory_plan.peak_bytes <= budget
+
+
+def test_storing_everything_is_predicted_once_on_the_model_itself(predictions):
+    """Nothing to checkpoint: the model comes back as it is, and the one prediction made is of
+    the model (not of its traced chain, predicted again)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = conv_chain(4)
+
+        def forward(self, x):
+            return self.body(x)
+
+    model, x = Net(), torch.randn(2, 3, 16, 16)
+    budget = 2 * measure_memory(train_step, model, x).peak_bytes
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    assert planned is model and len(predictions) == 1
+    assert planned.memory_plan.peak_bytes == measure_memory(train_step, model, x).peak_bytes
+
+
+def test_a_refusal_takes_few_predictions_and_its_named_budget_plans(predictions):
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), make_stack(3, half=8),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), make_stack(3, half=8),
+                          nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+    x = torch.randn(4, 3, 16, 16)
+    with pytest.raises(revnets.PlanningError) as refused:
+        revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.05), measure_time=False)
+    # The guesses, each choice's floor (0, 1 or 2 sequences reconstructing) and the nested
+    # schedule of least memory.
+    assert len(predictions) <= MAX_GUESSES + 3 + 1
+    named = int(str(refused.value).split("(")[1].split(" bytes")[0])
+    planned = revnets.auto_checkpoint(model, x, named)  # times measured: the answer holds
+    assert measure_memory(train_step, planned, x).peak_bytes <= named
+
+
+def test_a_smaller_budget_never_gives_a_higher_measured_peak():
+    model, x = conv_chain(), torch.randn(4, 3, 16, 16)
+    peaks = []
+    for keep in (0.9, 0.7, 0.5, 0.35):
+        planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, keep),
+                                          measure_time=False)
+        peaks.append(measure_memory(train_step, planned, x).peak_bytes)
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_forward_times_are_measured_on_at_most_eight_samples(monkeypatch):
+    seen = []
+    profile = auto.profile_chain
+
+    def recording(layers, example_input, repeats=1):
+        seen.append(example_input.shape[0] if example_input.device.type != "meta" else None)
+        return profile(layers, example_input, repeats)
+
+    monkeypatch.setattr(auto, "profile_chain", recording)
+    model, x = conv_chain(4), torch.randn(32, 3, 16, 16)
+    revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.8))
+    assert [s for s in seen if s is not None] == [8]

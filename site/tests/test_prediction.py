@@ -1,0 +1,205 @@
+"""predict_memory against measure_memory, to the byte on the CPU, where a bare meta device would
+take other paths than the CPU: tensors the step reaches outside its arguments, tied parameters,
+autocast, the CPU's own kernels, graphs torch.fx traced, buffers a forward leaves alone."""
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import revnets
+from revnets.memory import measure_memory
+from revnets.planning import as_graph_chain
+from revnets.prediction import predict_memory
+
+from conftest import conv_unit, make_stack
+
+
+def train_step(model, x, loss_fn=lambda out: out.float().sum()):
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(x)).backward()
+
+
+def assert_predicted_exactly(step, *args):
+    predicted = predict_memory(step, *args)
+    measured = measure_memory(step, *args)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes
+
+
+def hand_built(classes: int = 10) -> nn.Sequential:
+    """Stem, reversible stage, transition, reversible stage, head."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), make_stack(2, half=8),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), make_stack(2, half=16),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, classes),
+    )
+
+
+def test_a_loss_closing_over_real_labels_is_predicted_and_planned():
+    model = hand_built()
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+
+    def loss_fn(out):
+        return F.cross_entropy(out, y)  # y is real, reached through the closure
+
+    def step(model, x):
+        train_step(model, x, loss_fn)
+
+    assert_predicted_exactly(step, model, x)
+    budget = predict_memory(step, model, x).peak_bytes
+    planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss_fn, measure_time=False)
+    assert measure_memory(step, planned, x).peak_bytes <= budget
+
+
+class TiedLM(nn.Module):
+    """A GPT-2-like language model whose head is its token embedding."""
+
+    def __init__(self, vocab: int = 512, width: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.block = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0,
+                                                batch_first=True)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.block(self.embed(tokens)))
+
+
+def test_tied_weights_are_counted_once():
+    model = TiedLM()
+    tokens = torch.randint(0, 512, (2, 16))
+    assert_predicted_exactly(train_step, model, tokens)
+    assert predict_memory(train_step, model, tokens).parameters == sum(
+        p.numel() * p.element_size() for p in model.parameters()  # each shared parameter once
+    )
+
+
+class Masked(nn.Module):
+    """Multiplies by a constant mask it keeps as a buffer (never modified)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.register_buffer("mask", (torch.arange(channels) % 2).float().view(1, -1, 1, 1))
+
+    def forward(self, x):
+        return x * self.mask
+
+
+def masked_unit(channels: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), Masked(channels))
+
+
+@pytest.mark.parametrize("where", ["reversible", "checkpointed"])
+def test_eval_mode_batch_norm_is_predicted(where):
+    """Eval-mode BatchNorm reads its running statistics and leaves them alone."""
+    if where == "reversible":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), make_stack(2, half=4))
+    else:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), revnets.Checkpointed(conv_unit(8)),
+                              conv_unit(8))
+    model.eval()
+    assert_predicted_exactly(train_step, model, torch.randn(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("where", ["reversible", "checkpointed"])
+def test_buffers_a_forward_leaves_alone_are_predicted(where):
+    """A constant mask inside a reversible sequence or a checkpoint: the replay sees writes at
+    the dispatcher (NOTE [ Replay ]) and never compares buffers by value, which fake tensors
+    cannot answer."""
+    if where == "reversible":
+        stage = revnets.ReversibleSequence(
+            revnets.ReversibleBlock(masked_unit(4), masked_unit(4)) for _ in range(2)
+        )
+    else:
+        stage = revnets.Checkpointed(masked_unit(8))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), stage, conv_unit(8))
+    assert_predicted_exactly(train_step, model, torch.randn(2, 3, 8, 8))
+
+
+def autocast_step(model, x):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().sum().backward()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vit", "reversible", "groupnorm"])
+def test_bfloat16_autocast_is_predicted(name):
+    if name == "groupnorm":  # the CPU keeps a bfloat16 input's statistics in float32
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(2, 16), nn.GELU(),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+        x = torch.randn(2, 3, 8, 8)
+    elif name == "resnet18":
+        model, x = torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 32, 32)
+    elif name == "vit":
+        model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
+                                  num_classes=10)
+        x = torch.randn(2, 3, 32, 32)
+    else:
+        model, x = hand_built(), torch.randn(2, 3, 16, 16)
+    assert_predicted_exactly(autocast_step, model, x)
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_attention_in_a_traced_graph_takes_the_cpus_fused_kernel():
+    """Graph steps call the function torch.fx recorded; the prediction must follow it too."""
+    model = nn.Sequential(*(Attention(64, 4) for _ in range(4)))
+    chain = as_graph_chain(model)
+    x = torch.randn(2, 128, 64)
+    assert_predicted_exactly(train_step, chain, x)
+
+
+class AttentionStack(nn.Module):
+    def __init__(self, depth: int = 4, width: int = 64):
+        super().__init__()
+        self.blocks = nn.ModuleList(Attention(width, 4) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_planned_attention_model_is_predicted_exactly():
+    model, x = AttentionStack(), torch.randn(2, 128, 64)
+    unplanned = measure_memory(train_step, model, x).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    planned = revnets.auto_checkpoint(model, x, int(state + 0.7 * (unplanned - state)),
+                                      measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert planned.memory_plan.peak_bytes == measure_memory(train_step, planned, x).peak_bytes
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN])
+def test_recurrent_layers_are_predicted(kind):
+    """The CPU runs LSTMs with oneDNN, whose workspace the meta kernel leaves out."""
+    model = kind(16, 32, num_layers=2, bidirectional=True, batch_first=True)
+    x = torch.randn(4, 10, 16)
+    assert_predicted_exactly(lambda m, x: train_step(m, x, lambda out: out[0].sum()), model, x)
+
+
+def test_a_meta_batch_stands_for_one_on_the_models_device():
+    """A batch too large to allocate is passed on the meta device; the model is on the CPU."""
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
+                              num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    assert predict_memory(train_step, model, x.to("meta")).peak_bytes == measure_memory(
+        train_step, model, x
+    ).peak_bytes
