@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.utils.checkpoint
-from torch import nn
+from torch import Tensor, nn
 
 from revnets.plan import Checkpoint, Store
 from revnets.replay import Recording
@@ -50,7 +50,8 @@ def checkpoint(
         return torch.utils.checkpoint.checkpoint(
             module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
         )
-    replay = _Replay(module, preserve_rng_state)
+    device = next((t.device for t in args if isinstance(t, Tensor)), None)
+    replay = _Replay(module, preserve_rng_state, device)
     return torch.utils.checkpoint.checkpoint(
         module,
         *args,
@@ -64,9 +65,11 @@ def checkpoint(
 class _Replay:
     """The recording of one checkpointed call's forward, for its recomputation."""
 
-    def __init__(self, module: nn.Module, preserve_rng_state: bool) -> None:
+    def __init__(
+        self, module: nn.Module, preserve_rng_state: bool, device: torch.device | None
+    ) -> None:
         self.module = module
-        self.recording = Recording([module], preserve_rng_state)
+        self.recording = Recording([module], preserve_rng_state, device=device)
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
         # The first context wraps the original forward, the second the recomputation.

@@ -31,6 +31,10 @@ or restores state.
 #    (they compute weights: weight_norm, spectral_norm, pruning).
 # 5. Parametrizations' caches (``torch.nn.utils.parametrize.cached``) are suspended in both runs:
 #    a weight cached without a graph would reach backward without a path to its original.
+#
+# Watching costs a Python call per operator. A run of torch.nn's own layers only is recorded
+# without the watch, with the same findings (NOTE [ Known layers ] in known.py); consecutive runs
+# of one forward read Python's and numpy's generators once per boundary (RandomChain, state.py).
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ from revnets.replay.hooks import (
     recomputing,
     silenced_tensor_hooks,
 )
+from revnets.replay.known import known_run
 from revnets.replay.state import (
     Census,
+    RandomChain,
     _Slot,
     _storage_key,
     _version,
@@ -67,6 +73,7 @@ from revnets.replay.watch import Watch
 
 __all__ = [
     "AutocastState",
+    "RandomChain",
     "Recording",
     "forked_rng",
     "frozen_running_stats",
@@ -132,11 +139,16 @@ class Recording:
         preserve_rng: bool = True,
         keep_left_state: bool = False,
         root_owner: str | None = None,
+        chain: RandomChain | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.modules = list(modules)
         self.preserve_rng = preserve_rng
         self.keep_left_state = keep_left_state
         self.root_owner = root_owner
+        self.chain = chain if chain is not None else RandomChain()
+        self.device = device  # where the run's tensors are, for NOTE [ Known layers ]
+        self._python_found: dict[int, tuple[Any, Any]] = {}
         self.slots: list[_Slot] = []
         self.changed: list[_Slot] = []
         self.norms: list[nn.Module] = []
@@ -152,8 +164,16 @@ class Recording:
 
     # -- the recorded run ----------------------------------------------------------------------
     def __enter__(self) -> Recording:
-        census = self._census = Census.take(self.modules, self.preserve_rng)
+        known = known_run(self.modules, self.device, self.preserve_rng)
+        # Known layers draw nothing from Python's or numpy's generators.
+        census = self._census = Census.take(self.modules, self.preserve_rng and known is None)
         self.norms = census.norms
+        self.slots = census.slots
+        self.scalars = census.scalars
+        self._run = contextlib.ExitStack()
+        if known is not None:  # nothing to watch, and no hooks
+            self._watch, self._hooks = known, None
+            return self
         # Running statistics of training-mode BatchNorms are left alone by the replay (rule 2),
         # so nothing else may read them; the name is found only for the error message.
         exempt: dict[int, tuple[nn.Module, str] | None] = {
@@ -162,16 +182,13 @@ class Recording:
             for key, b in m._buffers.items()
             if b is not None
         }
-        self.slots = census.slots
-        self.scalars = census.scalars
         watched: dict[int, list[_Slot]] = {}
         for s in self.slots:
             if s.storage is not None:
                 watched.setdefault(s.storage, []).append(s)
-        self.python = [(g, g.getstate()) for g in census.python]
+        self._python_found = self.chain.begin(census.python)
         self._watch = Watch(watched, self.preserve_rng, exempt)
         self._hooks = HookWatch(census.hooked, self.modules, self.root_owner)
-        self._run = contextlib.ExitStack()
         self._run.enter_context(_uncached_parametrizations())
         self._run.enter_context(self._hooks)
         self._run.enter_context(self._watch)
@@ -181,9 +198,10 @@ class Recording:
         run, self._run = self._run, None
         run.__exit__(*exc)
         watch, self._watch = self._watch, None
-        self.hooks = self._hooks.transforming
+        self.hooks = self._hooks.transforming if self._hooks is not None else []
         self._hooks = None
         if exc[0] is not None:
+            self.chain.cut()
             return
         if watch.params_written:
             names = _names(self.modules)
@@ -202,9 +220,14 @@ class Recording:
                 "outside the recomputed part, or put the BatchNorm in eval mode."
             )
         self.generators = list(watch.generators.values())
-        self.python = [
-            (g, state) for g, state in self.python if not same_state(g, g.getstate(), state)
-        ]
+        if self._python_found:
+            left = self.chain.end(self._census.python)
+            self.python = [
+                (g, state)
+                for key, (g, state) in self._python_found.items()
+                if not same_state(g, left[key][1], state)
+            ]
+            self._python_found = {}
         self.external = list(watch.external.values())
         for s in self.slots:
             now = s.current()
@@ -273,7 +296,7 @@ class Recording:
             stack.enter_context(
                 self._state_as(lambda s: None if s.found is None else s.found.clone())
             )
-            stack.enter_context(frozen_running_stats(self.norms))
+            stack.enter_context(frozen_running_stats(self.norms, tracked=True))
             stack.enter_context(recomputing(self.walked, self.hooks, walked=True))
             stack.enter_context(_uncached_parametrizations())
             yield
@@ -285,7 +308,7 @@ class Recording:
         with (
             self._random_replayed(),
             self._state_as(lambda s: s.left),
-            frozen_running_stats(self.norms),
+            frozen_running_stats(self.norms, tracked=True),
             recomputing(self.walked, walked=True),
         ):
             yield

@@ -65,8 +65,35 @@ class _NumpyGenerator:
     def same(a: Any, b: Any) -> bool:
         numpy = sys.modules["numpy"]
         if isinstance(a, tuple):  # the legacy state: (name, keys, pos, has_gauss, cached)
-            return a[0] == b[0] and numpy.array_equal(a[1], b[1]) and a[2:] == b[2:]
+            return a[2:] == b[2:] and a[0] == b[0] and numpy.array_equal(a[1], b[1])
         return repr(a) == repr(b)
+
+
+class RandomChain:
+    """Python's and numpy's generator states where the last recording of a forward ended, for the
+    next recording to begin from when nothing ran in between (NOTE [ Replay ], rule 1): each
+    boundary between consecutive recordings is then read once, not twice. Code that runs user
+    code outside a recording between two of them calls :meth:`cut`."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, tuple[Any, Any]] = {}
+
+    def cut(self) -> None:
+        self.states = {}
+
+    def begin(self, generators: dict[int, Any]) -> dict[int, tuple[Any, Any]]:
+        """Each generator with its state now: from the chain where it holds one, else read."""
+        chained, self.states = self.states, {}
+        begun = {}
+        for key, g in generators.items():
+            link = chained.get(key)
+            begun[key] = (g, link[1] if link is not None else g.getstate())
+        return begun
+
+    def end(self, generators: dict[int, Any]) -> dict[int, tuple[Any, Any]]:
+        """Each generator with its state now, kept for the next recording."""
+        self.states = {key: (g, g.getstate()) for key, g in generators.items()}
+        return self.states
 
 
 def same_state(generator: Any, a: Any, b: Any) -> bool:
@@ -125,13 +152,16 @@ def state_tensors(
 
 
 @contextlib.contextmanager
-def frozen_running_stats(modules: nn.Module | Sequence[nn.Module]) -> Iterator[None]:
+def frozen_running_stats(
+    modules: nn.Module | Sequence[nn.Module], tracked: bool = False
+) -> Iterator[None]:
     """Within this context, BatchNorm layers in training mode normalise with batch statistics as
     usual but leave ``running_mean``, ``running_var`` and ``num_batches_tracked`` as they were
-    (NOTE [ Replay ], rule 2)."""
+    (NOTE [ Replay ], rule 2). ``tracked``: ``modules`` are those BatchNorms already."""
     if isinstance(modules, nn.Module):
         modules = [modules]
-    frozen = [(m, m.momentum, m.num_batches_tracked.clone()) for m in _tracked_norms(modules)]
+    norms = modules if tracked else _tracked_norms(modules)
+    frozen = [(m, m.momentum, m.num_batches_tracked.clone()) for m in norms]
     for m, _, _ in frozen:
         # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0, exactly.
         # Everything else stays as in the original forward, down to which tensors autograd saves
@@ -183,16 +213,6 @@ def _version(t: Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _each_module(modules: Sequence[nn.Module]) -> Iterator[nn.Module]:
-    """Every module below ``modules``, once (modules may be shared)."""
-    seen: set[int] = set()
-    for root in modules:
-        for m in root.modules():
-            if id(m) not in seen:
-                seen.add(id(m))
-                yield m
-
-
 def _is_tracked_norm(m: nn.Module) -> bool:
     return (
         isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
@@ -217,55 +237,78 @@ class Census:
     norms: list[nn.modules.batchnorm._NormBase]  # BatchNorms in training mode (rule 2)
     slots: list[_Slot]  # parameters, buffers and tensor attributes, BatchNorms' own left out
     scalars: list[tuple[dict, str, Any]]  # plain numbers and flags, ``training`` among them
-    python: list[Any]  # Python's and numpy's generators: the global ones and the modules' own
+    # Python's and numpy's generators (the global ones and the modules' own), by the identity of
+    # the generator object.
+    python: dict[int, Any]
     hooked: list[nn.Module]  # modules with forward hooks
+    # Each module's attribute names, and those of its attributes that could become a tensor
+    # (anything but a tensor or a module's internals), for new_tensor_attributes.
+    attributes: list[tuple[nn.Module, dict, tuple[str, ...], list[str]]]
 
     @classmethod
     def take(cls, roots: Sequence[nn.Module], generators: bool) -> Census:
-        found = cls([], [], [], [], [], [])
+        found = cls([], [], [], [], {}, [], [])
         kinds: tuple[type, ...] = (random.Random,)
         numpy = sys.modules.get("numpy") if generators else None
-        python: dict[int, Any] = {}
+        python = found.python
         if generators:
             python[id(random._inst)] = random._inst
         if numpy is not None:
             python[id(numpy.random)] = _NumpyGenerator(numpy.random)
             kinds += (numpy.random.RandomState, numpy.random.Generator)
-        for m in _each_module(roots):
+        seen: set[int] = set()
+        stack = list(reversed(roots))
+        while stack:  # depth first, each module once (modules may be shared)
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            stack += [c for c in reversed(m._modules.values()) if c is not None]
             found.modules.append(m)
             norm = _is_tracked_norm(m)
             if norm:
                 found.norms.append(m)
             if m._forward_hooks:
                 found.hooked.append(m)
-            tables = ("_parameters",) if norm else ("_parameters", "_buffers")
+            tables = (m._parameters,) if norm else (m._parameters, m._buffers)
             for table in tables:
-                for key, t in getattr(m, table).items():
+                for key, t in table.items():
                     if t is not None:
-                        found.slots.append(_Slot(m, table, key, t, _version(t), _storage_key(t)))
+                        kind = "_parameters" if table is m._parameters else "_buffers"
+                        found.slots.append(_Slot(m, kind, key, t, _version(t), _storage_key(t)))
             d = vars(m)
+            found.scalars.append((d, "training", d["training"]))
+            candidates = []
             for key, value in d.items():
-                kind = type(value)
-                if kind in (bool, int, float):
-                    found.scalars.append((d, key, value))
-                elif isinstance(value, Tensor):
+                if key in _MODULE_INTERNALS:
+                    continue
+                if isinstance(value, Tensor):
                     found.slots.append(
                         _Slot(m, "__dict__", key, value, _version(value), _storage_key(value))
                     )
-                elif generators and key not in _MODULE_INTERNALS:
+                    continue
+                candidates.append(key)
+                if type(value) in (bool, int, float):
+                    found.scalars.append((d, key, value))
+                elif generators:
                     _python_generators_in(value, kinds, python)
-        found.python = list(python.values())
+            found.attributes.append((m, d, tuple(d), candidates))
         return found
 
     def new_tensor_attributes(self) -> list[_Slot]:
         """Tensor attributes the run created: slots that did not exist before it."""
-        before = {(id(s.module), s.key) for s in self.slots if s.table == "__dict__"}
-        return [
-            _Slot(m, "__dict__", k, None, None)
-            for m in self.modules
-            for k, v in vars(m).items()
-            if isinstance(v, Tensor) and (id(m), k) not in before
-        ]
+        created = []
+        for m, d, keys, candidates in self.attributes:
+            if tuple(d) != keys:  # attributes added or deleted: look at every one
+                candidates = [k for k in d if k not in _MODULE_INTERNALS]
+                before = {s.key for s in self.slots if s.module is m and s.table == "__dict__"}
+                candidates = [k for k in candidates if k not in before]
+            created += [
+                _Slot(m, "__dict__", k, None, None)
+                for k in candidates
+                if isinstance(d.get(k), Tensor)
+            ]
+        return created
 
 
 def _python_generators_in(value: Any, kinds: tuple[type, ...], found: dict[int, Any]) -> None:

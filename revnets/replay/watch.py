@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from revnets.replay.known import kept_generator_state
 from revnets.replay.state import (
-    _CPU_STATE_BYTES,
     _default_generator,
     _device_of_op,
     _Slot,
@@ -46,16 +46,21 @@ _READS_STATISTICS = {
 
 
 @functools.cache
-def _facts(func: Any) -> tuple[bool, bool, bool]:
-    """What the watch asks of an operator, once per operator: whether it is seeded, whether it
-    may write into an argument, and whether it may read batch norm's statistics other than as
-    batch norm does (a view of them reads nothing)."""
-    is_view = any(
-        a.alias_info is not None and not a.alias_info.is_write for a in func._schema.returns
+def _facts(func: Any) -> tuple[bool, tuple[tuple[int, str], ...] | None, bool]:
+    """What the watch asks of an operator, once per operator: whether it is seeded, which
+    arguments it may write into (position and name; None: it writes nothing), and whether it may
+    read batch norm's statistics other than as batch norm does (a view of them reads nothing)."""
+    schema = func._schema
+    is_view = any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns)
+    written = tuple(
+        (k, a.name)
+        for k, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
     )
+    writes = schema.is_mutable or func in _UNDECLARED_WRITES
     return (
         torch.Tag.nondeterministic_seeded in func.tags,
-        func._schema.is_mutable or func in _UNDECLARED_WRITES,
+        written if writes else None,
         func not in _READS_STATISTICS and not is_view,
     )
 
@@ -98,23 +103,26 @@ class Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        seeded, writes, reads_exempt = _facts(func)
-        if self.draws and seeded and _draws(func, args):
+        seeded, written, reads_exempt = _facts(func)
+        if seeded and self.draws and _draws(func, args):
             self._note_draw(args, kwargs)
-        if writes:
-            self._note_writes(func, args, kwargs)
-        if self.exempt and reads_exempt:
+        if written is not None:
+            self._note_writes(func, written, args, kwargs)
+        if reads_exempt and self.exempt and self.exempt_read is None:
             self._note_exempt_reads(args, kwargs)
         out = func(*args, **kwargs)
-        for t in (out,) if isinstance(out, Tensor) else _tensors_in(out):
-            key = _storage_key(t)
+        if isinstance(out, Tensor):
+            key = _storage_key(out)
             if key is not None:
                 self.created.add(key)
+        else:
+            for t in _tensors_in(out):
+                key = _storage_key(t)
+                if key is not None:
+                    self.created.add(key)
         return out
 
     def _note_exempt_reads(self, args: Any, kwargs: dict) -> None:
-        if self.exempt_read is not None:
-            return
         for t in _tensor_arguments(args, kwargs):
             read = self.exempt.get(_storage_key(t))
             if read is not None:
@@ -126,30 +134,18 @@ class Watch(TorchDispatchMode):
             (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Generator)), None
         )
         device = generator.device if generator is not None else _device_of_op(args, kwargs)
-        if device.type == "meta":
-            # Nothing is drawn on the meta device; keep a placeholder the size of the CPU's state,
-            # so that a prediction on meta counts what a real run keeps.
-            key = ("meta",)
-            if key not in self.generators:
-                placeholder = torch.empty(_CPU_STATE_BYTES, dtype=torch.uint8, device="meta")
-                self.generators[key] = (None, placeholder)
-            return
-        if generator is None:
-            generator = _default_generator(device)
-        if id(generator) not in self.generators:
-            # detach() shows the kept state to a memory tracker below (get_state is not an
-            # operator), as the meta placeholder is shown.
-            self.generators[id(generator)] = (generator, generator.get_state().detach())
+        key = ("meta",) if device.type == "meta" else id(generator or _default_generator(device))
+        if key not in self.generators:
+            self.generators[key] = kept_generator_state(device, generator)
 
-    def _note_writes(self, func, args: Any, kwargs: dict) -> None:
-        schema = func._schema
-        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
-        undeclared = _UNDECLARED_WRITES[func](args) if func in _UNDECLARED_WRITES else ()
-        for k, (argument, value) in enumerate(zip(schema.arguments, values)):
-            declared = argument.alias_info is not None and argument.alias_info.is_write
-            if not declared and k not in undeclared:
-                continue
-            for t in value if isinstance(value, (list, tuple)) else [value]:
+    def _note_writes(
+        self, func: Any, written: tuple[tuple[int, str], ...], args: Any, kwargs: dict
+    ) -> None:
+        if func in _UNDECLARED_WRITES:
+            written += tuple((k, "") for k in _UNDECLARED_WRITES[func](args))
+        for k, name in written:
+            value = args[k] if k < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
                 if not isinstance(t, Tensor):
                     continue
                 key = _storage_key(t)

@@ -38,7 +38,8 @@ class InvertibleStep(BlockStep):
         x = self.merge(x1, x2)
         self.layout = Layout.of(x)
         self.recording = Recording(
-            [self.module], run.preserve_rng, keep_left_state=True, root_owner=where
+            [self.module], run.preserve_rng, keep_left_state=True, root_owner=where,
+            chain=run.random_chain,
         )
         with self.recording:
             if self.plan.hooked:

@@ -14,14 +14,20 @@ output and its gradient and leaves the block's input and its gradient in it. Thr
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from revnets.invertible import Invertible
-from revnets.replay import AutocastState, Recording, has_forward_hooks, state_tensors
+from revnets.replay import (
+    AutocastState,
+    RandomChain,
+    Recording,
+    has_forward_hooks,
+    state_tensors,
+)
 from revnets.reversible.block import ReversibleBlock
 from revnets.reversible.coupling import Coupling
 from revnets.reversible.gradient_memory import GradientMemory
@@ -131,6 +137,9 @@ class ForwardRun:
     memory_format: torch.memory_format
     autocast: AutocastState
     grid: GridWatch | None = None  # the range check of an exact sequence (NOTE [ Exact ... ])
+    # Python's and numpy's generator states between consecutive recordings; a step that runs
+    # user code outside a recording cuts it.
+    random_chain: RandomChain = field(default_factory=RandomChain)
 
 
 # -- couplings -------------------------------------------------------------------------------------
@@ -271,7 +280,8 @@ class CouplingStep(_CouplingBackward):
     def _run(self, name: str, half: Tensor, context: tuple, run: ForwardRun) -> Tensor:
         self.layouts[name] = Layout.of(half)
         recording = self.runs[name] = Recording(
-            [getattr(self.block, name)], run.preserve_rng
+            [getattr(self.block, name)], run.preserve_rng, chain=run.random_chain,
+            device=run.device,
         )
         with recording:
             h = self.block.transform(name, half, *context)
@@ -286,6 +296,7 @@ class CouplingStep(_CouplingBackward):
         sequence (a surrounding checkpoint) must not see it."""
         block = self.block
         where = f"block {self.index} of a ReversibleSequence"
+        run.random_chain.cut()  # the hooks run outside the recordings
         own_saving = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
         with torch.enable_grad(), own_saving:
             x1 = _NoGradientThroughForward.apply(x1.detach().requires_grad_(), where)
@@ -314,6 +325,7 @@ class CouplingStep(_CouplingBackward):
                             "output; the sequence could not be inverted. Register it on a module "
                             "inside f or g (it is replayed in backward) or on the sequence."
                         )
+        run.random_chain.cut()
         return y1.detach(), y2.detach()
 
     def _outputs(self, carry):
@@ -363,6 +375,7 @@ class StoredCouplingStep(_CouplingBackward):
     def forward(self, x1, x2, mine, context, run):
         block, coupling = self.block, self.block.coupling
         args = self.context.args()
+        run.random_chain.cut()  # f and g run here without a recording
         self.mine = mine
         self.x2 = x2.detach().requires_grad_()
         with torch.enable_grad():

@@ -1,0 +1,143 @@
+"""Transforms built only from torch.nn layers whose side effects are known, recorded without the
+dispatcher's watch (NOTE [ Known layers ])."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from revnets.replay.state import _CPU_STATE_BYTES, _default_generator
+
+__all__ = ["KnownRun", "known_run"]
+
+# NOTE [ Known layers ]
+# The watch (watch.py) sees every operator a run calls, because user code can draw from any
+# generator and write into any memory. torch.nn's own layers cannot: a layer of exactly one of the
+# types below (not a subclass, no forward of its own on the instance, no hooks, no
+# parametrization, which changes the type) writes only into memory its run created and into batch
+# norm's statistics, and draws only from its device's default generator. A transform made only of
+# such layers, nested in plain nn.Sequential, is recorded without the watch: the recording keeps
+# the device generator's state if a layer that draws is in training mode, and nothing else, which
+# is what the watch would find. Two cases still need the watch and fall back to it:
+#   - a layer that writes into its input (``inplace=True``) with nothing before it in the chain
+#     that made fresh memory: it would write into the caller's tensor;
+#   - any hook, global or on a layer, since hooks are user code.
+# Everything else about the recording (module state by slot, scalars, the checks before a
+# replay) is the same on both paths.
+
+# Layers whose output is always fresh memory.
+_FRESH = frozenset({
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Linear, nn.Bilinear,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
+    nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+    nn.GELU, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Mish, nn.Softmax, nn.LogSoftmax, nn.PReLU,
+})
+# Layers that may return their input itself or a view of it, or whose kernels might for some
+# sizes (Dropout in eval mode does too).
+_PASSING = frozenset({
+    nn.Identity, nn.Flatten, nn.Unflatten, nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle,
+    nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+})
+# Activations with an ``inplace`` flag: fresh memory unless it is set.
+_ACTIVATIONS = frozenset({
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.SiLU, nn.Hardtanh,
+    nn.Hardswish, nn.Hardsigmoid, nn.Threshold,
+})
+# Layers that draw random numbers in training mode, also with an ``inplace`` flag.
+_DRAWING = frozenset({
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.FeatureAlphaDropout, nn.RReLU,
+})
+_KNOWN = _FRESH | _PASSING | _ACTIVATIONS | _DRAWING
+
+
+def _global_hooks() -> bool:
+    module = nn.modules.module
+    return bool(
+        module._global_forward_hooks or module._global_forward_pre_hooks
+        or module._global_backward_hooks or module._global_backward_pre_hooks
+    )
+
+
+def _layers_in_order(roots: Sequence[nn.Module]) -> list[nn.Module] | None:
+    """The layers in the order a forward runs them, or None if something is not known."""
+    order: list[nn.Module] = []
+    stack = list(reversed(roots))
+    while stack:
+        m = stack.pop()
+        kind = type(m)
+        if (
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+            or m._backward_pre_hooks or "forward" in vars(m)
+        ):
+            return None
+        if kind is nn.Sequential:
+            stack += reversed(m._modules.values())
+        elif kind in _KNOWN and not m._modules:
+            order.append(m)
+        else:
+            return None
+    return order
+
+
+def known_run(
+    roots: Sequence[nn.Module], device: torch.device | None, keep_random: bool
+) -> KnownRun | None:
+    """What the watch would record for ``roots``, without watching, when they are made only of
+    known layers (NOTE [ Known layers ]); None when they are not, or the device is not given.
+    ``keep_random``: whether the generator's state is kept for a replay."""
+    if device is None or _global_hooks():
+        return None
+    order = _layers_in_order(roots)
+    if order is None:
+        return None
+    fresh, draws = False, False
+    for m in order:
+        kind = type(m)
+        inplace = getattr(m, "inplace", False)
+        if inplace and not fresh:
+            return None  # it would write into the caller's tensor
+        if kind in _DRAWING:
+            draws = draws or (m.training and getattr(m, "p", 1.0) != 0)
+            fresh = fresh or (m.training and not inplace and getattr(m, "p", 1.0) != 0)
+        elif kind in _FRESH or (kind in _ACTIVATIONS and not inplace):
+            fresh = True
+    return KnownRun(device if draws and keep_random else None)
+
+
+class KnownRun:
+    """Stands in for the watch (same findings) over a transform of known layers."""
+
+    def __init__(self, draws_on: torch.device | None) -> None:
+        self.generators: dict[Any, tuple[Any, Tensor | None]] = {}
+        if draws_on is not None:
+            self.generators = {"default": kept_generator_state(draws_on)}
+        self.written: dict[int, Tensor] = {}
+        self.external: dict[int, tuple[Tensor, Tensor]] = {}
+        self.params_written: list[Any] = []
+        self.exempt_read = None
+
+    def __enter__(self) -> KnownRun:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def kept_generator_state(device: torch.device, generator: Any = None) -> tuple[Any, Tensor]:
+    """A generator (``device``'s default one unless given) with its state now, as a recording
+    keeps it. Nothing is drawn on the meta device: there a placeholder the size of the CPU's
+    state stands in, so that a prediction on meta counts what a real run keeps."""
+    if device.type == "meta":
+        return None, torch.empty(_CPU_STATE_BYTES, dtype=torch.uint8, device="meta")
+    if generator is None:
+        generator = _default_generator(device)
+    # detach() shows the kept state to a memory tracker below (get_state is not an operator).
+    return generator, generator.get_state().detach()
