@@ -16,6 +16,7 @@ meter. Time: median of interleaved steps, over the eager step's.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import statistics
 import sys
@@ -126,11 +127,20 @@ def _shallow(model: nn.Module) -> nn.Module:
 
 
 def compiled(model: nn.Module, fraction: float, x: Tensor, y: Tensor) -> Callable[[], None]:
+    """torch.compile's step under ``activation_memory_budget=fraction``, on a copy of the model
+    of its own (the plans share the model's layers: a guard they trip would recompile), with the
+    budget in force at every call (a recompilation outside it would use the default)."""
     torch._dynamo.reset()
-    fn = torch.compile(model)
-    with torch._functorch.config.patch(activation_memory_budget=fraction):
-        step_of(fn, x, y)()  # compiles forward and backward under this budget
-    return step_of(fn, x, y)
+    fn = torch.compile(copy.deepcopy(model))
+    inner = step_of(fn, x, y)
+
+    def step() -> None:
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            inner()
+
+    step()  # compiles forward and backward under this budget
+    step.model = fn  # whose gradients to free before a measured step
+    return step
 
 
 def cases(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor]]]:
@@ -161,14 +171,20 @@ def frontier(name: str, build: Callable, repeats: int, quick: bool) -> list[dict
     steps: dict[str, Callable[[], None]] = {"eager": step_of(model, x, y)}
     eager_peak = revnets.measure_memory(steps["eager"]).peak_bytes
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    smallest = None
     for keep in KEEPS[::2] if quick else KEEPS:
         budget = int(state + keep * (eager_peak - state))
         try:
             planned = revnets.auto_checkpoint(model, x, budget,
                                               loss_fn=lambda out: F.cross_entropy(out, y))
-        except PlanningError:
+        except PlanningError as refusal:
+            smallest = refusal.smallest_budget
             continue
         steps[f"revnets keep {keep}"] = step_of(planned, x, y)
+    if smallest is not None:  # the lowest revnets reaches: the budget a refusal names
+        planned = revnets.auto_checkpoint(model, x, smallest,
+                                          loss_fn=lambda out: F.cross_entropy(out, y))
+        steps["revnets smallest"] = step_of(planned, x, y)
     for selective in (False, True):
         wrapped = with_checkpointed_blocks(model, selective)
         if wrapped is not None:
@@ -179,7 +195,7 @@ def frontier(name: str, build: Callable, repeats: int, quick: bool) -> list[dict
     peaks = {}
     for key, step in steps.items():
         step()  # warm: the first step allocates what later ones reuse
-        model.zero_grad(set_to_none=True)
+        getattr(step, "model", model).zero_grad(set_to_none=True)
         peaks[key] = peak_above_start(step)
     times = interleaved_times(steps, repeats).seconds
     eager = statistics.median(times["eager"])
@@ -236,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         "where they were at its start (gradients freed), from torch.profiler's memory events "
         "(the same meter for eager, planned and compiled steps). Time: median of "
         f"{args.repeats} interleaved steps over the eager step's. revnets: `auto_checkpoint` "
-        "at budgets keeping the given share of the activation part of the eager peak; compile: "
+        "at budgets keeping the given share of the activation part of the eager peak, and at "
+        "the smallest budget a refusal names where one was refused; compile: "
         "`torch.compile` under `torch._functorch.config.activation_memory_budget`; torch "
         "checkpoint: `torch.utils.checkpoint` around each repeated block, all recomputed or "
         "selectively (matmul, convolution and attention outputs kept).",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import re
 import statistics
 import sys
 import time
@@ -173,13 +172,15 @@ def train_step(model: nn.Module, x: Any, loss: Callable[[Tensor], Tensor]) -> No
     loss(model(x)).backward()
 
 
-def plan(model: nn.Module, x: Any, budget: int, loss: Callable) -> tuple[Any, float, str]:
+def plan(
+    model: nn.Module, x: Any, budget: int, loss: Callable
+) -> tuple[Any, float, PlanningError | None]:
     start = time.perf_counter()
     try:
         planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss)
     except PlanningError as error:
-        return None, time.perf_counter() - start, str(error)
-    return planned, time.perf_counter() - start, ""
+        return None, time.perf_counter() - start, error
+    return planned, time.perf_counter() - start, None
 
 
 def run_case(case: Case, repeats: int) -> list[dict]:
@@ -203,7 +204,7 @@ def run_case(case: Case, repeats: int) -> list[dict]:
         planned, seconds, refusal = plan(model, x, budget, loss)
         row["planning_s"] = round(seconds, 2)
         if planned is None:
-            named = int(re.search(r"\((\d+) bytes", refusal).group(1))
+            named = refusal.smallest_budget
             row["refused_named_mib"] = round(named / MiB, 2)
             planned, _, again = plan(model, x, named, loss)
             if planned is None:

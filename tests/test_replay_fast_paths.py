@@ -92,6 +92,16 @@ def test_a_global_hook_sends_every_transform_to_the_watch():
         handle.remove()
 
 
+def test_a_patched_layer_class_or_functional_sends_its_layers_to_the_watch(monkeypatch):
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: x @ self.weight.T)
+    assert known_run([nn.Sequential(nn.Linear(WIDTH, WIDTH))], CPU, keep_random=True) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(nn.functional, "dropout", lambda x, *args, **kwargs: x)
+    assert known_run([nn.Sequential(nn.Dropout())], CPU, keep_random=True) is None
+    monkeypatch.undo()
+    assert known_run([nn.Sequential(nn.Linear(WIDTH, WIDTH))], CPU, keep_random=True)
+
+
 def test_the_device_must_be_known():
     assert known_run([known_unit()], None, keep_random=True) is None
 

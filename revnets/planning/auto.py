@@ -35,7 +35,12 @@ NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped in
 
 
 class PlanningError(ValueError):
-    """No plan fits the budget; the message gives the smallest budget that can be reached."""
+    """No plan fits the budget; ``smallest_budget`` (bytes, also in the message) is the
+    smallest budget that can be reached, which asked for plans."""
+
+    def __init__(self, message: str, smallest_budget: int | None = None) -> None:
+        super().__init__(message)
+        self.smallest_budget = smallest_budget
 
 
 def _default_loss(output: Tensor) -> Tensor:
@@ -306,12 +311,12 @@ class _Planner:
         # from measured times): always the same, so the budget a refusal names plans when asked.
         frugal = _most_frugal(grouped)
         if frugal is None:
-            raise PlanningError(_no_fit(budget, low_peak, how))
+            raise _no_fit(budget, low_peak, how)
         frugal_peak = self.peak(frugal.apply(layers))
         if frugal_peak > budget:
             if frugal_peak < low_peak:
                 low_peak, how = frugal_peak, f"nested checkpoints {frugal.tree}"
-            raise PlanningError(_no_fit(budget, low_peak, how))
+            raise _no_fit(budget, low_peak, how)
         # The schedule's memory model leaves out transients: shrink its budget until the exact
         # prediction fits, recomputing less than the frugal schedule where it does.
         for share in (1.0, 0.8, 0.6):
@@ -322,7 +327,7 @@ class _Planner:
             if peak <= budget:
                 return nested(schedule, peak)
         return nested(frugal, frugal_peak)
-        raise PlanningError(_no_fit(budget, low_peak, how))
+        raise _no_fit(budget, low_peak, how)
 
     # -- the plan as an object --------------------------------------------------------------
     def _sequence_parts(
@@ -448,7 +453,7 @@ def _choose_preset(
             return model
     model.set_memory(original)
     best = min(peaks, key=peaks.get)
-    raise PlanningError(_no_fit(budget, peaks[best], f"memory plan {best!r}"))
+    raise _no_fit(budget, peaks[best], f"memory plan {best!r}")
 
 
 def _meta_like(value: Any) -> Any:
@@ -480,9 +485,10 @@ def _first_input(chain: nn.Sequential) -> str:
     return names[0]
 
 
-def _no_fit(budget: int, smallest: float, how: Any) -> str:
-    return (
+def _no_fit(budget: int, smallest: float, how: Any) -> PlanningError:
+    return PlanningError(
         f"auto_checkpoint: no plan trains within {budget / MiB:.2f} MiB; the smallest budget this "
         f"model can reach at this input size is {smallest / MiB:.2f} MiB ({int(smallest)} bytes, "
-        f"with {how}). Use a smaller batch or a reversible architecture."
+        f"with {how}). Use a smaller batch or a reversible architecture.",
+        int(smallest),
     )

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from revnets.replay.state import _CPU_STATE_BYTES, _default_generator
@@ -17,8 +18,9 @@ __all__ = ["KnownRun", "known_run"]
 # The watch (watch.py) sees every operator a run calls, because user code can draw from any
 # generator and write into any memory. torch.nn's own layers cannot: a layer of exactly one of the
 # types below (not a subclass, no forward of its own on the instance, no hooks, no
-# parametrization, which changes the type) writes only into memory its run created and into batch
-# norm's statistics, and draws only from its device's default generator. A transform made only of
+# parametrization, which changes the type; its class's forward and torch.nn.functional as torch
+# made them, not patched) writes only into memory its run created and into batch norm's
+# statistics, and draws only from its device's default generator. A transform made only of
 # such layers, nested in plain nn.Sequential, is recorded without the watch: the recording keeps
 # the device generator's state if a layer that draws is in training mode, and nothing else, which
 # is what the watch would find. Two cases still need the watch and fall back to it:
@@ -56,14 +58,19 @@ _DRAWING = frozenset({
     nn.FeatureAlphaDropout, nn.RReLU,
 })
 _KNOWN = _FRESH | _PASSING | _ACTIVATIONS | _DRAWING
+# The code they run, as torch made it: a library that patches a layer's class or a functional
+# (adapters, quantization) makes those layers user code again.
+_FORWARDS = {kind: kind.forward for kind in _KNOWN | {nn.Sequential}}
+_FUNCTIONAL = dict(vars(F))
 
 
-def _global_hooks() -> bool:
+def _user_code_everywhere() -> bool:
+    """Whether global hooks or a patched torch.nn.functional run user code in every layer."""
     module = nn.modules.module
     return bool(
         module._global_forward_hooks or module._global_forward_pre_hooks
         or module._global_backward_hooks or module._global_backward_pre_hooks
-    )
+    ) or vars(F) != _FUNCTIONAL
 
 
 def _layers_in_order(roots: Sequence[nn.Module]) -> list[nn.Module] | None:
@@ -76,6 +83,7 @@ def _layers_in_order(roots: Sequence[nn.Module]) -> list[nn.Module] | None:
         if (
             m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
             or m._backward_pre_hooks or "forward" in vars(m)
+            or _FORWARDS.get(kind) is not kind.forward
         ):
             return None
         if kind is nn.Sequential:
@@ -93,7 +101,7 @@ def known_run(
     """What the watch would record for ``roots``, without watching, when they are made only of
     known layers (NOTE [ Known layers ]); None when they are not, or the device is not given.
     ``keep_random``: whether the generator's state is kept for a replay."""
-    if device is None or _global_hooks():
+    if device is None or _user_code_everywhere():
         return None
     order = _layers_in_order(roots)
     if order is None:
