@@ -128,19 +128,26 @@ def _shallow(model: nn.Module) -> nn.Module:
 
 def compiled(model: nn.Module, fraction: float, x: Tensor, y: Tensor) -> Callable[[], None]:
     """torch.compile's step under ``activation_memory_budget=fraction``, on a copy of the model
-    of its own (the plans share the model's layers: a guard they trip would recompile), with the
-    budget in force at every call (a recompilation outside it would use the default)."""
-    torch._dynamo.reset()
-    fn = torch.compile(copy.deepcopy(model))
-    inner = step_of(fn, x, y)
-
-    def step() -> None:
-        with torch._functorch.config.patch(activation_memory_budget=fraction):
-            inner()
-
+    of its own. The budget is applied by a backend of this fraction's own: dynamo keeps compiled
+    code per backend (a copy of the same model class compiled for another fraction would
+    otherwise reuse its graphs), and AOTAutograd's and Inductor's caches are off inside it (their
+    keys would let one fraction's partition serve another)."""
+    fn = torch.compile(copy.deepcopy(model), backend=functools.partial(_budgeted, fraction))
+    step = step_of(fn, x, y)
     step()  # compiles forward and backward under this budget
     step.model = fn  # whose gradients to free before a measured step
     return step
+
+
+def _budgeted(fraction: float, graph: torch.fx.GraphModule, inputs: list) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+
+    with (
+        torch._functorch.config.patch(activation_memory_budget=fraction,
+                                      enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        return compile_fx(graph, inputs)
 
 
 def cases(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor]]]:
