@@ -57,6 +57,13 @@ MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
+FAMILIES = ("revnets + compile", "revnets", "compile", "torch checkpoint", "eager")
+
+
+def family_of(method: str) -> str:
+    return next(f for f in FAMILIES if method.startswith(f))
+
+
 def step_of(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -158,13 +165,14 @@ def cases(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor
         return model, tokens, torch.randint(0, 4096, (batch * length,))
 
     def resnet() -> tuple[nn.Module, Tensor, Tensor]:
+        # Sizes where activations, not the gradients of the weights, make the peak.
         model = torchvision.models.resnet18() if quick else torchvision.models.resnet50()
-        size, batch = (32, 2) if quick else (64, 4)
+        size, batch = (32, 2) if quick else (128, 8)
         return model, torch.randn(batch, 3, size, size), torch.randint(0, 1000, (batch,))
 
     def vit() -> tuple[nn.Module, Tensor, Tensor]:
         name = "deit_tiny_patch16_224" if quick else "vit_small_patch16_224"
-        size, batch = (32, 2) if quick else (128, 4)
+        size, batch = (32, 2) if quick else (224, 8)
         model = timm.create_model(name, img_size=size, num_classes=10)
         return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
 
@@ -178,20 +186,22 @@ def frontier(name: str, build: Callable, repeats: int, quick: bool) -> list[dict
     steps: dict[str, Callable[[], None]] = {"eager": step_of(model, x, y)}
     eager_peak = revnets.measure_memory(steps["eager"]).peak_bytes
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    smallest = None
+    plans, smallest = {}, None
     for keep in KEEPS[::2] if quick else KEEPS:
         budget = int(state + keep * (eager_peak - state))
         try:
-            planned = revnets.auto_checkpoint(model, x, budget,
-                                              loss_fn=lambda out: F.cross_entropy(out, y))
+            plans[f"keep {keep}"] = revnets.auto_checkpoint(
+                model, x, budget, loss_fn=lambda out: F.cross_entropy(out, y))
         except PlanningError as refusal:
             smallest = refusal.smallest_budget
-            continue
-        steps[f"revnets keep {keep}"] = step_of(planned, x, y)
     if smallest is not None:  # the lowest revnets reaches: the budget a refusal names
-        planned = revnets.auto_checkpoint(model, x, smallest,
-                                          loss_fn=lambda out: F.cross_entropy(out, y))
-        steps["revnets smallest"] = step_of(planned, x, y)
+        plans["smallest"] = revnets.auto_checkpoint(model, x, smallest,
+                                                    loss_fn=lambda out: F.cross_entropy(out, y))
+    for label, planned in plans.items():
+        steps[f"revnets {label}"] = step_of(planned, x, y)
+        # A plan compiled as users compile models: its checkpoints become regions the compiled
+        # backward recomputes, and the rest is fused as under torch.compile.
+        steps[f"revnets + compile {label}"] = compiled(planned, 1.0, x, y)
     for selective in (False, True):
         wrapped = with_checkpointed_blocks(model, selective)
         if wrapped is not None:
@@ -220,9 +230,9 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, name in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == name]
-        for family in ("revnets", "compile", "torch checkpoint", "eager"):
+        for family in FAMILIES:
             points = sorted((r["peak_mib"], r["time_ratio"], r["method"]) for r in mine
-                            if r["method"].startswith(family))
+                            if family_of(r["method"]) == family)
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=family)
         ax.set_title(name)
@@ -260,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
         "(the same meter for eager, planned and compiled steps). Time: median of "
         f"{args.repeats} interleaved steps over the eager step's. revnets: `auto_checkpoint` "
         "at budgets keeping the given share of the activation part of the eager peak, and at "
-        "the smallest budget a refusal names where one was refused; compile: "
+        "the smallest budget a refusal names where one was refused; revnets + compile: those "
+        "plans under `torch.compile` (default budget); compile: "
         "`torch.compile` under `torch._functorch.config.activation_memory_budget`; torch "
         "checkpoint: `torch.utils.checkpoint` around each repeated block, all recomputed or "
         "selectively (matmul, convolution and attention outputs kept).",
