@@ -1,5 +1,5 @@
-"""Regenerate everything in results/ (about two and a half hours on 2 CPU cores; needs
-`.[bench]`). frontier.py writes no committed result yet and is left out.
+"""Regenerate everything in results/ (about two and three quarter hours on 2 CPU cores; needs
+`.[bench]`).
 
     pip install -e '.[bench]' && python benchmarks/run_all.py
 """
@@ -9,6 +9,7 @@ import compile_speed
 import exact_accuracy
 import exact_error_vs_depth
 import exact_step_time
+import frontier
 import memory_timeline
 import memory_vs_depth
 import peers
@@ -27,6 +28,6 @@ if __name__ == "__main__":
     for script in (reversible_stack, peers, peers_overhead, exact_step_time, compile_speed,
                    zoo_memory, vit_memory, memory_timeline, memory_vs_depth, accuracy,
                    planning_torchvision, planning_lstm, plan_example, planner_zoo,
-                   exact_error_vs_depth, exact_accuracy):
+                   exact_error_vs_depth, exact_accuracy, frontier):
         print(f"== {script.__name__}", flush=True)
         script.main([])

@@ -9,9 +9,9 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def run_quick(script: str) -> str:
+def run_quick(script: str, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, script, "--quick"],
+        [sys.executable, script, "--quick", *args],
         cwd=BENCHMARKS,
         capture_output=True,
         text=True,
@@ -76,3 +76,12 @@ def test_planner_zoo_plans_or_refuses_every_row_correctly(tmp_path):
 def test_peers_overhead_quick_run_times_revnets_beside_ordinary_autograd():
     out = run_quick("peers_overhead.py")
     assert "'library': 'none'" in out and "'library': 'revnets'" in out
+
+
+@pytest.mark.slow  # compiles the model at each budget
+def test_frontier_quick_run_measures_every_family(tmp_path):
+    out = run_quick("frontier.py", "--only", "gpt", "--results", str(tmp_path))
+    for family in ("'eager'", "'revnets ", "'revnets + compile ", "'torch checkpoint per block'",
+                   "'compile budget 0.3'"):
+        assert family in out
+    assert list(tmp_path.glob("frontier-*-quick-gpt.png"))

@@ -83,7 +83,7 @@ NOT_RUN = {
     "pip install -e '.[test]'": CI,
     "python -m pytest -q": CI,
     "pip install -e '.[bench]'": "installs the peer libraries the benchmarks compare with",
-    "python benchmarks/run_all.py": "regenerates results/ (about two and a half hours) and "
+    "python benchmarks/run_all.py": "regenerates results/ (about three hours) and "
     "rewrites the committed files; each script's quick mode runs in tests/test_benchmarks.py",
     "pip download timm==1.0.31 --no-binary :all: --no-deps -d /tmp/timm-sdist": "downloads timm's "
     "source from PyPI, for the next command",

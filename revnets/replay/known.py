@@ -87,7 +87,7 @@ def _layers_in_order(roots: Sequence[nn.Module]) -> list[nn.Module] | None:
         ):
             return None
         if kind is nn.Sequential:
-            stack += reversed(m._modules.values())
+            stack += [c for c in reversed(m._modules.values()) if c is not None]
         elif kind in _KNOWN and not m._modules:
             order.append(m)
         else:
