@@ -10,9 +10,10 @@ device (the memory meter counts the same tensors there as on a real device).
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from revnets.checkpoint import segment_bounds
 from revnets.planning.profile import LayerProfile
@@ -122,45 +123,82 @@ def optimal_plan(
     appeared, added_after = [], []
     for state in states:
         pairs = sorted((first_seen[name], nbytes) for name, nbytes in state.items())
-        appeared.append([c for c, _ in pairs])
-        suffix = [0] * (len(pairs) + 1)
+        appeared.append(np.array([c for c, _ in pairs], dtype=np.int64))
+        suffix = np.zeros(len(pairs) + 1, dtype=np.int64)
         for j in range(len(pairs) - 1, -1, -1):
             suffix[j] = suffix[j + 1] + pairs[j][1]
         added_after.append(suffix)
     state_bytes = [sum(state.values()) for state in states]
+    saved = np.array(saved_prefix, dtype=np.int64)
+    times = np.array(time_prefix, dtype=np.float64)
 
-    def added(i: int, k: int) -> int:
-        return added_after[k][bisect.bisect_right(appeared[k], i)]
-
-    # fronts[i]: (kept bytes, recompute time, previous cut, index in its front), Pareto-optimal.
-    fronts: list[list[tuple[int, float, int, int]]] = [[] for _ in range(n + 1)]
-    fronts[0] = [(state_bytes[0], 0.0, -1, -1)]
-    best: tuple[float, int, int] | None = None
-    for i in range(n):
-        fronts[i] = _pareto(fronts[i])
-        for j, (kept, spent, _, _) in enumerate(fronts[i]):
-            if kept + saved_prefix[n] - saved_prefix[i] <= budget and (
-                best is None or spent < best[0]
-            ):
-                best = (spent, i, j)  # [i, n) as the last, stored segment
-            for k in range(i + 1, n):
-                internal = kept + saved_prefix[k] - saved_prefix[i]
-                if internal > budget:
-                    break
-                if k in forbidden or internal + state_bytes[k] > budget:
-                    continue
-                fronts[k].append(
-                    (kept + added(i, k), spent + time_prefix[k] - time_prefix[i], i, j)
-                )
+    # Every Pareto point found, in the order the cuts are reached (then by bytes): the cut it
+    # ends at, kept bytes, recompute time, the room left for the next segment (the next cut's
+    # saved prefix and live values must stay within it) and the point it came from.
+    cut = np.array([0], dtype=np.int64)
+    kept = np.array([state_bytes[0]], dtype=np.int64)
+    spent = np.array([0.0])
+    room = budget - kept + saved[0]
+    parent = np.array([-1], dtype=np.int64)
+    active = np.array([0], dtype=np.int64)  # points whose next segment can still end ahead
+    best = _best_last_segment(None, kept, spent, budget - (saved[n] - saved[0]), 0, 0)
+    for k in range(1, n):
+        # Segment [cut, k) from a point: it fits while kept + saved[cut:k] <= budget, and
+        # saved grows with k, so a point that cannot reach k cannot reach anything after it.
+        active = active[room[active] >= saved[k]]
+        if k in forbidden or not len(active):
+            continue
+        fits = active[room[active] >= saved[k] + state_bytes[k]]
+        if not len(fits):
+            continue
+        at = cut[fits]
+        adds = added_after[k][np.searchsorted(appeared[k], at, side="right")]
+        new_kept = kept[fits] + adds
+        new_spent = spent[fits] + times[k] - times[at]
+        front = _pareto_front(new_kept, new_spent)
+        first = len(cut)
+        cut = np.concatenate([cut, np.full(len(front), k)])
+        kept = np.concatenate([kept, new_kept[front]])
+        spent = np.concatenate([spent, new_spent[front]])
+        room = np.concatenate([room, budget - new_kept[front] + saved[k]])
+        parent = np.concatenate([parent, fits[front]])
+        active = np.concatenate([active, np.arange(first, len(cut))])
+        best = _best_last_segment(
+            best, new_kept[front], new_spent[front], budget - (saved[n] - saved[k]), first, k)
     if best is None:
         return None
-    _, i, j = best
-    cuts = [n, i]
-    while i > 0:
-        _, _, i, j = fronts[i][j]
-        cuts.append(i)
+    point = best[1]
+    cuts = [n]
+    while point >= 0:
+        cuts.append(int(cut[point]))
+        point = int(parent[point])
     bounds = cuts[::-1]
     return list(zip(bounds, bounds[1:]))
+
+
+def _pareto_front(kept: np.ndarray, spent: np.ndarray) -> np.ndarray:
+    """Indices of the points no other beats in both bytes and time, by bytes; among equal points
+    the first (they arrive in the order of the points they extend)."""
+    order = np.lexsort((np.arange(len(kept)), spent, kept))
+    ordered = spent[order]
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = ordered[1:] < np.minimum.accumulate(ordered)[:-1]
+    return order[keep]
+
+
+def _best_last_segment(
+    best: tuple[float, int] | None, kept: np.ndarray, spent: np.ndarray, limit: int,
+    first: int, k: int,
+) -> tuple[float, int] | None:
+    """The cheapest point so far from which [k, n) can be the last, stored segment: the earliest
+    of the cheapest (time, point index) wins ties."""
+    fitting = np.nonzero(kept <= limit)[0]
+    if not len(fitting):
+        return best
+    j = fitting[np.argmin(spent[fitting])]
+    if best is None or spent[j] < best[0]:
+        return float(spent[j]), first + int(j)
+    return best
 
 
 def modelled_peak(
@@ -176,14 +214,6 @@ def modelled_peak(
         last = number == len(plan) - 1
         peak = max(peak, internal + (0 if last else sum(states[stop].values())))
     return peak
-
-
-def _pareto(points: list[tuple[int, float, int, int]]) -> list[tuple[int, float, int, int]]:
-    front: list[tuple[int, float, int, int]] = []
-    for point in sorted(points, key=lambda p: (p[0], p[1])):
-        if not front or point[1] < front[-1][1]:
-            front.append(point)
-    return front
 
 
 def recomputed_layers(plan: Plan) -> int:
