@@ -559,6 +559,43 @@ def test_an_eval_mode_statistic_modified_after_the_forward_is_refused():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("wrap", ["reversible", "checkpointed"])
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["frozen", "unfrozen"])
+def test_a_weight_frozen_or_unfrozen_after_the_forward_is_refused(wrap, requires_grad):
+    model = film_sequence()
+    weight = model[0].f.linear.weight
+    weight.requires_grad_(not requires_grad)
+    if wrap == "checkpointed":
+        model = revnets.Checkpointed(model)
+    x, t = inputs()
+    out = model(*leaves(x, t))
+    weight.requires_grad_(requires_grad)
+    with pytest.raises(RuntimeError, match=r"f.linear.weight.requires_grad was"):
+        out.sum().backward()
+
+
+HOOKS = {
+    "forward_pre_hook": lambda m: m.register_forward_pre_hook(lambda module, args: None),
+    "full_backward_hook": lambda m: m.register_full_backward_hook(lambda *args: None),
+    "backward_pre_hook": lambda m: m.register_full_backward_pre_hook(lambda *args: None),
+}
+
+
+@pytest.mark.parametrize("wrap", ["reversible", "checkpointed"])
+@pytest.mark.parametrize("register", HOOKS.values(), ids=HOOKS.keys())
+def test_a_hook_registered_between_forward_and_backward_is_refused(wrap, register):
+    # Under ordinary autograd it would not run for this step; the recomputation would run it.
+    model = film_sequence()
+    linear = model[0].f.linear
+    if wrap == "checkpointed":
+        model = revnets.Checkpointed(model)
+    x, t = inputs()
+    out = model(*leaves(x, t))
+    register(linear)
+    with pytest.raises(RuntimeError, match=r"hook was registered on \S*f.linear between"):
+        out.sum().backward()
+
+
 def test_two_forwards_before_backward_train_like_ordinary_autograd():
     """Siamese use: the second forward updates the statistics again before either backward."""
     model = film_sequence(dropout=0.2)

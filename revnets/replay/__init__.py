@@ -23,8 +23,9 @@ or restores state.
 #    Training-mode BatchNorm is the one exception: its output does not depend on its running
 #    statistics, so the replay leaves them alone instead of copying them.
 # 3. Anything else the run read must be unchanged when the replay runs, by identity and version
-#    counter: a parameter updated in place or swapped (an optimizer step, functional_call) is
-#    refused by name. A run that writes into a parameter is refused too.
+#    counter and requires_grad: a parameter updated in place, swapped (an optimizer step,
+#    functional_call) or frozen is refused by name. A run that writes into a parameter is refused
+#    too.
 # 4. Forward hooks fire once, in the recorded run. A hook that replaced a module's output or
 #    changed it in place is part of the computation: the replay runs it again (it can tell, with
 #    :func:`is_recomputing`); every other forward hook is silenced. Forward pre-hooks always run
@@ -34,7 +35,9 @@ or restores state.
 #
 # Watching costs a Python call per operator. A run of torch.nn's own layers only is recorded
 # without the watch, with the same findings (NOTE [ Known layers ] in known.py); consecutive runs
-# of one forward read Python's and numpy's generators once per boundary (RandomChain, state.py).
+# of one forward read Python's and numpy's generators once per boundary (RandomChain, state.py)
+# where only revnets' own code runs between them; user code there (a hook, a Coupling of one's
+# own) cuts the chain.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
 
 from revnets.replay.hooks import (
     HookWatch,
@@ -161,9 +165,11 @@ class Recording:
         self._run: contextlib.ExitStack | None = None
         self._census: Census | None = None
         self.walked: list[nn.Module] = []  # every module below ``modules``, once
+        self.hook_serial = 0  # the id the next hook registered anywhere gets
 
     # -- the recorded run ----------------------------------------------------------------------
     def __enter__(self) -> Recording:
+        self.hook_serial = RemovableHandle.next_id
         known = known_run(self.modules, self.device, self.preserve_rng)
         # Known layers draw nothing from Python's or numpy's generators.
         census = self._census = Census.take(self.modules, self.preserve_rng and known is None)
@@ -261,13 +267,26 @@ class Recording:
 
     # -- before a replay -----------------------------------------------------------------------
     def check(self, owner: str, remedy: str, prefix: str = "") -> None:
-        """Raise if a tensor the run read was swapped or modified in place since (NOTE
-        [ Replay ], rule 3); ``prefix`` is the module's dotted name, for the message."""
+        """Raise if a tensor the run read was swapped, modified in place or had its
+        ``requires_grad`` changed since (NOTE [ Replay ], rule 3); ``prefix`` is the module's
+        dotted name, for the message."""
+        if RemovableHandle.next_id != self.hook_serial:
+            self._check_no_hooks_since(owner, remedy, prefix)
         for s in self.slots:
             now = s.current()
-            if now is s.tensor and (s.version is None or _version(now) == s.version):
+            if now is s.tensor and (now is None or (
+                (s.version is None or _version(now) == s.version)
+                and now.requires_grad == s.requires_grad
+            )):
                 continue
             name = prefix + s.name(_names(self.modules))
+            if now is s.tensor and now.requires_grad != s.requires_grad:
+                raise RuntimeError(
+                    f"{owner}: {name}.requires_grad was {s.requires_grad} in the forward pass and "
+                    f"is {now.requires_grad} now, so the recomputation would differentiate other "
+                    "weights than the forward used. Freeze or unfreeze weights before the forward "
+                    f"pass or after backward. {remedy}"
+                )
             if now is not s.tensor:
                 raise RuntimeError(
                     f"{owner}: {name} is not the tensor the forward pass used, so recomputing in "
@@ -283,6 +302,31 @@ class Recording:
                 "Ordinary autograd refuses the same for the tensors it saves. Run backward before "
                 "changing it, or change it out of place. " + remedy
             )
+
+    def _check_no_hooks_since(self, owner: str, remedy: str, prefix: str) -> None:
+        # Hook ids grow with every registration: a larger one than the run saw is newer. A forward
+        # pre-hook would run in the replay only, and a module's backward hook fires only for
+        # forwards that ran with it (ordinary autograd would not call it).
+        module = nn.modules.module
+        tables = [(None, "forward pre-hook", module._global_forward_pre_hooks),
+                  (None, "backward hook", module._global_backward_hooks),
+                  (None, "backward pre-hook", module._global_backward_pre_hooks)]
+        for m in self.walked:
+            tables += [(m, "forward pre-hook", m._forward_pre_hooks),
+                       (m, "backward hook", m._backward_hooks),
+                       (m, "backward pre-hook", m._backward_pre_hooks)]
+        for m, kind, table in tables:
+            if any(key >= self.hook_serial for key in table):
+                label = "" if m is None else (
+                    (prefix + _names(self.modules).get(id(m), "")).rstrip(".")
+                    or type(m).__name__
+                )
+                where = f"on {label}" if label else "globally"
+                raise RuntimeError(
+                    f"{owner}: a {kind} was registered {where} between the forward pass and "
+                    "backward; the recomputation would run it although the forward did not. "
+                    f"Register hooks before the forward pass. {remedy}"
+                )
 
     # -- the replay ----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -3,7 +3,9 @@ dispatcher's watch (NOTE [ Known layers ])."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+import types
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,16 +19,19 @@ __all__ = ["KnownRun", "known_run"]
 # NOTE [ Known layers ]
 # The watch (watch.py) sees every operator a run calls, because user code can draw from any
 # generator and write into any memory. torch.nn's own layers cannot: a layer of exactly one of the
-# types below (not a subclass, no forward of its own on the instance, no hooks, no
-# parametrization, which changes the type; its class's forward and torch.nn.functional as torch
-# made them, not patched) writes only into memory its run created and into batch norm's
-# statistics, and draws only from its device's default generator. A transform made only of
-# such layers, nested in plain nn.Sequential, is recorded without the watch: the recording keeps
-# the device generator's state if a layer that draws is in training mode, and nothing else, which
-# is what the watch would find. Two cases still need the watch and fall back to it:
+# types below (not a subclass, no method of its own on the instance, no hooks, no
+# parametrization, which changes the type) running code as torch made it (its classes,
+# torch.nn.functional and the torch functions and Tensor methods they call, none patched) writes
+# only into memory its run created and into batch norm's statistics, and draws only from its
+# device's default generator. A transform made only of such layers, nested in plain
+# nn.Sequential, is recorded without the watch: the recording keeps the device generator's state
+# if a layer that draws is in training mode, and nothing else, which is what the watch would
+# find. Three cases still need the watch and fall back to it:
 #   - a layer that writes into its input (``inplace=True``) with nothing before it in the chain
 #     that made fresh memory: it would write into the caller's tensor;
-#   - any hook, global or on a layer, since hooks are user code.
+#   - any hook, global or on a layer, since hooks are user code;
+#   - a norm given running statistics it does not track (InstanceNorm still updates them), and
+#     norms in training and in eval mode together (one might read statistics the other updates).
 # Everything else about the recording (module state by slot, scalars, the checks before a
 # replay) is the same on both paths.
 
@@ -58,41 +63,123 @@ _DRAWING = frozenset({
     nn.FeatureAlphaDropout, nn.RReLU,
 })
 _KNOWN = _FRESH | _PASSING | _ACTIVATIONS | _DRAWING
-# The code they run, as torch made it: a library that patches a layer's class or a functional
-# (adapters, quantization) makes those layers user code again.
-_FORWARDS = {kind: kind.forward for kind in _KNOWN | {nn.Sequential}}
-_FUNCTIONAL = dict(vars(F))
+# The code they run, as torch made it: a library that patches a layer's class or anything its
+# forward calls (a helper method, a torch.nn.functional or torch function, a Tensor method:
+# adapters, quantization, tracing tools) makes those layers user code again.
+_MISSING = object()
+# What a forward never runs: construction and serialisation (torch.compile patches
+# Module.__init__ and __setstate__ to tag modules), and data.
+_NOT_RUN = frozenset({
+    "__init__", "__setstate__", "__getstate__", "__repr__", "extra_repr", "__dir__",
+    "__annotations__", "__doc__", "___needs_generation_tag_patch",
+})
+
+
+class _AsMade:
+    """Entries of a namespace as torch made them: all of them (``names`` None: a class, where an
+    added method may shadow a base's), or those named (a module namespace, which gains
+    submodules as they are imported)."""
+
+    def __init__(self, namespace: Any, names: frozenset[str] | None = None) -> None:
+        self.namespace, self.names = namespace, names
+        now = vars(namespace)
+        self.keys = tuple(now if names is None else sorted(names & now.keys()))
+        self.contents = {key: now[key] for key in self.keys}
+        self.values = tuple(self.contents.values())
+        self.get = operator.itemgetter(*self.keys)
+
+    def unchanged(self) -> bool:
+        now = vars(self.namespace)
+        try:
+            if (now == self.contents) if self.names is None else (self.get(now) == self.values):
+                return True
+        except KeyError:
+            return False
+        # A changed entry that a forward does not run (a data attribute, a constructor) is no
+        # patch: take it as made and compare quickly again.
+        keys = (now.keys() | self.contents.keys()) if self.names is None else set(self.keys)
+        for key in keys - _NOT_RUN:
+            a, b = now.get(key, _MISSING), self.contents.get(key, _MISSING)
+            if a is not b and (_is_code(a) or _is_code(b)):
+                return False
+        self.__init__(self.namespace, self.names)
+        return True
+
+
+def _is_code(value: Any) -> bool:
+    return value is _MISSING or callable(value) or hasattr(type(value), "__get__")
+
+
+def _names_run_by(functions: Iterable[Any]) -> frozenset[str]:
+    """Every global and attribute name the code of ``functions`` mentions (nested code too)."""
+    names: set[str] = set()
+    codes = [f.__code__ for f in functions if isinstance(f, types.FunctionType)]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return frozenset(names)
+
+
+_CLASSES = {
+    c: _AsMade(c) for kind in _KNOWN | {nn.Sequential} for c in kind.__mro__ if c is not object
+}
+_MRO = {
+    kind: frozenset(_CLASSES[c] for c in kind.__mro__ if c is not object)
+    for kind in _KNOWN | {nn.Sequential}
+}
+_RUN = _names_run_by(
+    [*vars(F).values(), *(f for c in _CLASSES for f in vars(c).values())]
+)
+_LIBRARY = (
+    _AsMade(F, frozenset(vars(F))), _AsMade(torch, _RUN), _AsMade(torch._C._nn, _RUN),
+    _AsMade(torch.Tensor),  # TensorBase, a C type, cannot be patched
+)
 
 
 def _user_code_everywhere() -> bool:
-    """Whether global hooks or a patched torch.nn.functional run user code in every layer."""
+    """Whether global hooks or a patched torch namespace run user code in every layer."""
     module = nn.modules.module
     return bool(
         module._global_forward_hooks or module._global_forward_pre_hooks
         or module._global_backward_hooks or module._global_backward_pre_hooks
-    ) or vars(F) != _FUNCTIONAL
+    ) or not all(namespace.unchanged() for namespace in _LIBRARY)
 
 
 def _layers_in_order(roots: Sequence[nn.Module]) -> list[nn.Module] | None:
     """The layers in the order a forward runs them, or None if something is not known."""
     order: list[nn.Module] = []
+    kinds: set[type] = {nn.Sequential}
     stack = list(reversed(roots))
     while stack:
         m = stack.pop()
-        kind = type(m)
         if (
             m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-            or m._backward_pre_hooks or "forward" in vars(m)
-            or _FORWARDS.get(kind) is not kind.forward
+            or m._backward_pre_hooks or any(map(callable, vars(m).values()))
         ):
-            return None
+            return None  # hooks, or a forward or helper method set on the instance
+        kind = type(m)
         if kind is nn.Sequential:
             stack += [c for c in reversed(m._modules.values()) if c is not None]
-        elif kind in _KNOWN and not m._modules:
+        elif kind in _KNOWN and not m._modules and _states_as_made(m):
             order.append(m)
+            kinds.add(kind)
         else:
             return None
-    return order
+    made = frozenset().union(*(_MRO[kind] for kind in kinds))
+    return order if all(namespace.unchanged() for namespace in made) else None
+
+
+def _keeps_statistics(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is not None
+
+
+def _states_as_made(m: nn.Module) -> bool:
+    # A norm given running statistics it does not track (track_running_stats turned off after
+    # construction) still updates them in some kernels (instance norm): the watch sees it.
+    if isinstance(m, nn.modules.batchnorm._NormBase):
+        return (m.running_mean is not None) == m.track_running_stats
+    return True
 
 
 def known_run(
@@ -106,6 +193,9 @@ def known_run(
     order = _layers_in_order(roots)
     if order is None:
         return None
+    statistics = {m.training for m in order if _keeps_statistics(m)}
+    if len(statistics) > 1:
+        return None  # an eval-mode norm might read what a training one updates
     fresh, draws = False, False
     for m in order:
         kind = type(m)

@@ -161,7 +161,7 @@ def frozen_running_stats(
     if isinstance(modules, nn.Module):
         modules = [modules]
     norms = modules if tracked else _tracked_norms(modules)
-    frozen = [(m, m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    frozen = [(m, m.momentum, _copy(m.num_batches_tracked)) for m in norms]
     for m, _, _ in frozen:
         # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0, exactly.
         # Everything else stays as in the original forward, down to which tensors autograd saves
@@ -173,7 +173,8 @@ def frozen_running_stats(
         with torch.no_grad():
             for m, momentum, count in frozen:
                 m.momentum = momentum
-                m.num_batches_tracked.copy_(count)
+                if count is not None:  # a layer may drop its count (num_batches_tracked = None)
+                    m.num_batches_tracked.copy_(count)
 
 
 @dataclass
@@ -187,6 +188,7 @@ class _Slot:
     tensor: Tensor | None  # None: the slot did not exist before the run
     version: int | None
     storage: int | None = None
+    requires_grad: bool = False
     found: Tensor | None = None  # what the replay runs with, where the run changed the slot
     left: Tensor | None = None  # what the run left, for an inverse
 
@@ -202,6 +204,10 @@ class _Slot:
 
     def name(self, names: dict[int, str]) -> str:
         return names.get(id(self.module), type(self.module).__name__) + self.key
+
+
+def _copy(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.clone()
 
 
 def _table(module: nn.Module, table: str) -> dict:
@@ -275,7 +281,9 @@ class Census:
                 for key, t in table.items():
                     if t is not None:
                         kind = "_parameters" if table is m._parameters else "_buffers"
-                        found.slots.append(_Slot(m, kind, key, t, _version(t), _storage_key(t)))
+                        found.slots.append(
+                            _Slot(m, kind, key, t, _version(t), _storage_key(t), t.requires_grad)
+                        )
             d = vars(m)
             found.scalars.append((d, "training", d["training"]))
             candidates = []
@@ -284,7 +292,10 @@ class Census:
                     continue
                 if isinstance(value, Tensor):
                     found.slots.append(
-                        _Slot(m, "__dict__", key, value, _version(value), _storage_key(value))
+                        _Slot(
+                            m, "__dict__", key, value, _version(value), _storage_key(value),
+                            value.requires_grad,
+                        )
                     )
                     continue
                 candidates.append(key)

@@ -46,10 +46,12 @@ _READS_STATISTICS = {
 
 
 @functools.cache
-def _facts(func: Any) -> tuple[bool, tuple[tuple[int, str], ...] | None, bool]:
+def _facts(func: Any) -> tuple[bool, tuple[tuple[int, str], ...] | None, bool | int]:
     """What the watch asks of an operator, once per operator: whether it is seeded, which
     arguments it may write into (position and name; None: it writes nothing), and whether it may
-    read batch norm's statistics other than as batch norm does (a view of them reads nothing)."""
+    read batch norm's statistics other than as batch norm in training mode does (a view of them
+    reads nothing; for batch norm itself, the position of its ``training`` flag: in eval mode
+    it reads them)."""
     schema = func._schema
     is_view = any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns)
     written = tuple(
@@ -61,8 +63,16 @@ def _facts(func: Any) -> tuple[bool, tuple[tuple[int, str], ...] | None, bool]:
     return (
         torch.Tag.nondeterministic_seeded in func.tags,
         written if writes else None,
-        func not in _READS_STATISTICS and not is_view,
+        _training_flag(schema) if func in _READS_STATISTICS else not is_view,
     )
+
+
+def _training_flag(schema: Any) -> int:
+    return next(k for k, a in enumerate(schema.arguments) if a.name == "training")
+
+
+def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
+    return args[position] if position < len(args) else kwargs[name]
 
 
 def _draws(func: Any, args: tuple) -> bool:
@@ -108,8 +118,9 @@ class Watch(TorchDispatchMode):
             self._note_draw(args, kwargs)
         if written is not None:
             self._note_writes(func, written, args, kwargs)
-        if reads_exempt and self.exempt and self.exempt_read is None:
-            self._note_exempt_reads(args, kwargs)
+        if reads_exempt is not False and self.exempt and self.exempt_read is None:
+            if reads_exempt is True or not _argument(args, kwargs, reads_exempt, "training"):
+                self._note_exempt_reads(args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             key = _storage_key(out)

@@ -29,7 +29,12 @@ from revnets.replay import (
     state_tensors,
 )
 from revnets.reversible.block import ReversibleBlock
-from revnets.reversible.coupling import Coupling
+from revnets.reversible.coupling import (
+    AdditiveCoupling,
+    AffineCoupling,
+    Coupling,
+    ExactAdditiveCoupling,
+)
 from revnets.reversible.gradient_memory import GradientMemory
 from revnets.reversible.grid import GridWatch
 from revnets.reversible.reach import GradRoot, check_reached
@@ -152,6 +157,16 @@ def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor
     return coupling.combine(x, h)
 
 
+# The couplings revnets defines draw no random numbers; any other is user code between two
+# recordings (NOTE [ Replay ], RandomChain).
+_STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling)
+
+
+def _user_code_ran(coupling: Coupling, run: ForwardRun) -> None:
+    if type(coupling) not in _STOCK_COUPLINGS:
+        run.random_chain.cut()
+
+
 def _uncombine(coupling: Coupling, y: Tensor, h: Tensor) -> Tensor:
     # y is always the engine's own here (NOTE [ Layout ], rule 3).
     if coupling.is_additive and torch.result_type(y, h) == y.dtype:
@@ -271,8 +286,10 @@ class CouplingStep(_CouplingBackward):
         h = self._run("f", x2, context.values, run)
         y1 = dense(_combine(block.coupling, x1, h, mine), True, run.memory_format)
         del h
+        _user_code_ran(block.coupling, run)
         h = self._run("g", y1, context.values, run)
         y2 = _combine(block.coupling, x2, h, True)
+        _user_code_ran(block.coupling, run)
         if run.grid is not None:
             run.grid.watch(self.index, y1, y2)
         return y1, y2, True
