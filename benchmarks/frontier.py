@@ -38,6 +38,7 @@ from torch.utils.checkpoint import (
 )
 
 import revnets
+from revnets.checkpoint import SELECTIVE_OPS  # the same operators kept, for a like comparison
 from revnets.planning import PlanningError
 
 from common import (
@@ -52,9 +53,6 @@ from common import (
 
 KEEPS = (0.7, 0.5, 0.3, 0.15)  # revnets: share of the activation part kept in the budget
 FRACTIONS = (0.7, 0.5, 0.3, 0.1)  # torch.compile's activation_memory_budget
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.convolution.default,
-           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 FAMILIES = ("revnets + compile", "revnets", "compile", "torch checkpoint", "eager")
@@ -100,7 +98,7 @@ class PerBlock(nn.Module):
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _keep_matmuls = functools.partial(create_selective_checkpoint_contexts, _policy)

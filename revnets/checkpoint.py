@@ -16,11 +16,13 @@ from typing import Any
 
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from revnets.plan import Checkpoint, Store
 from revnets.replay import Recording
 
 __all__ = [
+    "SELECTIVE_OPS",
     "Checkpointed",
     "checkpoint",
     "checkpoint_segments",
@@ -29,11 +31,37 @@ __all__ = [
 ]
 
 
+# NOTE [ Selective recomputation ]
+# A selective checkpoint keeps, besides its input, the outputs of the operators that cost the most
+# to run again for what they keep: matrix products, convolutions and attention (SELECTIVE_OPS),
+# and recomputes the rest (norms, activations, dropout, additions), as torch's selective
+# activation checkpointing does (torch.utils.checkpoint.create_selective_checkpoint_contexts,
+# whose contexts run inside the replay's). The autograd graph of the recomputation is whole: a
+# kept operator is recorded as usual and returns its kept output instead of computing it, so its
+# backward reads recomputed inputs. A kept output that the forward then modifies in place
+# (ReLU(inplace=True) right after a convolution) is refused by torch in backward; the planner
+# never makes such a segment selective (LayerProfile.selective_safe).
+SELECTIVE_OPS = frozenset({
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+})
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def checkpoint(
-    module: nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any
+    module: nn.Module, *args: Any, preserve_rng_state: bool = True, selective: bool = False,
+    **kwargs: Any,
 ) -> Any:
-    """``module(*args, **kwargs)``, storing only the inputs; the internals are recomputed in
-    backward.
+    """``module(*args, **kwargs)``, storing only the inputs (and with ``selective``, the outputs
+    of matrix products, convolutions and attention: NOTE [ Selective recomputation ]); the
+    internals are recomputed in backward.
 
     Non-reentrant :func:`torch.utils.checkpoint.checkpoint` whose recomputation is a replay
     (NOTE [ Replay ] in :mod:`revnets.replay`): it draws from every generator as the forward did
@@ -48,10 +76,11 @@ def checkpoint(
         # from the graph rather than by rerunning Python: statistics are not updated twice and
         # the weights are the graph's own. It also accepts no custom context_fn.
         return torch.utils.checkpoint.checkpoint(
-            module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
+            module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+            **({"context_fn": _selective_contexts} if selective else {}), **kwargs,
         )
     device = next((t.device for t in args if isinstance(t, Tensor)), None)
-    replay = _Replay(module, preserve_rng_state, device)
+    replay = _Replay(module, preserve_rng_state, device, selective)
     return torch.utils.checkpoint.checkpoint(
         module,
         *args,
@@ -66,14 +95,19 @@ class _Replay:
     """The recording of one checkpointed call's forward, for its recomputation."""
 
     def __init__(
-        self, module: nn.Module, preserve_rng_state: bool, device: torch.device | None
+        self, module: nn.Module, preserve_rng_state: bool, device: torch.device | None,
+        selective: bool = False,
     ) -> None:
         self.module = module
         self.recording = Recording([module], preserve_rng_state, device=device)
+        self.selective = selective
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
         # The first context wraps the original forward, the second the recomputation.
-        return self.recording, self._recomputation()
+        if not self.selective:
+            return self.recording, self._recomputation()
+        keeping, kept = _selective_contexts()
+        return _nested(self.recording, keeping), _nested(self._recomputation(), kept)
 
     @contextlib.contextmanager
     def _recomputation(self) -> Iterator[None]:
@@ -83,6 +117,18 @@ class _Replay:
         )
         with self.recording.replayed():
             yield
+
+
+def _selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+@contextlib.contextmanager
+def _nested(
+    outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager
+) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 class Checkpointed(nn.Module):
@@ -134,7 +180,8 @@ class Checkpointed(nn.Module):
         ):
             return self.module(*args, **kwargs)
         return checkpoint(
-            self.module, *args, preserve_rng_state=self.preserve_rng_state, **kwargs
+            self.module, *args, preserve_rng_state=self.preserve_rng_state,
+            selective=self.memory.selective, **kwargs,
         )
 
     def extra_repr(self) -> str:
@@ -153,7 +200,8 @@ def segment_bounds(n: int, segments: int | None = None) -> list[tuple[int, int]]
 
 
 def run_checkpointed_segments(
-    layers: Sequence[nn.Module], x: Any, segments: int | None = None, checkpoint_last: bool = False
+    layers: Sequence[nn.Module], x: Any, segments: int | None = None,
+    checkpoint_last: bool = False, selective: bool = False,
 ) -> Any:
     """Run ``layers`` in order, checkpointing each of about sqrt(n) segments but the last.
 
@@ -165,7 +213,7 @@ def run_checkpointed_segments(
     for i, (start, stop) in enumerate(bounds):
         segment = nn.Sequential(*layers[start:stop])  # a view on the layers, not registered
         stored = i == len(bounds) - 1 and not checkpoint_last
-        x = segment(x) if stored else checkpoint(segment, x)
+        x = segment(x) if stored else checkpoint(segment, x, selective=selective)
     return x
 
 

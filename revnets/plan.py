@@ -51,11 +51,17 @@ class Store:
 @dataclass(frozen=True)
 class Checkpoint:
     """Keep only the part's input and run its forward again in backward; a run of blocks is
-    cut into ``segments`` checkpointed pieces (None: about sqrt(n))."""
+    cut into ``segments`` checkpointed pieces (None: about sqrt(n)). ``selective``: keep the
+    outputs of matrix products, convolutions and attention too, and recompute only the rest
+    (norms, activations, dropout, additions: NOTE [ Selective recomputation ] in
+    revnets/checkpoint.py)."""
 
     segments: int | None = None
+    selective: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.selective, bool):
+            raise ValueError(f"Checkpoint: selective must be True or False, got {self.selective!r}")
         if self.segments is not None and (
             isinstance(self.segments, bool) or not isinstance(self.segments, int)
             or self.segments < 1
@@ -70,7 +76,9 @@ class Checkpoint:
         return None if self.segments is None else min(self.segments, max(blocks, 1))
 
     def __str__(self) -> str:
-        return "checkpoint" if self.segments is None else f"checkpoint(segments={self.segments})"
+        options = [f"segments={self.segments}"] if self.segments is not None else []
+        options += ["selective=true"] if self.selective else []
+        return f"checkpoint({', '.join(options)})" if options else "checkpoint"
 
 
 @dataclass(frozen=True)

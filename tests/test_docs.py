@@ -110,8 +110,9 @@ EXPECTED = {
         "memory plan of revnet38: stages=reconstruct(store_last_blocks=2), rest=store",
     "python train.py memory=reversible_checkpoint memory.keep_input_every=16 trainer.max_steps=2":
         "memory plan of revnet38: stages=reconstruct(keep_input_every=16), rest=checkpoint",
-    "python train.py model=resnet32 memory=checkpoint memory.segments=4 trainer.max_steps=2":
-        "memory plan of resnet32: stages=checkpoint(segments=4), rest=store",
+    "python train.py model=resnet32 memory=checkpoint memory.segments=4 memory.selective=true "
+    "trainer.max_steps=2":
+        "memory plan of resnet32: stages=checkpoint(segments=4, selective=true), rest=store",
     "python train.py memory=reversible memory.exact=true trainer.precision=bf16 "
     "trainer.max_steps=2":
         "memory plan of revnet38: stages=reconstruct(exact=True), rest=store",

@@ -1,5 +1,6 @@
 import copy
 import itertools
+from dataclasses import replace
 
 import pytest
 import timm
@@ -20,10 +21,14 @@ from revnets.planning import (
     modelled_peak,
     nested_schedule,
     optimal_plan,
+    optimal_segments,
     profile_chain,
     recompute_cost,
+    segment_cost,
     sqrt_plan,
 )
+from revnets.planning import chain as chain_module
+from revnets.planning.chain import SELECTIVE
 
 from conftest import conv_unit, max_grad_error
 
@@ -195,6 +200,55 @@ def test_optimal_plan_is_the_best_of_all_plans(seed):
         assert plan in fitting
         best = min(recompute_cost(p, profiles) for p in fitting)
         assert recompute_cost(plan, profiles) == best
+
+
+def all_segmentations(n):
+    """Every plan of optimal_segments' form: each segment but the last stored, checkpointed or
+    checkpointed selectively."""
+    for plan in all_plans(n):
+        for kinds in itertools.product([False, True, SELECTIVE], repeat=len(plan) - 1):
+            yield tuple((a, b, kind) for (a, b), kind in zip(plan, (*kinds, False)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_optimal_segments_are_the_best_of_all_segmentations(seed, monkeypatch):
+    monkeypatch.setattr(chain_module, "FRONT_CAP", 10**9)  # exact: no front is thinned
+    n = 6
+    generator = torch.Generator().manual_seed(100 + seed)
+    profiles = [replace(p, selective_bytes=int(torch.randint(0, 3, (1,), generator=generator)) * 8,
+                        selective_safe=i != 2)
+                for i, p in enumerate(synthetic_profiles(n, seed))]
+    forbidden = forbidden_cuts(profiles)
+    allowed = [p for p in all_segmentations(n) if not any(a in forbidden for a, _, _ in p[1:])
+               and not any(kind == SELECTIVE and a <= 2 < b for a, b, kind in p)]
+    cost = lambda plan: sum(segment_cost(profiles, *segment) for segment in plan)  # noqa: E731
+    for budget in range(60, 500, 20):
+        fitting = [p for p in allowed if segments_peak(p, profiles) <= budget]
+        plan = optimal_segments(profiles, budget)
+        if not fitting:
+            assert plan is None
+            continue
+        assert segments_peak(plan, profiles) <= budget
+        assert cost(plan) == pytest.approx(min(cost(p) for p in fitting))
+
+
+def segments_peak(plan, profiles):
+    """optimal_segments' model: modelled_peak's, where a stored segment keeps what its steps
+    save and a selective one what it keeps, both until their backward, and the values live at
+    every cut stay kept (a stored segment's input too: a slight over-count)."""
+    states = [{"input": 0}] + [p.state for p in profiles]
+    kept, held, peak = {}, 0, 0
+    for number, (start, stop, kind) in enumerate(plan):
+        kept.update(states[start])
+        inside = sum(p.saved_bytes for p in profiles[start:stop])
+        last = number == len(plan) - 1
+        peak = max(peak, sum(kept.values()) + held + inside
+                   + (0 if last else sum(states[stop].values())))
+        if kind == SELECTIVE:
+            held += sum(p.selective_bytes for p in profiles[start:stop])
+        elif not kind:
+            held += inside
+    return peak
 
 
 class Branches(nn.Module):

@@ -115,7 +115,9 @@ def test_every_option_of_every_preset_is_a_memory_key():
     decision_fields = {f for options in revnets.plan.preset_options().values() for f in options}
     schema_fields = {f.name for f in dataclasses.fields(MemoryOptions)}
     assert schema_fields == {"preset"} | decision_fields
-    assert decision_fields == {"segments", "store_last_blocks", "keep_input_every", "exact"}
+    assert decision_fields == {
+        "segments", "selective", "store_last_blocks", "keep_input_every", "exact"
+    }
 
 
 @pytest.mark.parametrize("overrides, message", [

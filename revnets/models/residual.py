@@ -76,7 +76,10 @@ class Stage(SwitchableMemory, nn.Module):
             # Reversible blocks run here as ordinary modules, grouped with the other units.
             units = [*self.units, *(self.reversible or ())]
             segments = self.memory.stages.segments_for(len(units))
-            return run_checkpointed_segments(units, x, segments, checkpoint_last=not self.last)
+            return run_checkpointed_segments(
+                units, x, segments, checkpoint_last=not self.last,
+                selective=self.memory.stages.selective,
+            )
         for unit in self.units:
             x = self._maybe_checkpoint(unit, x)
         if self.reversible is not None:

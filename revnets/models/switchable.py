@@ -59,11 +59,13 @@ class SwitchableMemory:
             blocks.set_memory(self.memory.stages)
         if isinstance(self.memory.stages, Checkpoint) and self._saving():
             segments = self.memory.stages.segments_for(len(blocks))
-            return run_checkpointed_segments(list(blocks), x, segments)
+            return run_checkpointed_segments(
+                list(blocks), x, segments, selective=self.memory.stages.selective
+            )
         return blocks(x)
 
     def _maybe_checkpoint(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         """Run a part of the rest (stem, transition, final activation) as the plan says."""
         if isinstance(self.memory.rest, Checkpoint) and self._saving():
-            return checkpoint(fn, x)
+            return checkpoint(fn, x, selective=self.memory.rest.selective)
         return fn(x)

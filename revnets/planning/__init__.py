@@ -7,7 +7,10 @@ from revnets.planning.chain import (
     forbidden_cuts,
     modelled_peak,
     optimal_plan,
+    optimal_segments,
     recompute_cost,
+    segment_cost,
+    selective_plans,
     sqrt_plan,
 )
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
@@ -30,7 +33,10 @@ __all__ = [
     "modelled_peak",
     "nested_schedule",
     "optimal_plan",
+    "optimal_segments",
     "profile_chain",
     "recompute_cost",
+    "segment_cost",
+    "selective_plans",
     "sqrt_plan",
 ]

@@ -16,8 +16,19 @@ from torch.utils._pytree import tree_map
 from revnets.checkpoint import Checkpointed
 from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
-from revnets.planning.chain import candidate_plans
-from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
+from revnets.planning.chain import (
+    SELECTIVE,
+    Recompute,
+    Segment,
+    candidate_plans,
+    selective_plans,
+)
+from revnets.planning.nested import (
+    NestedSchedule,
+    group_chain,
+    most_frugal_schedule,
+    nested_schedule,
+)
 from revnets.planning.planned import PlannedModel
 from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
 from revnets.planning.search import Option, Segments, modelled_peak_of, search
@@ -31,6 +42,7 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 MiB = 2**20
 LossFn = Callable[[Any], Tensor]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
+SELECTIVE_SHARES = (0.8, 0.9, 1.0, 1.1, 1.25)  # of the budget left for activations
 
 
 
@@ -234,8 +246,8 @@ class _Planner:
             profiles = self._profiles_of(reconstructed)
             extra = sum(_seconds(profiles, i) for i in reconstructed)
             options += [Option(reconstructed, plan, self._recompute(plan, profiles) + extra,
-                               modelled_peak_of(plan, profiles, self.input_state))
-                        for plan in self._candidates(profiles, reconstructed)]
+                               modelled_peak_of(plan, profiles, self.input_state), sized)
+                        for plan, sized in self._candidates(profiles, reconstructed, budget)]
         options.sort(key=lambda o: (o.cost, o.modelled))
         found, peaks = search(options, budget, self._predict, self.model_state)
         if found is None:
@@ -258,38 +270,56 @@ class _Planner:
     # A reconstructing sequence keeps neither its input nor its internals: checkpointing it would
     # keep its input and run it once more. So every plan cuts around it and runs it as is.
     def _candidates(
-        self, profiles: list[LayerProfile], reconstructed: frozenset[int]
-    ) -> list[Segments]:
-        plans: set[Segments] = set()
-        # Which plans are candidates depends on sizes only, never on measured times, so that
-        # whether a budget can be met (and the smallest budget a refusal names) is the same
-        # from run to run; times only order the candidates.
+        self, profiles: list[LayerProfile], reconstructed: frozenset[int], budget: int
+    ) -> list[tuple[Segments, bool]]:
+        """Candidate plans, each with whether it was chosen on sizes alone. Which plans can meet
+        a budget at all (the floors, and the smallest budget a refusal names) depends on those
+        only, so that it is the same from run to run; measured times order the candidates and
+        add selective ones (NOTE [ Modelled search, exact acceptance ])."""
         unmeasured = [replace(p, forward_seconds=math.nan) for p in profiles]
-        for plan in candidate_plans(unmeasured, input_state=self.input_state):
-            segments: list[tuple[int, int, bool]] = []
-            for number, (start, stop) in enumerate(plan):
-                checkpointed = number < len(plan) - 1
-                cuts = sorted({start, stop, *(c for i in reconstructed if start <= i < stop
-                                              for c in (i, i + 1))})
-                for a, b in zip(cuts, cuts[1:]):
-                    alone = b - a == 1 and a in reconstructed
-                    segments.append((a, b, checkpointed and not alone))
-            plans.add(tuple(segments))
-        return sorted(plans, key=lambda p: (self._recompute(p, profiles), len(p)))
+        sized = {
+            self._cut_around([(a, b, number < len(plan) - 1) for number, (a, b) in enumerate(plan)],
+                             reconstructed)
+            for plan in candidate_plans(unmeasured, input_state=self.input_state)
+        }
+        # Selective plans for the budget asked, the model state taken off as a first guess of
+        # what an exact peak adds, with some slack for what the chain model leaves out.
+        room = budget - self.model_state
+        timed = {self._cut_around(plan, reconstructed) for plan in selective_plans(
+            profiles, [int(share * room) for share in SELECTIVE_SHARES], self.input_state)}
+        timed -= sized
+        key = lambda p: (self._recompute(p, profiles), len(p))  # noqa: E731
+        return [(p, True) for p in sorted(sized, key=key)] + [
+            (p, False) for p in sorted(timed, key=key)]
+
+    # A reconstructing sequence keeps neither its input nor its internals: checkpointing it would
+    # keep its input and run it once more. So every plan cuts around it and runs it as is.
+    @staticmethod
+    def _cut_around(plan: Sequence[Segment], reconstructed: frozenset[int]) -> Segments:
+        segments: list[Segment] = []
+        for start, stop, recompute in plan:
+            cuts = sorted({start, stop, *(c for i in reconstructed if start <= i < stop
+                                          for c in (i, i + 1))})
+            for a, b in zip(cuts, cuts[1:]):
+                alone = b - a == 1 and a in reconstructed
+                segments.append((a, b, False if alone else recompute))
+        return tuple(segments)
 
     @staticmethod
     def _recompute(plan: Segments, profiles: list[LayerProfile]) -> float:
-        return sum(_seconds(profiles, i) for a, b, checkpointed in plan if checkpointed
-                   for i in range(a, b))
+        return sum(_seconds(profiles, i) for a, b, recompute in plan if recompute
+                   for i in range(a, b)
+                   if recompute != SELECTIVE or not profiles[i].selective_bytes)
 
     def _apply(self, plan: Segments) -> nn.Module:
         """The chain running ``plan``, over the same modules."""
         if not any(checkpointed for _, _, checkpointed in plan):
             return self.chain
         steps: list[nn.Module] = []
-        for start, stop, checkpointed in plan:
+        for start, stop, recompute in plan:
             run = list(self.chain)[start:stop]
-            steps += [Checkpointed(nn.Sequential(*run))] if checkpointed else run
+            steps += [Checkpointed(nn.Sequential(*run), _decision(recompute))] if recompute \
+                else run
         return nn.Sequential(*steps)
 
     def _nested(
@@ -309,7 +339,7 @@ class _Planner:
 
         # The most frugal schedule there is, found from sizes alone (not from the budget, not
         # from measured times): always the same, so the budget a refusal names plans when asked.
-        frugal = _most_frugal(grouped)
+        frugal = most_frugal_schedule(grouped)
         if frugal is None:
             raise _no_fit(budget, low_peak, how)
         frugal_peak = self.peak(frugal.apply(layers))
@@ -354,9 +384,13 @@ class _Planner:
         for start, stop, checkpointed in plan:
             if checkpointed:
                 state = self.input_state if start == 0 else profiles[start - 1].state
-                parts.append(PartPlan(_span(names, start, stop), Checkpoint(),
-                                      sum((state or {}).values()),
-                                      _measured(profiles, range(start, stop))))
+                kept = sum((state or {}).values())
+                if checkpointed == SELECTIVE:
+                    kept += sum(p.selective_bytes for p in profiles[start:stop])
+                rerun = [i for i in range(start, stop)
+                         if checkpointed != SELECTIVE or not profiles[i].selective_bytes]
+                parts.append(PartPlan(_span(names, start, stop), _decision(checkpointed), kept,
+                                      _measured(profiles, rerun)))
             run: list[int] = []
             for i in [*range(start, stop), None]:
                 if (i is None or i in self.sequences) and run and not checkpointed:
@@ -377,26 +411,8 @@ class _Planner:
         return _plan(parts, reconstructed, checkpointed, peak, budget)
 
 
-def _most_frugal(profiles: Sequence[LayerProfile]) -> NestedSchedule | None:
-    """The nested schedule of the least memory (to 1/64 of it) in rotor's model, every layer
-    counting one unit of time."""
-    unmeasured = [replace(p, forward_seconds=math.nan) for p in profiles]
-    high = max(sum(p.saved_bytes + p.output_bytes for p in profiles), 1)
-    for _ in range(8):  # storing everything fits rotor's model, give or take its gradients
-        if nested_schedule(unmeasured, high) is not None:
-            break
-        high *= 2
-    else:
-        return None
-    low, frugal = 0, nested_schedule(unmeasured, high)
-    while high - low > max(high // 64, 1):
-        middle = (low + high) // 2
-        schedule = nested_schedule(unmeasured, middle)
-        if schedule is None:
-            low = middle
-        else:
-            high, frugal = middle, schedule
-    return frugal
+def _decision(recompute: Recompute) -> Checkpoint:
+    return Checkpoint(selective=recompute == SELECTIVE)
 
 
 def _plan(
@@ -421,7 +437,7 @@ def _decision_of(sequence: ReversibleSequence) -> Decision:
     return sequence.memory if isinstance(sequence.memory, Reconstruct) else Reconstruct()
 
 
-def _measured(profiles: Sequence[LayerProfile], indices: range) -> float:
+def _measured(profiles: Sequence[LayerProfile], indices: Sequence[int]) -> float:
     """Forward seconds of some steps, NaN where they were not measured (on the meta device)."""
     return sum(profiles[i].forward_seconds for i in indices)
 

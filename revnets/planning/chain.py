@@ -19,14 +19,19 @@ from revnets.checkpoint import segment_bounds
 from revnets.planning.profile import LayerProfile
 
 __all__ = [
+    "SELECTIVE",
     "Plan",
+    "Segment",
     "budget_plan",
     "candidate_plans",
     "forbidden_cuts",
     "modelled_peak",
     "optimal_plan",
+    "optimal_segments",
     "recompute_cost",
     "respect_inplace",
+    "segment_cost",
+    "selective_plans",
     "sqrt_plan",
 ]
 
@@ -103,9 +108,47 @@ def optimal_plan(
     time). Returns None when no plan fits. The model ignores transient buffers, so callers check
     the chosen plan's real peak (``revnets.predict_memory``) and tighten ``budget`` if needed.
     """
+    segments = _optimal(profiles, budget, input_state, mixed=False)
+    return None if segments is None else [(a, b) for a, b, _ in segments]
+
+
+def optimal_segments(
+    profiles: Sequence[LayerProfile], budget: int, input_state: dict[str, int] | None = None
+) -> list[Segment] | None:
+    """Like :func:`optimal_plan`, where a segment before the last may also be stored (its steps
+    keep what they save, nothing of it is recomputed) or checkpointed selectively (NOTE
+    [ Selective recomputation ]: it keeps the outputs of its matrix products, convolutions and
+    attention, and recomputes only the cheap steps): ``(start, stop, recompute)`` segments.
+    The model counts the values live at every cut as kept, a stored segment's input too (its
+    steps save what they need of it: a slight over-count, on the safe side), and each front is
+    thinned to ``FRONT_CAP`` points, so it is exact only for short chains."""
+    return _optimal(profiles, budget, input_state, mixed=True)
+
+
+# A segment: (start, stop, recompute), recompute False (stored), True (checkpointed) or
+# "selective" (a selective checkpoint).
+Recompute = bool | str
+Segment = tuple[int, int, Recompute]
+SELECTIVE = "selective"
+
+
+def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
+                 recompute: Recompute) -> float:
+    """What one segment recomputes in backward (seconds, or layers when not measured)."""
+    if not recompute:
+        return 0.0
+    costs = _step_costs(profiles)
+    return sum(costs[i] for i in range(start, stop)
+               if recompute != SELECTIVE or not profiles[i].selective_bytes)
+
+
+def _optimal(
+    profiles: Sequence[LayerProfile], budget: int, input_state: dict[str, int] | None,
+    mixed: bool,
+) -> list[Segment] | None:
     n = len(profiles)
     if n == 0:
-        return [(0, 0)]
+        return [(0, 0, False)]
     costs = _step_costs(profiles)
     forbidden = forbidden_cuts(profiles)
     saved_prefix = [0]
@@ -113,6 +156,11 @@ def optimal_plan(
     for p, cost in zip(profiles, costs):
         saved_prefix.append(saved_prefix[-1] + p.saved_bytes)
         time_prefix.append(time_prefix[-1] + cost)
+    # What selective checkpoints keep and do not recompute, and the steps they must not span.
+    kept_prefix = np.cumsum([0] + [p.selective_bytes for p in profiles])
+    skipped_prefix = np.cumsum(
+        [0.0] + [cost if p.selective_bytes else 0.0 for p, cost in zip(profiles, costs)])
+    unsafe_prefix = np.cumsum([0] + [not p.selective_safe for p in profiles])
     states = [input_state or {"input": 0}] + [p.state for p in profiles]
     first_seen: dict[str, int] = {}
     for c, state in enumerate(states):
@@ -134,12 +182,14 @@ def optimal_plan(
 
     # Every Pareto point found, in the order the cuts are reached (then by bytes): the cut it
     # ends at, kept bytes, recompute time, the room left for the next segment (the next cut's
-    # saved prefix and live values must stay within it) and the point it came from.
+    # saved prefix and live values must stay within it), the point it came from and how the
+    # segment that ended there runs.
     cut = np.array([0], dtype=np.int64)
     kept = np.array([state_bytes[0]], dtype=np.int64)
     spent = np.array([0.0])
     room = budget - kept + saved[0]
     parent = np.array([-1], dtype=np.int64)
+    kind = np.array([_STORE])
     active = np.array([0], dtype=np.int64)  # points whose next segment can still end ahead
     best = _best_last_segment(None, kept, spent, budget - (saved[n] - saved[0]), 0, 0)
     for k in range(1, n):
@@ -155,25 +205,78 @@ def optimal_plan(
         adds = added_after[k][np.searchsorted(appeared[k], at, side="right")]
         new_kept = kept[fits] + adds
         new_spent = spent[fits] + times[k] - times[at]
+        new_parent, new_kind = fits, np.full(len(fits), _CHECKPOINT)
+        if mixed:
+            # The same segments stored (their saved bytes stay, nothing is recomputed), and
+            # selective where no kept output is modified in place.
+            selective = fits[unsafe_prefix[k] == unsafe_prefix[at]]
+            s_at = cut[selective]
+            s_adds = added_after[k][np.searchsorted(appeared[k], s_at, side="right")]
+            new_kept = np.concatenate([
+                new_kept, new_kept + saved[k] - saved[at],
+                kept[selective] + s_adds + kept_prefix[k] - kept_prefix[s_at]])
+            new_spent = np.concatenate([
+                new_spent, spent[fits],
+                spent[selective] + times[k] - times[s_at]
+                - (skipped_prefix[k] - skipped_prefix[s_at])])
+            new_parent = np.concatenate([fits, fits, selective])
+            new_kind = np.concatenate([new_kind, np.full(len(fits), _STORE),
+                                       np.full(len(selective), _SELECTIVE)])
         front = _pareto_front(new_kept, new_spent)
+        if mixed and len(front) > FRONT_CAP:
+            # Three ways per segment multiply the fronts: keep the fastest point at each of
+            # FRONT_CAP levels of bytes, from the fewest to the fastest (the search is then
+            # approximate; exact predictions still decide).
+            ordered = new_kept[front]
+            levels = np.linspace(ordered[0], ordered[-1], FRONT_CAP)
+            front = front[np.unique(np.searchsorted(ordered, levels, side="right") - 1)]
+        if mixed:
+            active = active[_undominated(kept[active], spent[active],
+                                         new_kept[front], new_spent[front])]
         first = len(cut)
         cut = np.concatenate([cut, np.full(len(front), k)])
         kept = np.concatenate([kept, new_kept[front]])
         spent = np.concatenate([spent, new_spent[front]])
         room = np.concatenate([room, budget - new_kept[front] + saved[k]])
-        parent = np.concatenate([parent, fits[front]])
+        parent = np.concatenate([parent, new_parent[front]])
+        kind = np.concatenate([kind, new_kind[front]])
         active = np.concatenate([active, np.arange(first, len(cut))])
         best = _best_last_segment(
             best, new_kept[front], new_spent[front], budget - (saved[n] - saved[k]), first, k)
     if best is None:
         return None
     point = best[1]
-    cuts = [n]
-    while point >= 0:
-        cuts.append(int(cut[point]))
+    segments = [(int(cut[point]), n, False)]
+    while parent[point] >= 0:
+        segments.append((int(cut[parent[point]]), int(cut[point]), _KINDS[kind[point]]))
         point = int(parent[point])
-    bounds = cuts[::-1]
-    return list(zip(bounds, bounds[1:]))
+    return _merged(segments[::-1])
+
+
+_CHECKPOINT, _STORE, _SELECTIVE = 0, 1, 2
+FRONT_CAP = 8  # points kept per cut by optimal_segments
+_KINDS: tuple[Recompute, ...] = (True, False, SELECTIVE)
+
+
+def _merged(segments: list[Segment]) -> list[Segment]:
+    """Consecutive stored segments as one (no cut between them)."""
+    out: list[Segment] = []
+    for start, stop, checkpointed in segments:
+        if out and not checkpointed and not out[-1][2]:
+            out[-1] = (out[-1][0], stop, False)
+        else:
+            out.append((start, stop, checkpointed))
+    return out
+
+
+def _undominated(kept: np.ndarray, spent: np.ndarray, front_kept: np.ndarray,
+                 front_spent: np.ndarray) -> np.ndarray:
+    """Which earlier points no point of a later cut's front beats: a later point with no more
+    bytes and no more time does at least as well from there on (its segments are shorter), so
+    the earlier one can be dropped. ``front_kept`` ascends, ``front_spent`` descends."""
+    at = np.searchsorted(front_kept, kept, side="right") - 1
+    beaten = (at >= 0) & (front_spent[np.maximum(at, 0)] <= spent)
+    return ~beaten
 
 
 def _pareto_front(kept: np.ndarray, spent: np.ndarray) -> np.ndarray:
@@ -214,6 +317,23 @@ def modelled_peak(
         last = number == len(plan) - 1
         peak = max(peak, internal + (0 if last else sum(states[stop].values())))
     return peak
+
+
+def selective_plans(
+    profiles: Sequence[LayerProfile], budgets: Sequence[int],
+    input_state: dict[str, int] | None = None,
+) -> list[list[Segment]]:
+    """Distinct :func:`optimal_segments` for each of ``budgets`` (modelled activation bytes);
+    none when times were not measured (then every step costs alike and nothing is worth keeping
+    selectively)."""
+    if not profiles or any(math.isnan(p.forward_seconds) for p in profiles):
+        return []
+    plans = {
+        tuple(plan) for budget in budgets
+        if (plan := optimal_segments(profiles, budget, input_state)) is not None
+    }
+    return sorted((list(p) for p in plans),
+                  key=lambda p: [(a, b, _KINDS.index(r)) for a, b, r in p])
 
 
 def recomputed_layers(plan: Plan) -> int:

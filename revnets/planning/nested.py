@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 from torch import nn
@@ -30,7 +31,7 @@ from revnets.checkpoint import Checkpointed
 from revnets.planning.chain import forbidden_cuts
 from revnets.planning.profile import LayerProfile
 
-__all__ = ["NestedSchedule", "group_chain", "nested_schedule"]
+__all__ = ["NestedSchedule", "group_chain", "most_frugal_schedule", "nested_schedule"]
 
 INFEASIBLE = math.inf
 
@@ -186,3 +187,25 @@ def group_chain(
             )
         )
     return merged_layers, merged_profiles
+
+
+def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | None:
+    """The nested schedule of the least memory (to 1/64 of it) in rotor's model, every layer
+    counting one unit of time."""
+    unmeasured = [replace(p, forward_seconds=math.nan) for p in profiles]
+    high = max(sum(p.saved_bytes + p.output_bytes for p in profiles), 1)
+    for _ in range(8):  # storing everything fits rotor's model, give or take its gradients
+        if nested_schedule(unmeasured, high) is not None:
+            break
+        high *= 2
+    else:
+        return None
+    low, frugal = 0, nested_schedule(unmeasured, high)
+    while high - low > max(high // 64, 1):
+        middle = (low + high) // 2
+        schedule = nested_schedule(unmeasured, middle)
+        if schedule is None:
+            low = middle
+        else:
+            high, frugal = middle, schedule
+    return frugal

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from revnets.checkpoint import SELECTIVE_OPS
 from revnets.replay import forked_rng, frozen_running_stats
 
 __all__ = ["LayerProfile", "profile_chain"]
@@ -34,6 +37,12 @@ class LayerProfile:
     mutates_from: int | None = None
     # What it saves beyond its own input and output (which are counted as outputs already).
     saved_intermediate_bytes: int = 0
+    # What a selective checkpoint keeps of it (NOTE [ Selective recomputation ]): the outputs of
+    # its matrix products, convolutions and attention (0: it has none, and is recomputed whole).
+    selective_bytes: int = 0
+    # None of those outputs is modified in place afterwards, inside the layer or by a later one
+    # (a selective checkpoint over it would be refused in backward).
+    selective_safe: bool = True
 
 
 def _nbytes(output: Any) -> int:
@@ -84,12 +93,16 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
         # at every step would cost more than the steps).
         copies = bool(getattr(layer, "inplace", False)) or (
             getattr(layer, "mutates_from", None) is not None)
+        kept = _SelectiveOutputs()
         for _ in range(repeats if timed else 1):
             saved.clear()
             x = _writable(layer, leaf) if copies else leaf
             start = time.perf_counter()
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                # Untimed runs also see which outputs a selective checkpoint would keep.
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
+                    contextlib.nullcontext() if timed else kept
+                ):
                     y = layer(x)
             except RuntimeError:  # writes its input in place somewhere inside
                 if copies:
@@ -97,8 +110,11 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 copies = True
                 saved.clear()
                 x = _writable(layer, leaf, everything=True)
+                kept = _SelectiveOutputs()
                 start = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
+                    contextlib.nullcontext() if timed else kept
+                ):
                     y = layer(x)
             seconds = min(seconds, time.perf_counter() - start)
         ends = _storage_ids(x) | _storage_ids(y)
@@ -115,10 +131,40 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 _named_bytes(y, getattr(layer, "state_names", None), index),
                 getattr(layer, "mutates_from", index - 1 if inplace else None),
                 intermediate,
+                kept.nbytes(),
+                kept.intact(),
             )
         )
         leaf = tree_map(_as_leaf, y)
+    # A later layer that overwrites an earlier one's output in place makes that one unsafe.
+    for p in list(profiles):
+        if p.mutates_from is not None and p.mutates_from >= 0 and p.mutates_from != p.index:
+            earlier = profiles[p.mutates_from]
+            if earlier.selective_bytes:
+                profiles[p.mutates_from] = replace(earlier, selective_safe=False)
     return profiles
+
+
+class _SelectiveOutputs(TorchDispatchMode):
+    """The outputs of a run's operators that a selective checkpoint keeps (SELECTIVE_OPS), with
+    their versions when made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[tuple[Tensor, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SELECTIVE_OPS:
+            self.outputs += [(t, t._version) for t in tree_flatten(out)[0]
+                             if isinstance(t, Tensor)]
+        return out
+
+    def nbytes(self) -> int:
+        return _nbytes([t for t, _ in self.outputs])
+
+    def intact(self) -> bool:
+        return all(t._version == version for t, version in self.outputs)
 
 
 def _writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:

@@ -15,6 +15,9 @@ predictions decide.
 #   predicted exactly, and accepted only if the prediction fits: a plan is never accepted on a
 #   model's word. Once one fits, cheaper options whose estimates now fit are tried, up to
 #   ``MAX_GUESSES`` predictions in all;
+# - candidates come from sizes alone (Chen's and optimal plans counting steps) and, where times
+#   were measured, from times too (selective plans: storing the slow steps, recomputing the
+#   cheap ones); only the first kind can be a floor;
 # - when nothing fitted that way, each choice's floor
 #   (the option of least modelled peak, ties broken by the plan itself: sizes only, never timings)
 #   is predicted, in order of cost, and the first that fits is kept; with the budget it leaves
@@ -28,11 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from revnets.planning.chain import SELECTIVE, Segment
 from revnets.planning.profile import LayerProfile
 
 __all__ = ["MAX_GUESSES", "Option", "Segments", "modelled_peak_of", "search"]
 
-Segments = tuple[tuple[int, int, bool], ...]  # (start, stop, checkpointed) covering the chain
+Segments = tuple[Segment, ...]  # (start, stop, recompute) covering the chain
 MAX_GUESSES = 6
 
 
@@ -44,26 +48,30 @@ class Option:
     segments: Segments
     cost: float  # forward seconds recomputed (steps counted where not measured)
     modelled: int  # activation bytes at the peak in the chain model (see modelled_peak_of)
+    sized: bool = True  # chosen on sizes alone, not on measured times: may be a floor
 
 
 def modelled_peak_of(
     segments: Segments, profiles: Sequence[LayerProfile], input_state: dict[str, int] | None
 ) -> int:
     """The activation peak of a segmentation in the chain model: at the end of the forward,
-    every checkpoint and what stored segments save; while a checkpointed segment is recomputed
-    and backpropagated, the checkpoints up to it (the union of their live values), what the
-    stored segments before it save, what it saves itself and the gradient arriving at its end."""
+    every checkpoint, what stored segments save and what selective ones keep; while a
+    checkpointed segment is recomputed and backpropagated, the checkpoints up to it (the union of
+    their live values), what the stored and selective segments before it save or keep, what it
+    saves itself and the gradient arriving at its end."""
     states = [input_state or {}] + [p.state for p in profiles]
     saved = [0]
     for p in profiles:
         saved.append(saved[-1] + p.saved_bytes)
     kept: dict[str, int] = {}
     stored = peak = 0
-    for start, stop, checkpointed in segments:
+    for start, stop, recompute in segments:
         inside = saved[stop] - saved[start]
-        if checkpointed:
+        if recompute:
             kept.update(states[start])
             peak = max(peak, sum(kept.values()) + stored + inside + sum(states[stop].values()))
+            if recompute == SELECTIVE:  # what it keeps stays until its backward
+                stored += sum(p.selective_bytes for p in profiles[start:stop])
         else:
             stored += inside
     return max(peak, sum(kept.values()) + stored)
@@ -130,9 +138,12 @@ def _guesses(
 
 
 def floors(options: Sequence[Option]) -> list[Option]:
-    """Each choice's option of least modelled peak (sizes only), in order of cost."""
+    """Each choice's option of least modelled peak among those chosen on sizes alone, in order
+    of cost."""
     best: dict[frozenset[int], Option] = {}
     for option in options:
+        if not option.sized:
+            continue
         key = (option.modelled, option.segments)
         held = best.get(option.reconstructed)
         if held is None or key < (held.modelled, held.segments):

@@ -1,0 +1,130 @@
+"""Selective checkpoints (NOTE [ Selective recomputation ]): the outputs of matrix products,
+convolutions and attention are kept, the rest recomputed. They train exactly like the plain
+module, keep exactly what the note says (measured and predicted to the byte), and the planner
+uses them where measured times say recomputing everything costs more."""
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import revnets
+from revnets import Checkpoint
+from revnets.memory import measure_memory
+from revnets.plan import parse_memory_plan, plan_from_options
+from revnets.planning.profile import profile_chain
+
+from conftest import conv_unit, max_grad_error, rel_error, twin
+
+WIDTH = 16
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int = WIDTH, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(b, n, c))
+
+
+def mlp(width: int = WIDTH) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+
+def block() -> nn.Sequential:
+    return nn.Sequential(nn.LayerNorm(WIDTH), Attention(), nn.LayerNorm(WIDTH), mlp(),
+                         nn.Dropout(0.2))
+
+
+@pytest.mark.parametrize("make, shape", [
+    (block, (3, 5, WIDTH)),
+    (lambda: nn.Sequential(conv_unit(4, dropout=0.3), conv_unit(4)), (2, 4, 6, 6)),
+], ids=["attention_mlp_dropout", "conv_batch_norm_in_place_relu"])
+def test_a_selective_checkpoint_trains_like_the_plain_module(make, shape):
+    model = revnets.Checkpointed(make(), Checkpoint(selective=True)).double()
+    plain = twin(model)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    for step in range(3):
+        for m, xi in ((model, x), (plain, x_plain)):
+            torch.manual_seed(step)
+            m(xi).square().sum().backward()
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name
+
+
+def test_a_selective_checkpoint_keeps_the_outputs_of_matrix_products():
+    batch = 64
+    x = torch.randn(batch, WIDTH, requires_grad=True)
+
+    def peak(n, memory):
+        model = nn.Sequential(*(revnets.Checkpointed(mlp(), memory) for _ in range(n)))
+        step = lambda m, x: m(x).square().mean().backward()  # noqa: E731
+        predicted = revnets.predict_memory(step, model, x).above_model_state_bytes
+        assert measure_memory(step, model, x).above_model_state_bytes == predicted
+        x.grad = None
+        return predicted
+
+    # Per unit more: a checkpoint keeps its input (the previous unit's output, WIDTH floats a
+    # sample); a selective one also the first product's output (4 x WIDTH), and the second
+    # product's output is the next unit's input, kept once.
+    per_sample = 4 * batch  # bytes of one float across the batch
+    assert peak(6, Checkpoint()) - peak(4, Checkpoint()) == 2 * WIDTH * per_sample
+    assert peak(6, Checkpoint(selective=True)) - peak(4, Checkpoint(selective=True)) == (
+        2 * 5 * WIDTH * per_sample
+    )
+
+
+def test_selective_is_an_option_wherever_plans_come_in():
+    assert str(parse_memory_plan("checkpoint(selective=true)").stages) == (
+        "checkpoint(selective=true)"
+    )
+    assert plan_from_options("checkpoint", selective=True).stages == Checkpoint(selective=True)
+    with pytest.raises(ValueError, match="selective must be True or False"):
+        Checkpoint(selective=1)
+
+
+def test_a_zoo_model_checkpointed_selectively_trains_like_the_plain_model():
+    torch.manual_seed(0)
+    model = timm.create_model("revnet38", num_classes=10).double()
+    plain = twin(model)
+    model.set_memory(parse_memory_plan("checkpoint(segments=2,selective=true)"))
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    for m in (model, plain):
+        torch.manual_seed(1)
+        m(x).square().sum().backward()
+    assert max_grad_error(model, plain) <= 1e-10
+
+
+def test_an_output_modified_in_place_later_is_never_kept_selectively():
+    chain = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(inplace=True),
+                          nn.Linear(WIDTH, WIDTH), nn.GELU()).to("meta")
+    profiles = profile_chain(list(chain), torch.randn(4, WIDTH, device="meta"))
+    assert [p.selective_bytes > 0 for p in profiles] == [True, False, True, False]
+    assert [p.selective_safe for p in profiles] == [False, True, True, True]
+
+
+def test_the_planner_keeps_products_where_recomputing_them_costs_more():
+    torch.manual_seed(0)
+    width = 128
+    model = nn.Sequential(*(nn.Sequential(nn.LayerNorm(width), mlp(width)) for _ in range(6)))
+    x = torch.randn(256, width)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    planned = revnets.auto_checkpoint(model, x, int(state + 0.75 * (stored - state)),
+                                      loss_fn=loss)
+    decisions = {str(part.decision) for part in planned.memory_plan.parts}
+    assert "checkpoint(selective=true)" in decisions, planned.memory_plan
+    reference = twin(model)
+    loss(planned(x)).backward()
+    loss(reference(x)).backward()
+    assert max_grad_error(model, reference) <= 1e-5
