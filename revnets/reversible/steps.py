@@ -24,8 +24,8 @@ from torch.nn.parameter import UninitializedTensorMixin
 from revnets.invertible import Invertible
 from revnets.replay import (
     AutocastState,
-    RecordingChain,
     Recording,
+    RecordingChain,
     has_forward_hooks,
     state_tensors,
     submodules,
