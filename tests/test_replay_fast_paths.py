@@ -1,6 +1,7 @@
 """The replay's two shortcuts keep its guarantees: transforms made only of torch.nn layers are
 recorded without the dispatcher's watch (NOTE [ Known layers ]), and consecutive recordings of one
-forward share their Python and numpy generator states (RandomChain). Each case trains exactly like
+forward share their Python and numpy generator states and the torch namespaces found as torch made
+them (RecordingChain). Each case trains exactly like
 the same modules under ordinary autograd (float64, 1e-10), or is shown to take the watched path."""
 
 import random
@@ -194,6 +195,34 @@ def test_a_patched_torch_function_that_draws_is_replayed(monkeypatch):
         lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()),
         lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()),
     )
+
+
+class PatchesTanhOnce(nn.Module):
+    """User code that, in its first forward, patches torch.tanh to draw random numbers: the known
+    transforms after it in the same forward must not trust what was checked before it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        if torch.tanh is TANH:
+            torch.tanh = lambda t: TANH(t) * torch.rand_like(t)
+        return self.linear(x)
+
+
+TANH = torch.tanh
+
+
+def test_torch_patched_by_user_code_mid_forward_sends_later_known_layers_to_the_watch():
+    # Namespaces are compared once per chain of recordings (RecordingChain); user code in a
+    # watched transform ends what was verified before it.
+    try:
+        train_like_ordinary_autograd(
+            PatchesTanhOnce, lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), steps=1
+        )
+    finally:
+        torch.tanh = TANH
 
 
 def test_an_instance_norm_with_untracked_running_statistics_trains_like_ordinary_autograd():

@@ -35,9 +35,9 @@ or restores state.
 #
 # Watching costs a Python call per operator. A run of torch.nn's own layers only is recorded
 # without the watch, with the same findings (NOTE [ Known layers ] in known.py); consecutive runs
-# of one forward read Python's and numpy's generators once per boundary (RandomChain, state.py)
-# where only revnets' own code runs between them; user code there (a hook, a Coupling of one's
-# own) cuts the chain.
+# of one forward read Python's and numpy's generators once per boundary, and compare torch's
+# namespaces with what torch made once per chain (RecordingChain, state.py), where only revnets'
+# own code runs between them; user code there (a hook, a Coupling of one's own) cuts the chain.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from revnets.replay.hooks import (
 from revnets.replay.known import known_run
 from revnets.replay.state import (
     Census,
-    RandomChain,
+    RecordingChain,
     _Slot,
     _storage_key,
     _version,
@@ -72,12 +72,13 @@ from revnets.replay.state import (
     frozen_running_stats,
     same_state,
     state_tensors,
+    submodules,
 )
 from revnets.replay.watch import Watch
 
 __all__ = [
     "AutocastState",
-    "RandomChain",
+    "RecordingChain",
     "Recording",
     "forked_rng",
     "frozen_running_stats",
@@ -86,6 +87,7 @@ __all__ = [
     "recomputing",
     "silenced_tensor_hooks",
     "state_tensors",
+    "submodules",
 ]
 
 
@@ -143,14 +145,14 @@ class Recording:
         preserve_rng: bool = True,
         keep_left_state: bool = False,
         root_owner: str | None = None,
-        chain: RandomChain | None = None,
+        chain: RecordingChain | None = None,
         device: torch.device | None = None,
     ) -> None:
         self.modules = list(modules)
         self.preserve_rng = preserve_rng
         self.keep_left_state = keep_left_state
         self.root_owner = root_owner
-        self.chain = chain if chain is not None else RandomChain()
+        self.chain = chain if chain is not None else RecordingChain()
         self.device = device  # where the run's tensors are, for NOTE [ Known layers ]
         self._python_found: dict[int, tuple[Any, Any]] = {}
         self.slots: list[_Slot] = []
@@ -170,7 +172,7 @@ class Recording:
     # -- the recorded run ----------------------------------------------------------------------
     def __enter__(self) -> Recording:
         self.hook_serial = RemovableHandle.next_id
-        known = known_run(self.modules, self.device, self.preserve_rng)
+        known = known_run(self.modules, self.device, self.preserve_rng, self.chain.verified)
         # Known layers draw nothing from Python's or numpy's generators.
         census = self._census = Census.take(self.modules, self.preserve_rng and known is None)
         self.norms = census.norms
@@ -192,6 +194,7 @@ class Recording:
         for s in self.slots:
             if s.storage is not None:
                 watched.setdefault(s.storage, []).append(s)
+        self.chain.user_code_runs()
         self._python_found = self.chain.begin(census.python)
         self._watch = Watch(watched, self.preserve_rng, exempt)
         self._hooks = HookWatch(census.hooked, self.modules, self.root_owner)
@@ -334,15 +337,21 @@ class Recording:
         """Run the replay: same random numbers, the module state the run found, transforming
         hooks only; everything put back afterwards."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(self._random_replayed())
+            # Only what there is to put in place: a replay runs for every transform of every step.
+            if self.generators or self.python:
+                stack.enter_context(self._random_replayed())
             stack.enter_context(self._scalars_found())
-            stack.enter_context(self._external_found())
-            stack.enter_context(
-                self._state_as(lambda s: None if s.found is None else s.found.clone())
-            )
-            stack.enter_context(frozen_running_stats(self.norms, tracked=True))
+            if self.external:
+                stack.enter_context(self._external_found())
+            if self.changed:
+                stack.enter_context(
+                    self._state_as(lambda s: None if s.found is None else s.found.clone())
+                )
+            if self.norms:
+                stack.enter_context(frozen_running_stats(self.norms, tracked=True))
             stack.enter_context(recomputing(self.walked, self.hooks, walked=True))
-            stack.enter_context(_uncached_parametrizations())
+            if parametrize._cache_enabled:  # a cache entered inside the run is the run's own
+                stack.enter_context(_uncached_parametrizations())
             yield
 
     @contextlib.contextmanager

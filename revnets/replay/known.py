@@ -137,16 +137,31 @@ _LIBRARY = (
 )
 
 
-def _user_code_everywhere() -> bool:
+def _user_code_everywhere(verified: set[Any] | None = None) -> bool:
     """Whether global hooks or a patched torch namespace run user code in every layer."""
     module = nn.modules.module
     return bool(
         module._global_forward_hooks or module._global_forward_pre_hooks
         or module._global_backward_hooks or module._global_backward_pre_hooks
-    ) or not all(namespace.unchanged() for namespace in _LIBRARY)
+    ) or not _as_made(_LIBRARY, verified)
 
 
-def _layers_in_order(roots: Sequence[nn.Module]) -> list[nn.Module] | None:
+def _as_made(namespaces: Iterable[_AsMade], verified: set[Any] | None) -> bool:
+    """Whether every namespace is as torch made it; ``verified`` (a RecordingChain's) holds those
+    already found so since the last user code ran, and gains those found now."""
+    for namespace in namespaces:
+        if verified is not None and namespace in verified:
+            continue
+        if not namespace.unchanged():
+            return False
+        if verified is not None:
+            verified.add(namespace)
+    return True
+
+
+def _layers_in_order(
+    roots: Sequence[nn.Module], verified: set[Any] | None = None
+) -> list[nn.Module] | None:
     """The layers in the order a forward runs them, or None if something is not known."""
     order: list[nn.Module] = []
     kinds: set[type] = {nn.Sequential}
@@ -167,7 +182,7 @@ def _layers_in_order(roots: Sequence[nn.Module]) -> list[nn.Module] | None:
         else:
             return None
     made = frozenset().union(*(_MRO[kind] for kind in kinds))
-    return order if all(namespace.unchanged() for namespace in made) else None
+    return order if _as_made(made, verified) else None
 
 
 def _keeps_statistics(m: nn.Module) -> bool:
@@ -183,14 +198,16 @@ def _states_as_made(m: nn.Module) -> bool:
 
 
 def known_run(
-    roots: Sequence[nn.Module], device: torch.device | None, keep_random: bool
+    roots: Sequence[nn.Module], device: torch.device | None, keep_random: bool,
+    verified: set[Any] | None = None,
 ) -> KnownRun | None:
     """What the watch would record for ``roots``, without watching, when they are made only of
     known layers (NOTE [ Known layers ]); None when they are not, or the device is not given.
-    ``keep_random``: whether the generator's state is kept for a replay."""
-    if device is None or _user_code_everywhere():
+    ``keep_random``: whether the generator's state is kept for a replay. ``verified``: the
+    namespaces already found as torch made them in this chain of recordings (RecordingChain)."""
+    if device is None or _user_code_everywhere(verified):
         return None
-    order = _layers_in_order(roots)
+    order = _layers_in_order(roots, verified)
     if order is None:
         return None
     statistics = {m.training for m in order if _keeps_statistics(m)}

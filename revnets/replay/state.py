@@ -69,17 +69,26 @@ class _NumpyGenerator:
         return repr(a) == repr(b)
 
 
-class RandomChain:
-    """Python's and numpy's generator states where the last recording of a forward ended, for the
-    next recording to begin from when nothing ran in between (NOTE [ Replay ], rule 1): each
-    boundary between consecutive recordings is then read once, not twice. Code that runs user
-    code outside a recording between two of them calls :meth:`cut`."""
+class RecordingChain:
+    """What holds between consecutive recordings of one forward while only revnets' own code runs
+    between them (NOTE [ Replay ]): Python's and numpy's generator states where the last recording
+    ended, for the next to begin from, so that each boundary is read once, not twice; and the
+    torch namespaces already found as torch made them (NOTE [ Known layers ]), so that each is
+    compared once per chain, not once per recording. Code that runs user code outside a
+    recording between two of them calls :meth:`cut`; a recording that runs user code (one the
+    dispatcher watches) calls :meth:`user_code_runs`."""
 
     def __init__(self) -> None:
         self.states: dict[int, tuple[Any, Any]] = {}
+        self.verified: set[Any] = set()
 
     def cut(self) -> None:
         self.states = {}
+        self.verified = set()
+
+    def user_code_runs(self) -> None:
+        """User code may patch anything: namespaces are compared again after it."""
+        self.verified = set()
 
     def begin(self, generators: dict[int, Any]) -> dict[int, tuple[Any, Any]]:
         """Each generator with its state now: from the chain where it holds one, else read."""
@@ -219,6 +228,22 @@ def _version(t: Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+def submodules(root: nn.Module) -> list[nn.Module]:
+    """``root`` and every module below it, each once, as ``root.modules()`` lists them, without
+    building their names on the way (it runs for every block of every step)."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        found.append(m)
+        stack += [c for c in reversed(m._modules.values()) if c is not None]
+    return found
+
+
 def _is_tracked_norm(m: nn.Module) -> bool:
     return (
         isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
@@ -226,7 +251,7 @@ def _is_tracked_norm(m: nn.Module) -> bool:
 
 
 def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._NormBase]:
-    return [m for root in modules for m in root.modules() if _is_tracked_norm(m)]
+    return [m for root in modules for m in submodules(root) if _is_tracked_norm(m)]
 
 
 # What every nn.Module keeps in its __dict__ (hook tables, _parameters, ...): no generators there.

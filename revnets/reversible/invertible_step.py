@@ -39,7 +39,7 @@ class InvertibleStep(BlockStep):
         self.layout = Layout.of(x)
         self.recording = Recording(
             [self.module], run.preserve_rng, keep_left_state=True, root_owner=where,
-            chain=run.random_chain,
+            chain=run.chain,
         )
         with self.recording:
             if self.plan.hooked:

@@ -19,14 +19,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 from revnets.invertible import Invertible
 from revnets.replay import (
     AutocastState,
-    RandomChain,
     Recording,
+    RecordingChain,
     has_forward_hooks,
     state_tensors,
+    submodules,
 )
 from revnets.reversible.block import ReversibleBlock
 from revnets.reversible.coupling import (
@@ -65,13 +67,13 @@ class BlockPlan:
         else:
             f_slots = state_tensors(block.f, buffers=False)
             g_slots = state_tensors(block.g, buffers=False)
-        self.lazy = any(isinstance(p, nn.UninitializedParameter) for p in (*f_slots, *g_slots))
+        self.lazy = any(isinstance(p, UninitializedTensorMixin) for p in (*f_slots, *g_slots))
         self.f_params = _trainable(f_slots)  # an Invertible's own parameters
         self.g_params = _trainable(g_slots)
         self.params = list(dict.fromkeys((*self.f_params, *self.g_params)))
         # Hooks see the activations of an ordinary forward: intact and, like under autograd,
         # carrying a graph (which leads to an error rather than to a silently missing gradient).
-        self.hooked = has_forward_hooks(list(block.modules()))
+        self.hooked = has_forward_hooks(submodules(block))
 
 
 def _trainable(slots: list[Any]) -> list[nn.Parameter]:
@@ -144,7 +146,7 @@ class ForwardRun:
     grid: GridWatch | None = None  # the range check of an exact sequence (NOTE [ Exact ... ])
     # Python's and numpy's generator states between consecutive recordings; a step that runs
     # user code outside a recording cuts it.
-    random_chain: RandomChain = field(default_factory=RandomChain)
+    chain: RecordingChain = field(default_factory=RecordingChain)
 
 
 # -- couplings -------------------------------------------------------------------------------------
@@ -158,13 +160,13 @@ def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor
 
 
 # The couplings revnets defines draw no random numbers; any other is user code between two
-# recordings (NOTE [ Replay ], RandomChain).
+# recordings (NOTE [ Replay ], RecordingChain).
 _STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling)
 
 
 def _user_code_ran(coupling: Coupling, run: ForwardRun) -> None:
     if type(coupling) not in _STOCK_COUPLINGS:
-        run.random_chain.cut()
+        run.chain.cut()
 
 
 def _uncombine(coupling: Coupling, y: Tensor, h: Tensor) -> Tensor:
@@ -297,7 +299,7 @@ class CouplingStep(_CouplingBackward):
     def _run(self, name: str, half: Tensor, context: tuple, run: ForwardRun) -> Tensor:
         self.layouts[name] = Layout.of(half)
         recording = self.runs[name] = Recording(
-            [getattr(self.block, name)], run.preserve_rng, chain=run.random_chain,
+            [getattr(self.block, name)], run.preserve_rng, chain=run.chain,
             device=run.device,
         )
         with recording:
@@ -313,7 +315,7 @@ class CouplingStep(_CouplingBackward):
         sequence (a surrounding checkpoint) must not see it."""
         block = self.block
         where = f"block {self.index} of a ReversibleSequence"
-        run.random_chain.cut()  # the hooks run outside the recordings
+        run.chain.cut()  # the hooks run outside the recordings
         own_saving = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
         with torch.enable_grad(), own_saving:
             x1 = _NoGradientThroughForward.apply(x1.detach().requires_grad_(), where)
@@ -342,7 +344,7 @@ class CouplingStep(_CouplingBackward):
                             "output; the sequence could not be inverted. Register it on a module "
                             "inside f or g (it is replayed in backward) or on the sequence."
                         )
-        run.random_chain.cut()
+        run.chain.cut()
         return y1.detach(), y2.detach()
 
     def _outputs(self, carry):
@@ -392,7 +394,7 @@ class StoredCouplingStep(_CouplingBackward):
     def forward(self, x1, x2, mine, context, run):
         block, coupling = self.block, self.block.coupling
         args = self.context.args()
-        run.random_chain.cut()  # f and g run here without a recording
+        run.chain.cut()  # f and g run here without a recording
         self.mine = mine
         self.x2 = x2.detach().requires_grad_()
         with torch.enable_grad():
