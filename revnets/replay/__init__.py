@@ -61,7 +61,7 @@ from revnets.replay.hooks import (
     recomputing,
     silenced_tensor_hooks,
 )
-from revnets.replay.known import known_run
+from revnets.replay.known import KnownRun, known_run
 from revnets.replay.state import (
     Census,
     RandomChain,
@@ -166,11 +166,13 @@ class Recording:
         self._census: Census | None = None
         self.walked: list[nn.Module] = []  # every module below ``modules``, once
         self.hook_serial = 0  # the id the next hook registered anywhere gets
+        # Set on entering: the known-layer findings (NOTE [ Known layers ]), None where watched.
+        self.known: KnownRun | None = None
 
     # -- the recorded run ----------------------------------------------------------------------
     def __enter__(self) -> Recording:
         self.hook_serial = RemovableHandle.next_id
-        known = known_run(self.modules, self.device, self.preserve_rng)
+        known = self.known = known_run(self.modules, self.device, self.preserve_rng)
         # Known layers draw nothing from Python's or numpy's generators.
         census = self._census = Census.take(self.modules, self.preserve_rng and known is None)
         self.norms = census.norms

@@ -60,6 +60,11 @@ class ReversibleSequence(nn.Module):
             randomness in f and g draw the same numbers in the backward recomputation.
         reuse_memory: let backward add the blocks' gradients into the gradient it is given, where
             nothing else can see it (NOTE [ Gradient memory ]); ``False`` always allocates.
+        compile_transforms: run f and g through functions torch.compile made (inductor) in the
+            reversible path, where the replay allows it (known layers, no randomness, not exact,
+            no autocast: NOTE [ Compiled transforms ] in revnets/reversible/compiled.py).
+            ``None`` (the default): when the model runs under ``torch.compile``; ``False``:
+            never; ``True``: also in an eager model.
 
     ``sequence(x, *context)`` passes the context arguments to every f and g after their half
     (``f(x2, *context)``), as conditioning (FiLM, time embeddings, cross-attention memory); tensors
@@ -93,6 +98,7 @@ class ReversibleSequence(nn.Module):
         exact: bool = False,
         preserve_rng_state: bool = True,
         reuse_memory: bool = True,
+        compile_transforms: bool | None = None,
         **renamed: Any,
     ) -> None:
         super().__init__()
@@ -119,6 +125,7 @@ class ReversibleSequence(nn.Module):
             self.exact = True
         self.preserve_rng_state = preserve_rng_state
         self.reuse_memory = reuse_memory
+        self.compile_transforms = compile_transforms
 
     @property
     def memory(self) -> Reconstruct | Store:
@@ -196,7 +203,12 @@ class ReversibleSequence(nn.Module):
         needs_grad = x.requires_grad or params or any(_requires_grad(c) for c in context)
         if not needs_grad:
             return self.forward_plain(x, *context)
-        return _reversible(self, x, plans, context, params)
+        # Decided here, where dynamo traces: the engine itself runs eagerly either way.
+        compile_transforms = (
+            torch.compiler.is_compiling() if self.compile_transforms is None
+            else self.compile_transforms
+        )
+        return _reversible(self, x, plans, context, params, compile_transforms)
 
     def forward_plain(self, x: Tensor, *context: Any) -> Tensor:
         """The blocks as ordinary modules (what autograd would store, it stores)."""
@@ -226,11 +238,15 @@ class ReversibleSequence(nn.Module):
 
 @torch.compiler.disable
 def _reversible(
-    sequence: ReversibleSequence, x: Tensor, plans: list[BlockPlan], context: tuple, params: list
+    sequence: ReversibleSequence, x: Tensor, plans: list[BlockPlan], context: tuple, params: list,
+    compile_transforms: bool,
 ) -> Tensor:
     # The engine runs user code under dispatch modes and replays it by hand: torch.compile runs
-    # it eagerly between the graphs it compiles around the sequence.
-    return ReversibleFunction.apply(x, sequence, plans, len(context), *context, *params)
+    # it eagerly between the graphs it compiles around the sequence (its f and g may run
+    # compiled: NOTE [ Compiled transforms ]).
+    return ReversibleFunction.apply(
+        x, sequence, plans, compile_transforms, len(context), *context, *params
+    )
 
 
 def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:

@@ -29,6 +29,7 @@ from revnets.replay import (
     state_tensors,
 )
 from revnets.reversible.block import ReversibleBlock
+from revnets.reversible.compiled import compilable, compiled_call
 from revnets.reversible.coupling import (
     AdditiveCoupling,
     AffineCoupling,
@@ -142,6 +143,8 @@ class ForwardRun:
     memory_format: torch.memory_format
     autocast: AutocastState
     grid: GridWatch | None = None  # the range check of an exact sequence (NOTE [ Exact ... ])
+    # f and g through compiled functions where they allow it (NOTE [ Compiled transforms ]).
+    compile_transforms: bool = False
     # Python's and numpy's generator states between consecutive recordings; a step that runs
     # user code outside a recording cuts it.
     random_chain: RandomChain = field(default_factory=RandomChain)
@@ -273,6 +276,7 @@ class CouplingStep(_CouplingBackward):
         self.block = plan.block
         self.runs: dict[str, Recording] = {}
         self.layouts: dict[str, Layout] = {}
+        self.compiled: dict[str, bool] = {}  # f or g ran compiled, and is recomputed so
         self._kept: tuple[Tensor, Tensor] | None = None
 
     def forward(self, x1, x2, mine, context, run):
@@ -301,7 +305,12 @@ class CouplingStep(_CouplingBackward):
             device=run.device,
         )
         with recording:
-            h = self.block.transform(name, half, *context)
+            compiled = self.compiled[name] = run.compile_transforms and compilable(
+                recording, context, run.autocast.enabled
+            )
+            h = self.block.transform(
+                name, half, *context, call=compiled_call if compiled else None
+            )
         if not torch.is_grad_enabled():
             _refuse_gradients(recording, f"block {self.index} of a ReversibleSequence")
         return h
@@ -357,8 +366,9 @@ class CouplingStep(_CouplingBackward):
     def _transform(self, name, half, back):
         recording = self.runs.pop(name)
         recording.check("ReversibleSequence", _REMEDY, prefix=f"blocks.{self.index}.{name}.")
+        call = compiled_call if self.compiled.pop(name, False) else None
         with torch.enable_grad(), back.autocast(), recording.replayed():
-            return self.block.transform(name, half, *back.context.args())
+            return self.block.transform(name, half, *back.context.args(), call=call)
 
     def _second_half(self, y2, h, back):
         if self._kept is not None:
