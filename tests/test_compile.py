@@ -22,6 +22,8 @@ from torch._dynamo.utils import counters
 import revnets
 from revnets import ReversibleBlock, ReversibleSequence
 from revnets.plan import PRESETS
+from revnets.reversible import compiled
+from revnets.reversible.compiled import compiled_call
 
 PLANS = list(PRESETS)
 # The default run covers the plain and the reconstructing plan; the checkpointing ones are slow.
@@ -70,6 +72,7 @@ def assert_same_gradients(model: nn.Module, reference: nn.Module, rtol: float) -
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
+    compiled_call.clear()
     counters.clear()
     # A recompile-limit hit raises instead of silently running the frame eagerly from then on.
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -79,18 +82,22 @@ def fresh_dynamo():
 
 @pytest.mark.parametrize("plan", QUICK_PLANS)
 def test_compiled_training_and_evaluation_alternate_without_reaching_the_recompile_limit(
-    plan, fresh_dynamo
+    plan, fresh_dynamo, monkeypatch
 ):
     """Compiled (aot_eager) and eager copies of the same weights, two rounds of a training step
-    then an evaluation forward: no recompile-limit hit (it raises), and eager's gradients."""
+    then an evaluation forward: no recompile-limit hit (it raises), and eager's gradients. Under
+    a reconstructing plan the engine runs f and g compiled (with aot_eager too, here)."""
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = small_revnet(plan)
     reference = copy.deepcopy(model)
     x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
     alternate(torch.compile(model, backend="aot_eager"), x, target, rounds=2)
     alternate(reference, x, target, rounds=2)
     assert_same_gradients(model, reference, rtol=1e-5)
-    # Training and evaluation each compile their own graphs once: nothing grows with the rounds.
-    assert counters["stats"]["unique_graphs"] <= 16
+    assert (compiled_call.calls > 0) == PRESETS[plan].reconstructs
+    # Training and evaluation each compile their own graphs once: nothing grows with the rounds
+    # (f and g: one graph per block shape for the forward and one for the recomputation).
+    assert counters["stats"]["unique_graphs"] <= 16 + 8
 
 
 @pytest.mark.parametrize("plan", QUICK_PLANS)
@@ -112,6 +119,82 @@ def test_graph_breaks_are_the_reversible_sequences_in_training(plan, fresh_dynam
     model.eval()
     with torch.no_grad():
         assert torch._dynamo.explain(model)(x).break_reasons == []
+
+
+def set_compile_transforms(model: nn.Module, option: bool | str | None) -> None:
+    for sequence in model.modules():
+        if isinstance(sequence, ReversibleSequence):
+            sequence.compile_transforms = option
+
+
+def test_compiled_transforms_give_ordinary_autograd_gradients_and_update_statistics_once(
+    fresh_dynamo
+):
+    """f and g compiled inside the engine (aot_eager, float64), two training steps: the
+    gradients of ordinary autograd (the same weights with the plan "none") to 1e-10, and batch
+    norm's running statistics and counts as ordinary autograd leaves them: updated once a step,
+    not again by the recomputation."""
+    model = small_revnet("reversible").double()
+    reference = copy.deepcopy(model).set_memory("none")
+    set_compile_transforms(model, "aot_eager")
+    x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
+    for net in (model, reference):
+        for _ in range(2):
+            net.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), target).backward()
+    assert compiled_call.calls > 0
+    assert_same_gradients(model, reference, rtol=1e-10)
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class _Scaled(nn.Module):
+    """A transform of one's own (not a known layer): the replay watches it at the dispatcher."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * 0.5
+
+
+def _feed_forward(width: int, dropout: float) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(dropout))
+
+
+@pytest.mark.parametrize(
+    "case", ["known layers", "dropout", "own module", "exact", "autocast", "eager model"]
+)
+def test_transforms_compile_only_where_the_replay_allows_it(case, fresh_dynamo):
+    """Which f and g the engine compiles (NOTE [ Compiled transforms ]): known layers drawing no
+    random numbers, outside exact sequences and autocast, when asked or under a compiled model;
+    everything else runs eagerly. Either way the gradients are the stored run's."""
+
+    def model(memory):
+        torch.manual_seed(0)
+        p = 0.3 if case == "dropout" else 0.0
+        blocks = [
+            ReversibleBlock(
+                _Scaled(8) if case == "own module" else _feed_forward(8, p),
+                _feed_forward(8, p), split_dim=-1,
+            )
+            for _ in range(3)
+        ]
+        return ReversibleSequence(
+            blocks, memory=memory, exact=case == "exact",
+            compile_transforms=None if case == "eager model" else "aot_eager",
+        )
+
+    reversible, stored = model(revnets.Reconstruct()), model(revnets.Store())
+    x = torch.randn(5, 16)
+    for net in (reversible, stored):
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
+            net(x).float().square().sum().backward()
+    expected = {"known layers": 6, "own module": 3}.get(case, 0)  # 2 runs of each compiled one
+    assert compiled_call.calls == 2 * expected
+    assert_same_gradients(reversible, stored, rtol=1e-2 if case == "autocast" else 1e-5)
 
 
 class _DropoutFeedForward(nn.Module):

@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+import functools
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch import Tensor, nn
 
 from revnets.replay import Recording
 
-__all__ = ["TransformCompiler", "compiled_call"]
+__all__ = ["DEFAULT_BACKEND", "TransformCompiler", "compiled_call"]
 
 # NOTE [ Compiled transforms ]
 # The engine runs eagerly, also inside a compiled model (torch.compiler.disable: it runs user code
@@ -34,7 +37,10 @@ __all__ = ["TransformCompiler", "compiled_call"]
 #      sequences promise the bit: they stay eager;
 #   4. autocast is off and every context argument is a tensor (what was checked);
 #   5. the sequence runs inside a compiled model (the forward dynamo traced asked for it), or
-#      ``ReversibleSequence.compile_transforms`` is True; False keeps f and g eager always.
+#      ``ReversibleSequence.compile_transforms`` is True or a backend's name; False keeps f and
+#      g eager always.
+# What dynamo cannot compile (it raises while compiling, before anything ran) runs eagerly, with
+# a warning: never a different computation.
 # Batch norm's running statistics: the compiled inference graph writes them back once, as eager
 # does; the replay sets momentum to 0 (frozen_running_stats), which the training graph reads
 # like eager code (dynamo guards on it or takes it as an input), so it blends in nothing.
@@ -48,34 +54,63 @@ __all__ = ["TransformCompiler", "compiled_call"]
 # recomputation.
 
 
+# What ``compile_transforms=True`` (or None, under a compiled model) compiles with.
+DEFAULT_BACKEND = "inductor"
+_MISSING = object()
 _TEMPLATE = (lambda module, half, *context: module(half, *context)).__code__
 
 
 class TransformCompiler:
-    """The compiled functions for one process, one per kind of call (see the NOTE)."""
+    """The compiled functions of this process, one per kind of call (see the NOTE)."""
 
     def __init__(self) -> None:
         self._functions: dict[tuple, Callable[..., Tensor]] = {}
         self._structure: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self.calls = 0  # transforms run compiled so far (what the tests count)
 
-    def __call__(self, module: nn.Module, half: Tensor, *context: Any) -> Tensor:
+    def runner(self, backend: str) -> Callable[..., Tensor]:
+        """``call(fn, half, *context)`` for :meth:`ReversibleBlock.transform`, compiling with
+        ``backend``."""
+        return functools.partial(self, backend)
+
+    def __call__(self, backend: str, module: nn.Module, half: Tensor, *context: Any) -> Tensor:
         structure = self._structure.get(module)
         if structure is None:
             structure = self._structure[module] = repr(module)
         key = (
-            structure, tuple(half.shape), half.stride(), half.dtype, half.device,
+            backend, structure, tuple(half.shape), half.stride(), half.dtype, half.device,
             torch.is_grad_enabled(),
-            tuple((tuple(c.shape), c.dtype, c.requires_grad) for c in context),
+            tuple((tuple(c.shape), c.stride(), c.dtype, c.requires_grad) for c in context),
         )
-        function = self._functions.get(key)
-        if function is None:
+        function = self._functions.get(key, _MISSING)
+        if function is _MISSING:
             code = _TEMPLATE.replace(co_name=f"revnets_transform_{len(self._functions)}")
-            function = torch.compile(types.FunctionType(code, globals()), dynamic=False)
+            function = torch.compile(
+                types.FunctionType(code, globals()), backend=backend, dynamic=False
+            )
             self._functions[key] = function
-        return function(module, half, *context)
+        if function is None:
+            return module(half, *context)
+        try:
+            h = function(module, half, *context)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            # Raised while compiling, before anything ran: this kind of call runs eagerly from
+            # now on (the recomputation of a compiled forward then differs from it by round-off
+            # only, rule 3).
+            warnings.warn(
+                f"revnets: {type(module).__name__} could not be compiled inside the reversible "
+                f"engine ({type(error).__name__}: {str(error).splitlines()[0][:200]}); it runs "
+                "eagerly", stacklevel=2,
+            )
+            self._functions[key] = None
+            return module(half, *context)
+        self.calls += 1
+        return h
 
     def clear(self) -> None:
+        """Forget the compiled functions (after ``torch._dynamo.reset()``, say) and the count."""
         self._functions.clear()
+        self.calls = 0
 
 
 compiled_call = TransformCompiler()

@@ -30,7 +30,8 @@ __all__ = ["ReversibleFunction"]
 
 
 def _record(
-    sequence: Any, plans: list[BlockPlan], x: Tensor, context: Context, compile_transforms: bool
+    sequence: Any, plans: list[BlockPlan], x: Tensor, context: Context,
+    compile_transforms: str | None,
 ) -> tuple[Tensor, Tape]:
     """Run the blocks forward without a graph, one step each on the tape; return the output."""
     blocks = list(sequence.blocks)
@@ -45,7 +46,7 @@ def _record(
     run = ForwardRun(
         x.device, sequence.preserve_rng_state, tape.memory_format, tape.autocast,
         GridWatch() if sequence.exact else None,
-        compile_transforms=compile_transforms and not sequence.exact,
+        compile_transforms=None if sequence.exact else compile_transforms,
     )
     # Under saved-tensor hooks, what backward needs is handed to them once (see below). A
     # stored block's graph would be unpacked by several inner backward passes instead, and a
@@ -93,7 +94,7 @@ class ReversibleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: Tensor, sequence: Any, plans: list[BlockPlan], compile_transforms: bool,
+        ctx, x: Tensor, sequence: Any, plans: list[BlockPlan], compile_transforms: str | None,
         num_context: int, *context_and_params: Any,
     ) -> Tensor:
         context = Context(context_and_params[:num_context])

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from revnets.invertible import Invertible
 from revnets.plan import Checkpoint, Decision, Reconstruct, Store
-from revnets.reversible import grid
+from revnets.reversible import compiled, grid
 from revnets.reversible.block import ReversibleBlock, split_halves
 from revnets.reversible.coupling import AdditiveCoupling, ExactAdditiveCoupling
 from revnets.reversible.function import ReversibleFunction
@@ -64,7 +64,9 @@ class ReversibleSequence(nn.Module):
             reversible path, where the replay allows it (known layers, no randomness, not exact,
             no autocast: NOTE [ Compiled transforms ] in revnets/reversible/compiled.py).
             ``None`` (the default): when the model runs under ``torch.compile``; ``False``:
-            never; ``True``: also in an eager model.
+            never; ``True``: also in an eager model; a backend's name (``"aot_eager"``):
+            always, with that backend instead of inductor (``DEFAULT_BACKEND`` in
+            revnets/reversible/compiled.py).
 
     ``sequence(x, *context)`` passes the context arguments to every f and g after their half
     (``f(x2, *context)``), as conditioning (FiLM, time embeddings, cross-attention memory); tensors
@@ -98,7 +100,7 @@ class ReversibleSequence(nn.Module):
         exact: bool = False,
         preserve_rng_state: bool = True,
         reuse_memory: bool = True,
-        compile_transforms: bool | None = None,
+        compile_transforms: bool | str | None = None,
         **renamed: Any,
     ) -> None:
         super().__init__()
@@ -204,11 +206,11 @@ class ReversibleSequence(nn.Module):
         if not needs_grad:
             return self.forward_plain(x, *context)
         # Decided here, where dynamo traces: the engine itself runs eagerly either way.
-        compile_transforms = (
-            torch.compiler.is_compiling() if self.compile_transforms is None
-            else self.compile_transforms
-        )
-        return _reversible(self, x, plans, context, params, compile_transforms)
+        option = self.compile_transforms
+        if option is None:
+            option = torch.compiler.is_compiling()
+        backend = compiled.DEFAULT_BACKEND if option is True else option or None
+        return _reversible(self, x, plans, context, params, backend)
 
     def forward_plain(self, x: Tensor, *context: Any) -> Tensor:
         """The blocks as ordinary modules (what autograd would store, it stores)."""
@@ -239,7 +241,7 @@ class ReversibleSequence(nn.Module):
 @torch.compiler.disable
 def _reversible(
     sequence: ReversibleSequence, x: Tensor, plans: list[BlockPlan], context: tuple, params: list,
-    compile_transforms: bool,
+    compile_transforms: str | None,
 ) -> Tensor:
     # The engine runs user code under dispatch modes and replays it by hand: torch.compile runs
     # it eagerly between the graphs it compiles around the sequence (its f and g may run

@@ -143,8 +143,9 @@ class ForwardRun:
     memory_format: torch.memory_format
     autocast: AutocastState
     grid: GridWatch | None = None  # the range check of an exact sequence (NOTE [ Exact ... ])
-    # f and g through compiled functions where they allow it (NOTE [ Compiled transforms ]).
-    compile_transforms: bool = False
+    # The backend that compiles f and g where they allow it, or None: eager (NOTE [ Compiled
+    # transforms ]).
+    compile_transforms: str | None = None
     # Python's and numpy's generator states between consecutive recordings; a step that runs
     # user code outside a recording cuts it.
     random_chain: RandomChain = field(default_factory=RandomChain)
@@ -276,7 +277,8 @@ class CouplingStep(_CouplingBackward):
         self.block = plan.block
         self.runs: dict[str, Recording] = {}
         self.layouts: dict[str, Layout] = {}
-        self.compiled: dict[str, bool] = {}  # f or g ran compiled, and is recomputed so
+        # f's or g's compiling backend where it ran compiled; the recomputation runs alike.
+        self.compiled: dict[str, str | None] = {}
         self._kept: tuple[Tensor, Tensor] | None = None
 
     def forward(self, x1, x2, mine, context, run):
@@ -305,12 +307,12 @@ class CouplingStep(_CouplingBackward):
             device=run.device,
         )
         with recording:
-            compiled = self.compiled[name] = run.compile_transforms and compilable(
-                recording, context, run.autocast.enabled
-            )
-            h = self.block.transform(
-                name, half, *context, call=compiled_call if compiled else None
-            )
+            backend = run.compile_transforms
+            if backend is not None and not compilable(recording, context, run.autocast.enabled):
+                backend = None
+            self.compiled[name] = backend
+            call = None if backend is None else compiled_call.runner(backend)
+            h = self.block.transform(name, half, *context, call=call)
         if not torch.is_grad_enabled():
             _refuse_gradients(recording, f"block {self.index} of a ReversibleSequence")
         return h
@@ -366,7 +368,8 @@ class CouplingStep(_CouplingBackward):
     def _transform(self, name, half, back):
         recording = self.runs.pop(name)
         recording.check("ReversibleSequence", _REMEDY, prefix=f"blocks.{self.index}.{name}.")
-        call = compiled_call if self.compiled.pop(name, False) else None
+        backend = self.compiled.pop(name, None)
+        call = None if backend is None else compiled_call.runner(backend)
         with torch.enable_grad(), back.autocast(), recording.replayed():
             return self.block.transform(name, half, *back.context.args(), call=call)
 
