@@ -3,7 +3,8 @@ recompiling per block.
 
 The reversible engine is one opaque region to dynamo (``torch.compiler.disable`` in
 revnets/reversible/sequence.py): one graph break per reversible sequence in a training forward,
-none in evaluation or under the other plans. Most tests use the ``aot_eager`` backend, which runs
+none in evaluation or under the other plans. Inside it, f and g run compiled where the replay
+allows it (NOTE [ Compiled transforms ] in revnets/reversible/compiled.py). Most tests use the ``aot_eager`` backend, which runs
 what dynamo and AOTAutograd captured with eager kernels: graph breaks and recompilations are
 dynamo's whatever the backend, and gradients then match eager's to float32 round-off. The slow
 tests use inductor, the default backend, on every zoo model and plan.
@@ -54,19 +55,26 @@ def alternate(net: nn.Module, x: torch.Tensor, target: torch.Tensor, rounds: int
             net(x)
 
 
-def assert_same_gradients(model: nn.Module, reference: nn.Module, rtol: float) -> None:
-    """Every gradient within ``rtol`` of the reference's largest entry for that parameter, or of
-    1e-4 of the largest gradient entry in the model where the parameter's own is smaller (a
-    gradient that is zero in exact arithmetic, as an attention key's bias has, is round-off
-    noise in both runs)."""
+def gradient_errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
+    """Each parameter's largest gradient difference from the reference, relative to the
+    reference's largest entry for that parameter, or to 1e-4 of the largest gradient entry in
+    the model where the parameter's own is smaller (a gradient that is zero in exact
+    arithmetic, as an attention key's bias has, is round-off noise in both runs)."""
     grads = [q.grad for q in reference.parameters() if q.grad is not None]
     floor = 1e-4 * max(g.abs().max().item() for g in grads)
+    errors = {}
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             scale = max(q.grad.abs().max().item(), floor)
-            error = (p.grad - q.grad).abs().max().item() / scale
-            assert error <= rtol, f"{name}: relative gradient error {error:.2e}"
+            errors[name] = (p.grad.double() - q.grad.double()).abs().max().item() / scale
+    return errors
+
+
+def assert_same_gradients(model: nn.Module, reference: nn.Module, rtol: float) -> None:
+    """Every gradient within ``rtol`` of the reference's (``gradient_errors``)."""
+    for name, error in gradient_errors(model, reference).items():
+        assert error <= rtol, f"{name}: relative gradient error {error:.2e}"
 
 
 @pytest.fixture
@@ -231,18 +239,14 @@ def test_compiled_model_replays_dropout_inside_its_reversible_sequence(fresh_dyn
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("name", ["resnet32", "revnet38", "irevnet163", "revvit_small_patch16_224"])
-def test_inductor_compiled_zoo_model_trains_as_eager(name, plan, fresh_dynamo, request):
-    """The default backend on one model of each zoo family: no recompile-limit hit, and eager's
-    gradients within 5e-2 of each parameter's largest gradient. Not tighter: inductor's CPU
-    kernels differ from eager by up to a few 1e-2 on RevNet units even under the plan "none",
-    where the model is ordinary modules (docs/compile.md); what this catches is a wrong mask, a
-    missing term or a stale weight, all errors of order 1."""
-    if name == "irevnet163" and plan in ("none", "checkpoint"):
-        # Measured 2026-11-23: 9e-2 and 1e-1 relative errors (blocks.0.g.6, blocks.8.f.3), in
-        # the plain path dynamo compiles whole; the reversible plans (f and g eager) pass.
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="inductor's CPU gradients of i-RevNet blocks differ from eager "
-            "beyond 5e-2 (docs/compile.md); cause not found"))
+def test_inductor_compiled_zoo_model_trains_as_eager(name, plan, fresh_dynamo):
+    """The default backend on one model of each zoo family (under the reconstructing plans with
+    f and g compiled inside the engine where they are known layers): no recompile-limit hit,
+    and gradients as accurate as eager's: against a float64 eager run of the same weights, the
+    compiled run's worst error within 1e-3 or twice eager's. Not compiled against eager
+    directly: some of these networks' float32 gradients are ill-conditioned (irevnet163's
+    eager ones differ from float64 by about 1e-1 at batch 2 and 4, revnet38's at batch 2), and
+    two float32 runs that round differently differ as much (docs/compile.md)."""
     kwargs = {"img_size": 32, "patch_size": 8, "depth": 4} if name.startswith("revvit") else {}
     torch.manual_seed(0)
     try:
@@ -250,11 +254,19 @@ def test_inductor_compiled_zoo_model_trains_as_eager(name, plan, fresh_dynamo, r
     except ValueError as error:
         assert "does not fit" in str(error)
         pytest.skip(str(error))
-    reference = copy.deepcopy(model)
-    x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
-    alternate(torch.compile(model), x, target, rounds=2)
-    alternate(reference, x, target, rounds=2)
-    assert_same_gradients(model, reference, rtol=5e-2)
+    reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    x, target = torch.randn(4, 3, 32, 32), torch.tensor([1, 2, 3, 4])
+    compiled_model = torch.compile(model)
+    alternate(compiled_model, x, target, rounds=1)
+    alternate(reference, x, target, rounds=1)
+    alternate(exact, x.double(), target, rounds=1)
+    eager_error = max(gradient_errors(reference, exact).values())
+    compiled_error = max(gradient_errors(model, exact).values())
+    assert compiled_error <= max(1e-3, 2 * eager_error), (compiled_error, eager_error)
+    # A second round: training and evaluation alternate without a recompile-limit hit.
+    alternate(compiled_model, x, target, rounds=1)
+    if name.startswith(("revnet", "irevnet")) and PRESETS[plan].reconstructs:
+        assert compiled_call.calls > 0  # their transforms are torch.nn layers
 
 
 @pytest.mark.slow
