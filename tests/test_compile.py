@@ -205,6 +205,30 @@ def test_transforms_compile_only_where_the_replay_allows_it(case, fresh_dynamo):
     assert_same_gradients(reversible, stored, rtol=1e-2 if case == "autocast" else 1e-5)
 
 
+def _failing_backend(graph_module, example_inputs):
+    raise RuntimeError("this backend compiles nothing")
+
+
+def test_a_transform_that_fails_to_compile_runs_eagerly(fresh_dynamo):
+    """A backend that raises while compiling f or g: a warning naming the transform, and the
+    gradients of the stored run (the transform ran eagerly, forward and recomputation)."""
+    if "revnets_failing" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_failing_backend, name="revnets_failing")
+
+    def model(memory):
+        torch.manual_seed(0)
+        blocks = [ReversibleBlock(_feed_forward(8, 0.0), _feed_forward(8, 0.0), split_dim=-1)]
+        return ReversibleSequence(blocks, memory=memory, compile_transforms="revnets_failing")
+
+    reversible, stored = model(revnets.Reconstruct()), model(revnets.Store())
+    x = torch.randn(5, 16)
+    with pytest.warns(UserWarning, match="could not be compiled.*runs eagerly"):
+        reversible(x).square().sum().backward()
+    stored(x).square().sum().backward()
+    assert compiled_call.calls == 0
+    assert_same_gradients(reversible, stored, rtol=1e-6)
+
+
 class _DropoutFeedForward(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
