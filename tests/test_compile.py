@@ -4,10 +4,10 @@ recompiling per block.
 The reversible engine is one opaque region to dynamo (``torch.compiler.disable`` in
 revnets/reversible/sequence.py): one graph break per reversible sequence in a training forward,
 none in evaluation or under the other plans. Inside it, f and g run compiled where the replay
-allows it (NOTE [ Compiled transforms ] in revnets/reversible/compiled.py). Most tests use the ``aot_eager`` backend, which runs
-what dynamo and AOTAutograd captured with eager kernels: graph breaks and recompilations are
-dynamo's whatever the backend, and gradients then match eager's to float32 round-off. The slow
-tests use inductor, the default backend, on every zoo model and plan.
+allows it (NOTE [ Compiled transforms ] in revnets/reversible/compiled.py). Most tests use the
+``aot_eager`` backend, which runs what dynamo and AOTAutograd captured with eager kernels: graph
+breaks and recompilations are dynamo's whatever the backend, and gradients then match eager's to
+float32 round-off. The slow tests use inductor, the default backend, on every zoo model and plan.
 """
 
 import copy

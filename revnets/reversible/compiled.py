@@ -28,8 +28,9 @@ __all__ = ["DEFAULT_BACKEND", "TransformCompiler", "compiled_call"]
 #   1. the transform is made of torch.nn's known layers (NOTE [ Known layers ]): the recording
 #      needs no dispatcher watch, which would not see the operators inside a compiled graph;
 #   2. it draws no random numbers (no dropout in training mode): inductor makes its own random
-#      numbers, not eager's, and nothing here proves that the inference graph and the training
-#      graph draw the same mask from the same generator state; such a transform stays eager;
+#      numbers, not eager's (unless fallback_random), and although its inference and training
+#      graphs drew the same mask from the same generator state where checked (docs/compile.md),
+#      nothing guarantees it in general; such a transform stays eager;
 #   3. the sequence is not exact (NOTE [ Exact reversibility ]): the two graphs fuse and round
 #      differently, so f's output in the recomputation may differ from the forward's in the last
 #      bits. Reconstruction by subtraction is already exact only to round-off, of that same
@@ -123,10 +124,9 @@ compiled_call = TransformCompiler()
 def compilable(recording: Recording, context: tuple, autocast_enabled: bool) -> bool:
     """Whether a transform recorded by ``recording`` may run compiled (rules 1, 2 and 4 of the
     NOTE; rules 3 and 5 are the sequence's)."""
-    known = recording.known
     return (
-        known is not None
-        and not known.draws
+        recording.known
+        and not recording.known_draws
         and not autocast_enabled
         and all(isinstance(c, Tensor) for c in context)
     )

@@ -175,7 +175,8 @@ class ReversibleFunction(torch.autograd.Function):
         else:
             grad_x = sequence.merge(carry.dy1, carry.dy2)
         del grad_halves, grad_y, carry
-        return (grad_x, None, None, None, None, *context.gradients(back.context_grads), *param_grads)
+        context_grads = context.gradients(back.context_grads)
+        return (grad_x, None, None, None, None, *context_grads, *param_grads)
 
 
 def _unpack(ctx) -> tuple[Tensor | None, Context]:
