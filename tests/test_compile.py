@@ -267,7 +267,7 @@ def test_inductor_compiled_zoo_model_trains_as_eager(name, plan, fresh_dynamo):
     """The default backend on one model of each zoo family (under the reconstructing plans with
     f and g compiled inside the engine where they are known layers): no recompile-limit hit,
     and gradients as accurate as eager's: against a float64 eager run of the same weights, the
-    compiled run's worst error within 1e-3 or twice eager's. Not compiled against eager
+    compiled run's worst error within 1e-3 or three times eager's. Not compiled against eager
     directly: some of these networks' float32 gradients are ill-conditioned (irevnet163's
     eager ones differ from float64 by about 1e-1 at batch 2 and 4, revnet38's at batch 2), and
     two float32 runs that round differently differ as much (docs/compile.md)."""
@@ -286,7 +286,7 @@ def test_inductor_compiled_zoo_model_trains_as_eager(name, plan, fresh_dynamo):
     alternate(exact, x.double(), target, rounds=1)
     eager_error = max(gradient_errors(reference, exact).values())
     compiled_error = max(gradient_errors(model, exact).values())
-    assert compiled_error <= max(1e-3, 2 * eager_error), (compiled_error, eager_error)
+    assert compiled_error <= max(1e-3, 3 * eager_error), (compiled_error, eager_error)
     # A second round: training and evaluation alternate without a recompile-limit hit.
     alternate(compiled_model, x, target, rounds=1)
     if name.startswith(("revnet", "irevnet")) and PRESETS[plan].reconstructs:
