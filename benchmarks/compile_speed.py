@@ -15,7 +15,9 @@ one compiled (``torch.compile(model)``, inductor) copy of the same weights:
 
 ``python benchmarks/compile_speed.py`` runs the small default set (a ResNet and a RevNet, every plan
 that fits); pass ``--models all`` for the whole zoo (each deep model takes minutes to compile) or a
-comma list (``--models irevnet163,revvit_small_patch16_224``), and ``--plans`` to choose plans.
+comma list (``--models irevnet163,revvit_small_patch16_224``), and ``--plans`` to choose plans;
+``--transforms eager`` keeps f and g eager inside the reversible engine (NOTE [ Compiled
+transforms ]), for comparison.
 Writes results/compile_speed-<device>-...{.csv,.md}.
 """
 
@@ -35,6 +37,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import revnets  # noqa: F401  (registers the zoo with timm)
+from revnets import ReversibleSequence
 from revnets.plan import PRESETS
 
 from common import (
@@ -85,10 +88,16 @@ def gradient_error(compiled: nn.Module, eager: nn.Module) -> float:
     )
 
 
-def measure(name: str, plan: str, batch: int, repeats: int) -> dict | None:
+def measure(
+    name: str, plan: str, batch: int, repeats: int, transforms: str = "auto"
+) -> dict | None:
     model = build(name, plan)
     if model is None:
         return None
+    if transforms == "eager":  # f and g eager inside the engine, as before compiled transforms
+        for sequence in model.modules():
+            if isinstance(sequence, ReversibleSequence):
+                sequence.compile_transforms = False
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
@@ -153,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated memory plans (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--transforms", choices=("auto", "eager"), default="auto",
+                        help="f and g inside the reversible engine: compiled where they allow it "
+                        "(auto, NOTE [ Compiled transforms ]) or always eager")
     parser.add_argument("--out", default=None, help="results file stem (default: timm-style)")
     args = parser.parse_args(argv)
     zoo = revnets_models()
@@ -170,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in models:
         for plan in plans:
-            row = measure(name, plan, args.batch, args.repeats)
+            row = measure(name, plan, args.batch, args.repeats, args.transforms)
             if row is not None:
                 print({k: v for k, v in row.items() if k != "break_reasons"}, flush=True)
                 rows.append(row)

@@ -168,11 +168,16 @@ class Recording:
         self._census: Census | None = None
         self.walked: list[nn.Module] = []  # every module below ``modules``, once
         self.hook_serial = 0  # the id the next hook registered anywhere gets
+        # Set on entering: recorded as known layers (NOTE [ Known layers ]), not watched, and
+        # whether one of them draws random numbers.
+        self.known = False
+        self.known_draws = False
 
     # -- the recorded run ----------------------------------------------------------------------
     def __enter__(self) -> Recording:
         self.hook_serial = RemovableHandle.next_id
         known = known_run(self.modules, self.device, self.preserve_rng, self.chain.verified)
+        self.known, self.known_draws = known is not None, known is not None and known.draws
         # Known layers draw nothing from Python's or numpy's generators.
         census = self._census = Census.take(self.modules, self.preserve_rng and known is None)
         self.norms = census.norms

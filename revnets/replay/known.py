@@ -224,13 +224,14 @@ def known_run(
             fresh = fresh or (m.training and not inplace and getattr(m, "p", 1.0) != 0)
         elif kind in _FRESH or (kind in _ACTIVATIONS and not inplace):
             fresh = True
-    return KnownRun(device if draws and keep_random else None)
+    return KnownRun(device if draws and keep_random else None, draws)
 
 
 class KnownRun:
     """Stands in for the watch (same findings) over a transform of known layers."""
 
-    def __init__(self, draws_on: torch.device | None) -> None:
+    def __init__(self, draws_on: torch.device | None, draws: bool = False) -> None:
+        self.draws = draws  # a layer in training mode draws random numbers
         self.generators: dict[Any, tuple[Any, Tensor | None]] = {}
         if draws_on is not None:
             self.generators = {"default": kept_generator_state(draws_on)}

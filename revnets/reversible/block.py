@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,12 +84,17 @@ class ReversibleBlock(nn.Module):
         x1 = self.coupling.uncombine(y1, self.transform("f", x2, *context))
         return x1, x2
 
-    def transform(self, name: str, half: Tensor, *context: Any) -> Tensor:
-        """Run ``f`` or ``g`` (by ``name``) on a half, checking what reversibility relies on."""
+    def transform(
+        self, name: str, half: Tensor, *context: Any,
+        call: Callable[..., Tensor] | None = None,
+    ) -> Tensor:
+        """Run ``f`` or ``g`` (by ``name``) on a half, checking what reversibility relies on.
+        ``call(fn, half, *context)``, where given, runs it instead of ``fn(half, *context)`` (a
+        compiled function: NOTE [ Compiled transforms ])."""
         fn = self.f if name == "f" else self.g
         version = _version(half)
         try:
-            h = fn(half, *context)
+            h = fn(half, *context) if call is None else call(fn, half, *context)
         except (RuntimeError, NotImplementedError) as error:
             message = str(error)
             if half.is_leaf and half.requires_grad and "in-place operation" in message:

@@ -30,7 +30,8 @@ __all__ = ["ReversibleFunction"]
 
 
 def _record(
-    sequence: Any, plans: list[BlockPlan], x: Tensor, context: Context
+    sequence: Any, plans: list[BlockPlan], x: Tensor, context: Context,
+    compile_transforms: str | None,
 ) -> tuple[Tensor, Tape]:
     """Run the blocks forward without a graph, one step each on the tape; return the output."""
     blocks = list(sequence.blocks)
@@ -45,6 +46,7 @@ def _record(
     run = ForwardRun(
         x.device, sequence.preserve_rng_state, tape.memory_format, tape.autocast,
         GridWatch() if sequence.exact else None,
+        compile_transforms=None if sequence.exact else compile_transforms,
     )
     # Under saved-tensor hooks, what backward needs is handed to them once (see below). A
     # stored block's graph would be unpacked by several inner backward passes instead, and a
@@ -92,11 +94,11 @@ class ReversibleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: Tensor, sequence: Any, plans: list[BlockPlan], num_context: int,
-        *context_and_params: Any,
+        ctx, x: Tensor, sequence: Any, plans: list[BlockPlan], compile_transforms: str | None,
+        num_context: int, *context_and_params: Any,
     ) -> Tensor:
         context = Context(context_and_params[:num_context])
-        y, tape = _record(sequence, plans, x, context)
+        y, tape = _record(sequence, plans, x, context, compile_transforms)
         # Under saved-tensor hooks (save_on_cpu, a surrounding checkpoint) what backward needs is
         # handed to them. Otherwise the output is held directly rather than saved, so that
         # backward can let it go as soon as the top block has taken its halves (a saved tensor
@@ -173,7 +175,8 @@ class ReversibleFunction(torch.autograd.Function):
         else:
             grad_x = sequence.merge(carry.dy1, carry.dy2)
         del grad_halves, grad_y, carry
-        return (grad_x, None, None, None, *context.gradients(back.context_grads), *param_grads)
+        context_grads = context.gradients(back.context_grads)
+        return (grad_x, None, None, None, None, *context_grads, *param_grads)
 
 
 def _unpack(ctx) -> tuple[Tensor | None, Context]:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from revnets.invertible import Invertible
 from revnets.plan import Checkpoint, Decision, Reconstruct, Store
-from revnets.reversible import grid
+from revnets.reversible import compiled, grid
 from revnets.reversible.block import ReversibleBlock, split_halves
 from revnets.reversible.coupling import AdditiveCoupling, ExactAdditiveCoupling
 from revnets.reversible.function import ReversibleFunction
@@ -60,6 +60,13 @@ class ReversibleSequence(nn.Module):
             randomness in f and g draw the same numbers in the backward recomputation.
         reuse_memory: let backward add the blocks' gradients into the gradient it is given, where
             nothing else can see it (NOTE [ Gradient memory ]); ``False`` always allocates.
+        compile_transforms: run f and g through functions torch.compile made (inductor) in the
+            reversible path, where the replay allows it (known layers, no randomness, not exact,
+            no autocast: NOTE [ Compiled transforms ] in revnets/reversible/compiled.py).
+            ``None`` (the default): when the model runs under ``torch.compile``; ``False``:
+            never; ``True``: also in an eager model; a backend's name (``"aot_eager"``):
+            always, with that backend instead of inductor (``DEFAULT_BACKEND`` in
+            revnets/reversible/compiled.py).
 
     ``sequence(x, *context)`` passes the context arguments to every f and g after their half
     (``f(x2, *context)``), as conditioning (FiLM, time embeddings, cross-attention memory); tensors
@@ -93,6 +100,7 @@ class ReversibleSequence(nn.Module):
         exact: bool = False,
         preserve_rng_state: bool = True,
         reuse_memory: bool = True,
+        compile_transforms: bool | str | None = None,
         **renamed: Any,
     ) -> None:
         super().__init__()
@@ -119,6 +127,7 @@ class ReversibleSequence(nn.Module):
             self.exact = True
         self.preserve_rng_state = preserve_rng_state
         self.reuse_memory = reuse_memory
+        self.compile_transforms = compile_transforms
 
     @property
     def memory(self) -> Reconstruct | Store:
@@ -196,7 +205,12 @@ class ReversibleSequence(nn.Module):
         needs_grad = x.requires_grad or params or any(_requires_grad(c) for c in context)
         if not needs_grad:
             return self.forward_plain(x, *context)
-        return _reversible(self, x, plans, context, params)
+        # Decided here, where dynamo traces: the engine itself runs eagerly either way.
+        option = self.compile_transforms
+        if option is None:
+            option = torch.compiler.is_compiling()
+        backend = compiled.DEFAULT_BACKEND if option is True else option or None
+        return _reversible(self, x, plans, context, params, backend)
 
     def forward_plain(self, x: Tensor, *context: Any) -> Tensor:
         """The blocks as ordinary modules (what autograd would store, it stores)."""
@@ -226,11 +240,15 @@ class ReversibleSequence(nn.Module):
 
 @torch.compiler.disable
 def _reversible(
-    sequence: ReversibleSequence, x: Tensor, plans: list[BlockPlan], context: tuple, params: list
+    sequence: ReversibleSequence, x: Tensor, plans: list[BlockPlan], context: tuple, params: list,
+    compile_transforms: str | None,
 ) -> Tensor:
     # The engine runs user code under dispatch modes and replays it by hand: torch.compile runs
-    # it eagerly between the graphs it compiles around the sequence.
-    return ReversibleFunction.apply(x, sequence, plans, len(context), *context, *params)
+    # it eagerly between the graphs it compiles around the sequence (its f and g may run
+    # compiled: NOTE [ Compiled transforms ]).
+    return ReversibleFunction.apply(
+        x, sequence, plans, compile_transforms, len(context), *context, *params
+    )
 
 
 def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:

@@ -31,6 +31,7 @@ from revnets.replay import (
     submodules,
 )
 from revnets.reversible.block import ReversibleBlock
+from revnets.reversible.compiled import compilable, compiled_call
 from revnets.reversible.coupling import (
     AdditiveCoupling,
     AffineCoupling,
@@ -144,6 +145,9 @@ class ForwardRun:
     memory_format: torch.memory_format
     autocast: AutocastState
     grid: GridWatch | None = None  # the range check of an exact sequence (NOTE [ Exact ... ])
+    # The backend that compiles f and g where they allow it, or None: eager (NOTE [ Compiled
+    # transforms ]).
+    compile_transforms: str | None = None
     # Python's and numpy's generator states between consecutive recordings; a step that runs
     # user code outside a recording cuts it.
     chain: RecordingChain = field(default_factory=RecordingChain)
@@ -275,6 +279,8 @@ class CouplingStep(_CouplingBackward):
         self.block = plan.block
         self.runs: dict[str, Recording] = {}
         self.layouts: dict[str, Layout] = {}
+        # f's or g's compiling backend where it ran compiled; the recomputation runs alike.
+        self.compiled: dict[str, str | None] = {}
         self._kept: tuple[Tensor, Tensor] | None = None
 
     def forward(self, x1, x2, mine, context, run):
@@ -303,7 +309,12 @@ class CouplingStep(_CouplingBackward):
             device=run.device,
         )
         with recording:
-            h = self.block.transform(name, half, *context)
+            backend = run.compile_transforms
+            if backend is not None and not compilable(recording, context, run.autocast.enabled):
+                backend = None
+            self.compiled[name] = backend
+            call = None if backend is None else compiled_call.runner(backend)
+            h = self.block.transform(name, half, *context, call=call)
         if not torch.is_grad_enabled():
             _refuse_gradients(recording, f"block {self.index} of a ReversibleSequence")
         return h
@@ -359,8 +370,10 @@ class CouplingStep(_CouplingBackward):
     def _transform(self, name, half, back):
         recording = self.runs.pop(name)
         recording.check("ReversibleSequence", _REMEDY, prefix=f"blocks.{self.index}.{name}.")
+        backend = self.compiled.pop(name, None)
+        call = None if backend is None else compiled_call.runner(backend)
         with torch.enable_grad(), back.autocast(), recording.replayed():
-            return self.block.transform(name, half, *back.context.args())
+            return self.block.transform(name, half, *back.context.args(), call=call)
 
     def _second_half(self, y2, h, back):
         if self._kept is not None:
