@@ -241,6 +241,10 @@ class MemoryTracker(TorchDispatchMode):
                 peak, peak_at = live, t // 2
         return peak, peak_at
 
+    def bytes_at_start(self) -> int:
+        """What the owners and inputs held when tracking began."""
+        return sum(r.nbytes for r in self._records() if r.allocated == 0)
+
     def report(self, result: Any = None, at: int | None = None) -> MemoryReport:
         """The peak and its split by category, at the peak of live tensor storage or at the
         clock tick ``at``."""
@@ -319,8 +323,11 @@ def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
     Pass everything the call uses as an argument: a tensor captured by a closure counts only from
     its first use, as an activation. The call's return value is kept in ``report.result``.
 
-    On CUDA, the peak is the caching allocator's peak of memory allocated during the call (this
-    includes kernel workspaces); the model-state categories still come from storage tracking.
+    On CUDA, the peak is the caching allocator's highest count during the call (kernel
+    workspaces included) above its count at the start, plus the model state and inputs alive at
+    the start: tensors the call never sees (another model, a data set already on the device)
+    are left out, as they are on CPU. The model-state categories still come from storage
+    tracking.
     """
     return _measure(fn, args, kwargs)
 
@@ -344,6 +351,7 @@ def _measure(
     if allocator:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
     leaves, _ = tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
     tracker = MemoryTracker(*owners, inputs=tensors, device=str(device))
@@ -355,7 +363,7 @@ def _measure(
         return tracker.report(result)
     torch.cuda.synchronize(device)
     report = tracker.report(result, at=tracker.allocator_peak_at)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - start + tracker.bytes_at_start()
     rest = report.model_state_bytes + report.inputs
     return MemoryReport(
         peak_bytes=peak,

@@ -11,6 +11,7 @@ from revnets.prediction import predict_memory
 from conftest import make_stack
 
 KiB = 1024
+MiB = 2**20
 
 
 def test_peak_of_known_allocations():
@@ -222,6 +223,21 @@ def test_cuda_categories_are_split_at_the_allocator_peak():
              + report.activations)
     assert parts == report.peak_bytes
     assert report.gradients > 0  # at the allocator's peak (in backward) gradients exist
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_leaves_out_tensors_the_call_never_sees():
+    model = make_stack(4).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 8, 16, 16, device="cuda", requires_grad=True)
+    _train_step(model, optimizer, x)
+    alone = measure_memory(_train_step, model, optimizer, x)
+    elsewhere = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")  # e.g. another model
+    beside = measure_memory(_train_step, model, optimizer, x)
+    del elsewhere
+    assert beside.peak_bytes == alone.peak_bytes
+    assert beside.above_model_state_bytes == alone.above_model_state_bytes
 
 
 def test_prediction_takes_the_cpus_fused_attention_kernel():
