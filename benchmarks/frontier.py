@@ -70,9 +70,17 @@ def step_of(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
     return step
 
 
-def peak_above_start(step: Callable[[], None]) -> int:
+def peak_above_start(step: Callable[[], None], device: torch.device) -> int:
     """The highest the CPU allocator's live bytes rise above where they were when ``step``
-    started (gradients freed before it starts)."""
+    started (gradients freed before it starts); on a GPU, the caching allocator's peak above
+    its count at the start, which sees Inductor's buffers as it sees eager ones."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
@@ -177,9 +185,11 @@ def cases(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor
     return {"gpt": gpt, "resnet": resnet, "vit": vit}
 
 
-def frontier(name: str, build: Callable, repeats: int, quick: bool) -> list[dict]:
+def frontier(
+    name: str, build: Callable, repeats: int, quick: bool, device: torch.device
+) -> list[dict]:
     torch.manual_seed(0)
-    model, x, y = build()
+    model, x, y = (part.to(device) for part in build())
     model.train()
     steps: dict[str, Callable[[], None]] = {"eager": step_of(model, x, y)}
     eager_peak = revnets.measure_memory(steps["eager"]).peak_bytes
@@ -211,7 +221,7 @@ def frontier(name: str, build: Callable, repeats: int, quick: bool) -> list[dict
     for key, step in steps.items():
         step()  # warm: the first step allocates what later ones reuse
         getattr(step, "model", model).zero_grad(set_to_none=True)
-        peaks[key] = peak_above_start(step)
+        peaks[key] = peak_above_start(step, device)
     times = interleaved_times(steps, repeats).seconds
     eager = statistics.median(times["eager"])
     return [{"model": name, "method": key, "peak_mib": round(peaks[key] / MiB, 2),
@@ -247,25 +257,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default="")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     rows = []
     for name, build in cases(args.quick).items():
         if args.only in name:
-            for row in frontier(name, build, args.repeats, args.quick):
+            for row in frontier(name, build, args.repeats, args.quick, device):
                 print("  ", row, flush=True)
                 rows.append(row)
-    stem = results_stem("frontier") + ("-quick" if args.quick else "") + (
+    stem = results_stem("frontier", device.type) + ("-quick" if args.quick else "") + (
         f"-{args.only}" if args.only else "")
     write_csv(args.results / f"{stem}.csv", rows)
     plot(rows, args.results / f"{stem}.png")
     lines = [
         "# Step time against peak memory",
         "",
-        provenance("frontier.py" + (" --quick" if args.quick else "")),
+        provenance(" ".join(["frontier.py", *(sys.argv[1:] if argv is None else argv)]),
+                   args.device),
         "",
-        "Peak: the CPU allocator's live bytes at their highest during one training step above "
-        "where they were at its start (gradients freed), from torch.profiler's memory events "
-        "(the same meter for eager, planned and compiled steps). Time: median of "
+        (
+            "Peak: the CUDA caching allocator's peak during one training step above its count "
+            "at the start (gradients freed; `max_memory_allocated`, the same meter for eager, "
+            "planned and compiled steps). "
+            if device.type == "cuda" else
+            "Peak: the CPU allocator's live bytes at their highest during one training step "
+            "above where they were at its start (gradients freed), from torch.profiler's memory "
+            "events (the same meter for eager, planned and compiled steps). "
+        ) + "Time: median of "
         f"{args.repeats} interleaved steps over the eager step's. revnets: `auto_checkpoint` "
         "at budgets keeping the given share of the activation part of the eager peak, and at "
         "the smallest budget a refusal names where one was refused; revnets + compile: those "

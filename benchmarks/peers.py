@@ -8,6 +8,7 @@ autograd (interleaved), BatchNorm updates per step (num_batches_tracked after on
 
     pip install -e '.[bench]'        # memcnn, revlib, revtorch
     python benchmarks/peers.py       # writes results/peers-cpu-pt<ver>-fp32.{md,csv}
+    python benchmarks/peers.py --device cuda   # on a GPU: the allocator's peak, synchronized times
 """
 
 from __future__ import annotations
@@ -121,20 +122,22 @@ def available(libraries: list[str]) -> list[str]:
     return found
 
 
-def build(library: str, depth: int, seed: int = 0):
+def build(library: str, depth: int, device: str = "cpu", seed: int = 0):
     torch.manual_seed(seed)
-    pairs = [(unit(HALF), unit(HALF)) for _ in range(depth)]
-    head = nn.Linear(2 * HALF, 10)
+    with torch.device(device):
+        pairs = [(unit(HALF), unit(HALF)) for _ in range(depth)]
+        head = nn.Linear(2 * HALF, 10)
     model = Model(wrap(library, pairs), head)
     model.pairs = tuple(pairs)  # a tuple: kept for reference, not registered a second time
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     return model, optimizer
 
 
-def data(seed: int = 1):
+def data(device: str = "cpu", batch: int = BATCH, seed: int = 1):
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(BATCH, 2 * HALF, SIZE, SIZE, generator=generator)
-    return x, torch.randint(0, 10, (BATCH,), generator=generator)
+    x = torch.randn(batch, 2 * HALF, SIZE, SIZE, generator=generator)
+    target = torch.randint(0, 10, (batch,), generator=generator)
+    return x.to(device), target.to(device)
 
 
 def fresh(x: torch.Tensor) -> torch.Tensor:
@@ -144,12 +147,12 @@ def fresh(x: torch.Tensor) -> torch.Tensor:
     return x.clone().requires_grad_(True)
 
 
-def correctness(library: str) -> tuple[int, float]:
+def correctness(library: str, device: str = "cpu") -> tuple[int, float]:
     """(BatchNorm updates in one train_step, largest relative gradient error against autograd)."""
-    x, target = data()
+    x, target = data(device)
     grads = {}
     for lib in ("none", library):
-        model, optimizer = build(lib, 4)
+        model, optimizer = build(lib, 4, device)
         model.train()
         train_step(model, optimizer, fresh(x), target)
         grads[lib] = [p.grad for p in model.canonical_parameters()]
@@ -163,24 +166,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=BATCH)
     args = parser.parse_args(argv)
     libraries = available([*OURS, "memcnn", "revlib", "revtorch"])
-    x, target = data()
+    x, target = data(args.device, args.batch)
 
     rows = []
     for library in libraries:
         row: dict = {"library": library}
         for depth in args.depths:
-            model, optimizer = build(library, depth)
+            model, optimizer = build(library, depth, args.device)
             train_step(model, optimizer, fresh(x), target)
             report = revnets.measure_memory(train_step, model, optimizer, fresh(x), target)
             row[f"mib_depth{depth}"] = round(report.above_model_state_bytes / MiB, 1)
-        row["bn_updates_per_step"], row["grad_rel_error"] = correctness(library)
+        row["bn_updates_per_step"], row["grad_rel_error"] = correctness(library, args.device)
         rows.append(row)
         print("  ", row, flush=True)
 
     depth = args.depths[0]
-    models = {library: build(library, depth) for library in libraries}
+    models = {library: build(library, depth, args.device) for library in libraries}
     timings = interleaved_times(
         {library: functools.partial(timed_step, *models[library], x, target)
          for library in libraries},
@@ -192,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
         row["ratio_min"], row["ratio_max"] = summary["ratio_min"], summary["ratio_max"]
         print(f"  speed {row['library']:<17} {row['step_ratio']:.3f}x", flush=True)
 
-    stem = results_stem("peers")
+    on_gpu = torch.device(args.device).type == "cuda"
+    stem = results_stem("peers", torch.device(args.device).type)
+    stem += f"-batch{args.batch}" if args.batch != BATCH else ""
     write_csv(RESULTS / f"{stem}.csv", rows)
     versions = []
     for library in libraries:
@@ -204,13 +211,18 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         "# revnets side by side with other reversible-network libraries",
         "",
-        provenance("peers.py") + " Peers: " + (", ".join(versions) or "none installed") + ".",
+        provenance(" ".join(["peers.py", *(sys.argv[1:] if argv is None else argv)]), args.device)
+        + " Peers: " + (", ".join(versions) or "none installed") + ".",
         "",
-        f"The same f and g (conv3x3({HALF})-BatchNorm-ReLU), input {BATCH}x{2 * HALF}x{SIZE}x"
-        f"{SIZE}, average pooling, linear head, cross-entropy, SGD. Memory: peak of a training "
-        "step above parameters, gradients and optimizer state (live tensor storage). Time: median "
+        f"The same f and g (conv3x3({HALF})-BatchNorm-ReLU), input {args.batch}x{2 * HALF}x"
+        f"{SIZE}x{SIZE}, average pooling, linear head, cross-entropy, SGD. Memory: peak of a "
+        "training step above parameters, gradients and optimizer state ("
+        + ("the CUDA caching allocator's peak" if on_gpu else "live tensor storage")
+        + "). Time: median "
         f"of {args.repeats} interleaved steps at depth {depth} (order rotated each round, garbage "
-        "collector paused, after the memory runs), over `none` (ordinary autograd on "
+        "collector paused, after the memory runs"
+        + (", the GPU synchronized around each step" if on_gpu else "")
+        + "), over `none` (ordinary autograd on "
         "the same blocks); min and max of the paired ratios. BN updates: `num_batches_tracked` "
         "after one training step (1 is correct). Gradient error: largest relative error against "
         "ordinary autograd after one step at depth 4. The input requires grad (as a stem's output "
