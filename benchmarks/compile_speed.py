@@ -16,8 +16,8 @@ one compiled (``torch.compile(model)``, inductor) copy of the same weights:
 ``python benchmarks/compile_speed.py`` runs the small default set (a ResNet and a RevNet, every plan
 that fits); pass ``--models all`` for the whole zoo (each deep model takes minutes to compile) or a
 comma list (``--models irevnet163,revvit_small_patch16_224``), and ``--plans`` to choose plans;
-``--transforms eager`` keeps f and g eager inside the reversible engine (NOTE [ Compiled
-transforms ]), for comparison.
+``--transforms compiled`` also compiles f and g inside the reversible engine
+(``compile_transforms=None``, NOTE [ Compiled transforms ]), which the default leaves eager.
 Writes results/compile_speed-<device>-...{.csv,.md}.
 """
 
@@ -58,13 +58,13 @@ INPUT = {"preact_resnet101": 64, "revnet104": 64}
 KWARGS = {"revvit": {"img_size": 32, "patch_size": 4}}
 
 
-def build(name: str, plan: str) -> nn.Module | None:
+def build(name: str, plan: str, device: str = "cpu") -> nn.Module | None:
     """The model with ``plan``, or None where the plan does not fit it (a ResNet reconstructs
     nothing)."""
     kwargs = next((kw for prefix, kw in KWARGS.items() if name.startswith(prefix)), {})
     torch.manual_seed(0)
     try:
-        return timm.create_model(name, num_classes=10, memory=plan, **kwargs)
+        return timm.create_model(name, num_classes=10, memory=plan, **kwargs).to(device)
     except ValueError as error:
         if "does not fit" in str(error):
             return None
@@ -89,22 +89,22 @@ def gradient_error(compiled: nn.Module, eager: nn.Module) -> float:
 
 
 def measure(
-    name: str, plan: str, batch: int, repeats: int, transforms: str = "auto"
+    name: str, plan: str, batch: int, repeats: int, transforms: str = "eager", device: str = "cpu"
 ) -> dict | None:
-    model = build(name, plan)
+    model = build(name, plan, device)
     if model is None:
         return None
-    if transforms == "eager":  # f and g eager inside the engine, as before compiled transforms
+    if transforms == "compiled":  # f and g compiled inside the engine of the compiled model
         for sequence in model.modules():
             if isinstance(sequence, ReversibleSequence):
-                sequence.compile_transforms = False
+                sequence.compile_transforms = None
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model)
     size = INPUT.get(name, 32)
-    x = torch.randn(batch, 3, size, size)
-    target = torch.randint(0, 10, (batch,))
+    x = torch.randn(batch, 3, size, size, device=device)
+    target = torch.randint(0, 10, (batch,), device=device)
 
     exact = copy.deepcopy(eager).double()
     start = time.perf_counter()
@@ -162,9 +162,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated memory plans (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--transforms", choices=("auto", "eager"), default="auto",
-                        help="f and g inside the reversible engine: compiled where they allow it "
-                        "(auto, NOTE [ Compiled transforms ]) or always eager")
+    parser.add_argument("--transforms", choices=("eager", "compiled"), default="eager",
+                        help="f and g inside the reversible engine: eager (the library's "
+                        "default) or compiled where they allow it (NOTE [ Compiled transforms ])")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--out", default=None, help="results file stem (default: timm-style)")
     args = parser.parse_args(argv)
     zoo = revnets_models()
@@ -182,16 +183,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in models:
         for plan in plans:
-            row = measure(name, plan, args.batch, args.repeats, args.transforms)
+            row = measure(name, plan, args.batch, args.repeats, args.transforms, args.device)
             if row is not None:
                 print({k: v for k, v in row.items() if k != "break_reasons"}, flush=True)
                 rows.append(row)
-    stem = args.out or results_stem("compile_speed")
+    stem = args.out or results_stem("compile_speed", torch.device(args.device).type)
     write_csv(RESULTS / f"{stem}.csv", rows)
     lines = [
         "# torch.compile: compiled / eager training step",
         "",
-        provenance(" ".join(["compile_speed.py", *(sys.argv[1:] if argv is None else argv)])),
+        provenance(" ".join(["compile_speed.py", *(sys.argv[1:] if argv is None else argv)]),
+                   args.device),
         "",
         "ratio: median compiled step / median eager step (below 1: compiling pays); paired: "
         "min / median / max of the per-round ratios. grad error: max |compiled - eager| / "

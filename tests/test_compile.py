@@ -77,6 +77,12 @@ def assert_same_gradients(model: nn.Module, reference: nn.Module, rtol: float) -
         assert error <= rtol, f"{name}: relative gradient error {error:.2e}"
 
 
+def set_compile_transforms(model: nn.Module, option: bool | str | None) -> None:
+    for sequence in model.modules():
+        if isinstance(sequence, ReversibleSequence):
+            sequence.compile_transforms = option
+
+
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -94,9 +100,11 @@ def test_compiled_training_and_evaluation_alternate_without_reaching_the_recompi
 ):
     """Compiled (aot_eager) and eager copies of the same weights, two rounds of a training step
     then an evaluation forward: no recompile-limit hit (it raises), and eager's gradients. Under
-    a reconstructing plan the engine runs f and g compiled (with aot_eager too, here)."""
+    a reconstructing plan the engine runs f and g compiled (with aot_eager too, here), as
+    ``compile_transforms=None`` asks."""
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = small_revnet(plan)
+    set_compile_transforms(model, None)
     reference = copy.deepcopy(model)
     x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
     alternate(torch.compile(model, backend="aot_eager"), x, target, rounds=2)
@@ -129,10 +137,13 @@ def test_graph_breaks_are_the_reversible_sequences_in_training(plan, fresh_dynam
         assert torch._dynamo.explain(model)(x).break_reasons == []
 
 
-def set_compile_transforms(model: nn.Module, option: bool | str | None) -> None:
-    for sequence in model.modules():
-        if isinstance(sequence, ReversibleSequence):
-            sequence.compile_transforms = option
+def test_transforms_stay_eager_by_default_under_a_compiled_model(fresh_dynamo):
+    """Compiled transforms measured slower than eager ones (docs/compile.md): a compiled model
+    runs its reversible sequences' f and g eagerly unless asked."""
+    model = small_revnet("reversible")
+    x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    F.cross_entropy(torch.compile(model, backend="aot_eager")(x), target).backward()
+    assert compiled_call.calls == 0
 
 
 def test_compiled_transforms_give_ordinary_autograd_gradients_and_update_statistics_once(
@@ -278,6 +289,7 @@ def test_inductor_compiled_zoo_model_trains_as_eager(name, plan, fresh_dynamo):
     except ValueError as error:
         assert "does not fit" in str(error)
         pytest.skip(str(error))
+    set_compile_transforms(model, None)  # f and g compiled inside the engine too
     reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     x, target = torch.randn(4, 3, 32, 32), torch.tensor([1, 2, 3, 4])
     compiled_model = torch.compile(model)

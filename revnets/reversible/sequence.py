@@ -63,10 +63,11 @@ class ReversibleSequence(nn.Module):
         compile_transforms: run f and g through functions torch.compile made (inductor) in the
             reversible path, where the replay allows it (known layers, no randomness, not exact,
             no autocast: NOTE [ Compiled transforms ] in revnets/reversible/compiled.py).
-            ``None`` (the default): when the model runs under ``torch.compile``; ``False``:
-            never; ``True``: also in an eager model; a backend's name (``"aot_eager"``):
-            always, with that backend instead of inductor (``DEFAULT_BACKEND`` in
-            revnets/reversible/compiled.py).
+            ``False`` (the default): never, f and g run eagerly inside the engine (compiled
+            transforms measured slower than eager ones, on CPU and on an H200: docs/compile.md);
+            ``None``: when the model runs under ``torch.compile``; ``True``: also in an eager
+            model; a backend's name (``"aot_eager"``): always, with that backend instead of
+            inductor (``DEFAULT_BACKEND`` in revnets/reversible/compiled.py).
 
     ``sequence(x, *context)`` passes the context arguments to every f and g after their half
     (``f(x2, *context)``), as conditioning (FiLM, time embeddings, cross-attention memory); tensors
@@ -100,7 +101,7 @@ class ReversibleSequence(nn.Module):
         exact: bool = False,
         preserve_rng_state: bool = True,
         reuse_memory: bool = True,
-        compile_transforms: bool | str | None = None,
+        compile_transforms: bool | str | None = False,
         **renamed: Any,
     ) -> None:
         super().__init__()
