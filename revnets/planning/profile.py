@@ -78,6 +78,12 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
     timed = _device_type(example_input) != "meta"
     leaf = tree_map(_as_leaf, example_input)
     profiles = []
+    # Kept outputs by their storage, and the layer that keeps each: a later layer that writes any
+    # alias of one (an Identity or a view passes it on, then ReLU(inplace=True) writes it) makes
+    # that layer unsafe. The tensors are held so that no address is reused meanwhile.
+    kept_by_storage: dict[int, int] = {}
+    held: list[Tensor] = []
+    unsafe: set[int] = set()
     for index, layer in enumerate(layers):
         saved: dict[int, int] = {}  # storages by identity: views of one storage count once
 
@@ -94,6 +100,8 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
         copies = bool(getattr(layer, "inplace", False)) or (
             getattr(layer, "mutates_from", None) is not None)
         kept = _SelectiveOutputs()
+        if copies:
+            unsafe |= _keepers(kept_by_storage, _written(layer, leaf))
         for _ in range(repeats if timed else 1):
             saved.clear()
             x = _writable(layer, leaf) if copies else leaf
@@ -108,6 +116,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 if copies:
                     raise
                 copies = True
+                unsafe |= _keepers(kept_by_storage, _written(layer, leaf, everything=True))
                 saved.clear()
                 x = _writable(layer, leaf, everything=True)
                 kept = _SelectiveOutputs()
@@ -135,13 +144,17 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 kept.intact(),
             )
         )
+        for t, _ in kept.outputs:
+            kept_by_storage.setdefault(_address(t), index)
+            held.append(t)
         leaf = tree_map(_as_leaf, y)
-    # A later layer that overwrites an earlier one's output in place makes that one unsafe.
+    # A later layer that overwrites an earlier one's output in place makes that one unsafe (when
+    # it keeps anything: kept outputs are not always tracked, and this errs on the safe side).
     for p in list(profiles):
         if p.mutates_from is not None and p.mutates_from >= 0 and p.mutates_from != p.index:
-            earlier = profiles[p.mutates_from]
-            if earlier.selective_bytes:
-                profiles[p.mutates_from] = replace(earlier, selective_safe=False)
+            unsafe.add(p.mutates_from)
+    for i in unsafe - {p.index for p in profiles if not p.selective_bytes}:
+        profiles[i] = replace(profiles[i], selective_safe=False)
     return profiles
 
 
@@ -167,16 +180,31 @@ class _SelectiveOutputs(TorchDispatchMode):
         return all(t._version == version for t, version in self.outputs)
 
 
-def _writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
-    """``leaf`` with copies where ``layer`` may write: the value a graph step overwrites, when it
-    names it, else every tensor."""
+def _written(layer: nn.Module, leaf: Any, everything: bool = False) -> list[Tensor]:
+    """The tensors of ``leaf`` that ``layer`` may write: the value a graph step overwrites, when
+    it names it, else every tensor."""
     names, mutated = getattr(layer, "inputs", None), getattr(layer, "mutated", None)
     if not everything and isinstance(leaf, tuple) and names and len(names) == len(leaf) and (
         mutated in names
     ):
-        return tuple(t.clone() if name == mutated and isinstance(t, Tensor) else t
-                     for name, t in zip(names, leaf))
-    return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, leaf)
+        return [t for name, t in zip(names, leaf) if name == mutated and isinstance(t, Tensor)]
+    return [t for t in tree_flatten(leaf)[0] if isinstance(t, Tensor)]
+
+
+def _writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
+    """``leaf`` with copies of what ``layer`` may write (:func:`_written`)."""
+    written = {id(t) for t in _written(layer, leaf, everything)}
+    return tree_map(lambda t: t.clone() if id(t) in written else t, leaf)
+
+
+def _keepers(kept_by_storage: dict[int, int], tensors: list[Tensor]) -> set[int]:
+    """The layers whose kept outputs share storage with ``tensors``."""
+    return {kept_by_storage[a] for a in map(_address, tensors) if a in kept_by_storage}
+
+
+def _address(tensor: Tensor) -> int:
+    """The storage ``tensor`` is a view of, shared by its aliases (views, detached copies)."""
+    return tensor.untyped_storage()._cdata
 
 
 def _storage_ids(value: Any) -> set[int]:
