@@ -210,14 +210,21 @@ def test_tracker_on_cuda_without_index_records():
     assert tracker.report().peak_bytes == KiB
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_categories_are_split_at_the_allocator_peak():
+def _warm_cuda_step() -> tuple:
+    """A model, its optimizer and a batch on the GPU, after one training step (gradients and
+    momentum exist)."""
     model = make_stack(4).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(8, 8, 16, 16, device="cuda", requires_grad=True)
     _train_step(model, optimizer, x)
-    report = measure_memory(_train_step, model, optimizer, x)
+    return model, optimizer, x
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_categories_are_split_at_the_allocator_peak():
+    step = _warm_cuda_step()
+    report = measure_memory(_train_step, *step)
     assert report.method == "cuda-allocator"
     parts = (report.parameters + report.gradients + report.optimizer_state + report.inputs
              + report.activations)
@@ -228,13 +235,10 @@ def test_cuda_categories_are_split_at_the_allocator_peak():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_peak_leaves_out_tensors_the_call_never_sees():
-    model = make_stack(4).cuda()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(8, 8, 16, 16, device="cuda", requires_grad=True)
-    _train_step(model, optimizer, x)
-    alone = measure_memory(_train_step, model, optimizer, x)
+    step = _warm_cuda_step()
+    alone = measure_memory(_train_step, *step)
     elsewhere = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")  # e.g. another model
-    beside = measure_memory(_train_step, model, optimizer, x)
+    beside = measure_memory(_train_step, *step)
     del elsewhere
     assert beside.peak_bytes == alone.peak_bytes
     assert beside.above_model_state_bytes == alone.above_model_state_bytes

@@ -18,10 +18,16 @@ from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.chain import (
     SELECTIVE,
-    Recompute,
     Segment,
     candidate_plans,
     selective_plans,
+)
+from revnets.planning.describe import (
+    checkpoint_decision,
+    describe_plan,
+    measured_seconds,
+    memory_plan,
+    step_name,
 )
 from revnets.planning.nested import (
     NestedSchedule,
@@ -164,10 +170,6 @@ def _sequence_of(step: nn.Module) -> ReversibleSequence | None:
     return None
 
 
-def _step_name(step: nn.Module, index: int) -> str:
-    return step.label if isinstance(step, GraphStep) else f"{index}:{type(step).__name__}"
-
-
 class _Planner:
     """The search of :func:`auto_checkpoint` over one chain."""
 
@@ -257,8 +259,9 @@ class _Planner:
             return self._nested(frozenset(self.sequences), budget, smallest)
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
-        return planned, self._describe(found.segments, profiles, found.reconstructed,
-                                       peaks[found], budget)
+        plan = describe_plan(self.chain, self.sequences, self.original, self.input_state,
+                             found.segments, profiles, found.reconstructed, peaks[found], budget)
+        return planned, plan
 
     def _predict(self, option: Option) -> int:
         """The exact peak of ``option``; with nothing checkpointed, of the model itself (which
@@ -318,8 +321,9 @@ class _Planner:
         steps: list[nn.Module] = []
         for start, stop, recompute in plan:
             run = list(self.chain)[start:stop]
-            steps += [Checkpointed(nn.Sequential(*run), _decision(recompute))] if recompute \
-                else run
+            if recompute:
+                run = [Checkpointed(nn.Sequential(*run), checkpoint_decision(recompute))]
+            steps += run
         return nn.Sequential(*steps)
 
     def _nested(
@@ -335,7 +339,7 @@ class _Planner:
             parts = [*self._sequence_parts(profiles, reconstructed),
                      PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),
                               recompute_seconds=math.nan)]
-            return schedule.apply(layers), _plan(parts, reconstructed, True, peak, budget)
+            return schedule.apply(layers), memory_plan(parts, reconstructed, True, peak, budget)
 
         # The most frugal schedule there is, found from sizes alone (not from the budget, not
         # from measured times): always the same, so the budget a refusal names plans when asked.
@@ -364,82 +368,17 @@ class _Planner:
         self, profiles: list[LayerProfile], reconstructed: frozenset[int]
     ) -> list[PartPlan]:
         return [
-            PartPlan(_step_name(self.chain[i], i),
+            PartPlan(step_name(self.chain[i], i),
                      self.original[i] if i in reconstructed else Store(),
                      profiles[i].saved_bytes,
-                     _measured(profiles, range(i, i + 1)) if i in reconstructed else 0.0)
+                     measured_seconds(profiles, range(i, i + 1)) if i in reconstructed else 0.0)
             for i in self.sequences
         ]
-
-    def _describe(
-        self,
-        plan: Segments,
-        profiles: list[LayerProfile],
-        reconstructed: frozenset[int],
-        peak: int,
-        budget: int,
-    ) -> MemoryPlan:
-        names = [_step_name(step, i) for i, step in enumerate(self.chain)]
-        parts: list[PartPlan] = []
-        for start, stop, checkpointed in plan:
-            if checkpointed:
-                state = self.input_state if start == 0 else profiles[start - 1].state
-                kept = sum((state or {}).values())
-                if checkpointed == SELECTIVE:
-                    kept += sum(p.selective_bytes for p in profiles[start:stop])
-                rerun = [i for i in range(start, stop)
-                         if checkpointed != SELECTIVE or not profiles[i].selective_bytes]
-                parts.append(PartPlan(_span(names, start, stop), _decision(checkpointed), kept,
-                                      _measured(profiles, rerun)))
-            run: list[int] = []
-            for i in [*range(start, stop), None]:
-                if (i is None or i in self.sequences) and run and not checkpointed:
-                    parts.append(PartPlan(_span(names, run[0], run[-1] + 1), Store(),
-                                          sum(profiles[j].saved_bytes for j in run), 0.0))
-                    run = []
-                if i is not None and i in self.sequences:
-                    inside = " (inside the checkpoint)" if checkpointed else ""
-                    parts.append(PartPlan(
-                        names[i] + inside,
-                        self.original[i] if i in reconstructed else Store(),
-                        profiles[i].saved_bytes,
-                        _measured(profiles, range(i, i + 1)) if i in reconstructed else 0.0,
-                    ))
-                elif i is not None:
-                    run.append(i)
-        checkpointed = any(isinstance(part.decision, Checkpoint) for part in parts)
-        return _plan(parts, reconstructed, checkpointed, peak, budget)
-
-
-def _decision(recompute: Recompute) -> Checkpoint:
-    return Checkpoint(selective=recompute == SELECTIVE)
-
-
-def _plan(
-    parts: Sequence[PartPlan], reconstructed: frozenset[int], checkpointed: bool, peak: int,
-    budget: int,
-) -> MemoryPlan:
-    return MemoryPlan(
-        stages=Reconstruct() if reconstructed else Store(),
-        rest=Checkpoint() if checkpointed else Store(),
-        parts=tuple(parts),
-        peak_bytes=peak,
-        budget=budget,
-    )
-
-
-def _span(names: list[str], start: int, stop: int) -> str:
-    return names[start] if stop - start == 1 else f"{names[start]} .. {names[stop - 1]}"
 
 
 def _decision_of(sequence: ReversibleSequence) -> Decision:
     """How a sequence reconstructs when the planner lets it (its own options kept)."""
     return sequence.memory if isinstance(sequence.memory, Reconstruct) else Reconstruct()
-
-
-def _measured(profiles: Sequence[LayerProfile], indices: Sequence[int]) -> float:
-    """Forward seconds of some steps, NaN where they were not measured (on the meta device)."""
-    return sum(profiles[i].forward_seconds for i in indices)
 
 
 def _seconds(profiles: Sequence[LayerProfile], index: int) -> float:

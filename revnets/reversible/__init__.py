@@ -26,7 +26,9 @@ Read top down:
 - ``function.py``: the autograd Function: forward records a tape, backward walks it;
 - ``tape.py``: the tape and what steps hand each other (NOTE [ Layout ]);
 - ``steps.py``: one step per block, forward and reverse, behind one interface (an invertible
-  module's in ``invertible_step.py``);
+  module's in ``invertible_step.py``); ``hooked.py``: the graph a hooked block's forward builds
+  for its hooks, and the refusal to backpropagate into it;
+- ``compiled.py``: f and g compiled inside the engine, when asked (NOTE [ Compiled transforms ]);
 - ``gradient_memory.py``: which gradients backward may write into (NOTE [ Gradient memory ]);
 - ``reach.py``: what is differentiated, and the refusal of anything else (NOTE [ What the engine
   differentiates ]);

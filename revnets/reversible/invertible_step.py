@@ -8,15 +8,9 @@ import torch
 
 from revnets.invertible import Invertible
 from revnets.replay import Recording
+from revnets.reversible.hooked import graph_start, hooks_own_graph, refuse_gradients
 from revnets.reversible.reach import GradRoot, check_reached
-from revnets.reversible.steps import (
-    _REMEDY,
-    BlockPlan,
-    BlockStep,
-    _identity,
-    _NoGradientThroughForward,
-    _refuse_gradients,
-)
+from revnets.reversible.steps import _REMEDY, BlockPlan, BlockStep
 from revnets.reversible.tape import Layout
 
 __all__ = ["InvertibleStep"]
@@ -43,14 +37,12 @@ class InvertibleStep(BlockStep):
         )
         with self.recording:
             if self.plan.hooked:
-                own_saving = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-                with torch.enable_grad(), own_saving:
-                    x = _NoGradientThroughForward.apply(x.detach().requires_grad_(), where)
-                    y = self.module(x).detach()
+                with hooks_own_graph():
+                    y = self.module(graph_start(x, where)).detach()
             else:
                 y = self.module(x)
         if not self.plan.hooked:
-            _refuse_gradients(self.recording, where)
+            refuse_gradients(self.recording, where)
         y1, y2 = self.split(y)
         return y1, y2, False
 

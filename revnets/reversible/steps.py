@@ -40,6 +40,7 @@ from revnets.reversible.coupling import (
 )
 from revnets.reversible.gradient_memory import GradientMemory
 from revnets.reversible.grid import GridWatch
+from revnets.reversible.hooked import graph_start, hooks_own_graph, refuse_gradients
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.tape import Carry, Context, Layout, dense
 
@@ -316,7 +317,7 @@ class CouplingStep(_CouplingBackward):
             call = None if backend is None else compiled_call.runner(backend)
             h = self.block.transform(name, half, *context, call=call)
         if not torch.is_grad_enabled():
-            _refuse_gradients(recording, f"block {self.index} of a ReversibleSequence")
+            refuse_gradients(recording, f"block {self.index} of a ReversibleSequence")
         return h
 
     def _hooked_forward(self, x1, x2, context, run) -> tuple[Tensor, Tensor]:
@@ -327,10 +328,8 @@ class CouplingStep(_CouplingBackward):
         block = self.block
         where = f"block {self.index} of a ReversibleSequence"
         run.chain.cut()  # the hooks run outside the recordings
-        own_saving = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-        with torch.enable_grad(), own_saving:
-            x1 = _NoGradientThroughForward.apply(x1.detach().requires_grad_(), where)
-            x2 = _NoGradientThroughForward.apply(x2.detach().requires_grad_(), where)
+        with hooks_own_graph():
+            x1, x2 = graph_start(x1, where), graph_start(x2, where)
             hooked = bool(block._forward_pre_hooks or block._forward_hooks)
             if hooked:
                 merged = block.merge(x1, x2)
@@ -464,39 +463,3 @@ def _merged_like(block: ReversibleBlock, half: Tensor, dtype: torch.dtype) -> Te
         if half.dim() == dim and half.is_contiguous(memory_format=fmt):
             return torch.empty(shape, dtype=dtype, device=half.device, memory_format=fmt)
     return torch.empty(shape, dtype=dtype, device=half.device)
-
-
-def _refuse_gradients(recording: Recording, where: str) -> None:
-    """Tensors the forward stored as module attributes (an auxiliary loss, a router's
-    load-balancing term) were computed without a graph: a loss on them raises, naming where they
-    came from, instead of silently getting no gradient through the block."""
-    for slot in recording.assigned:
-        value = slot.current()
-        if isinstance(value, Tensor) and value.is_floating_point() and not value.requires_grad:
-            with torch.enable_grad():
-                slot.put(_NoGradientThroughForward.apply(value.detach().requires_grad_(), where))
-
-
-def _identity(tensor: Tensor) -> Tensor:
-    return tensor
-
-
-class _NoGradientThroughForward(torch.autograd.Function):
-    """Marks where the graph of a hooked block's forward pass begins; backpropagating into it
-    means a loss used an activation that the reversible engine does not differentiate."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, where: str) -> Tensor:
-        ctx.where = where
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        raise RuntimeError(
-            f"ReversibleSequence: a loss used an activation from inside {ctx.where} (captured by "
-            "a forward hook or stored as a module attribute, for example an auxiliary loss). "
-            "The reversible engine does not "
-            "store or differentiate activations inside its blocks, so that term would get no "
-            "gradient. Compute it from the sequence's output or its context, or run this "
-            "sequence with memory=revnets.Store()."
-        )

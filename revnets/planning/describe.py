@@ -1,0 +1,101 @@
+"""A plan the planner found, described as the :class:`~revnets.plan.MemoryPlan` users read: one
+part per checkpointed segment, per run of stored steps and per reversible sequence, with what
+each keeps and how long its recomputation takes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
+from revnets.planning.chain import SELECTIVE, Recompute
+from revnets.planning.profile import LayerProfile
+from revnets.planning.search import Segments
+from revnets.planning.trace import GraphStep
+from revnets.reversible import ReversibleSequence
+
+__all__ = [
+    "checkpoint_decision",
+    "describe_plan",
+    "measured_seconds",
+    "memory_plan",
+    "step_name",
+]
+
+
+def describe_plan(
+    chain: nn.Sequential,
+    sequences: dict[int, ReversibleSequence],
+    original: dict[int, Decision],
+    input_state: dict[str, int] | None,
+    plan: Segments,
+    profiles: list[LayerProfile],
+    reconstructed: frozenset[int],
+    peak: int,
+    budget: int,
+) -> MemoryPlan:
+    """``plan``'s segments over ``chain`` as parts: each checkpointed segment (keeping its input
+    state, and under selective checkpointing its kept outputs), each run of stored steps, and
+    each reversible sequence (``original``: how it reconstructs where ``reconstructed`` has
+    it)."""
+    names = [step_name(step, i) for i, step in enumerate(chain)]
+    parts: list[PartPlan] = []
+    for start, stop, checkpointed in plan:
+        if checkpointed:
+            state = input_state if start == 0 else profiles[start - 1].state
+            kept = sum((state or {}).values())
+            if checkpointed == SELECTIVE:
+                kept += sum(p.selective_bytes for p in profiles[start:stop])
+            rerun = [i for i in range(start, stop)
+                     if checkpointed != SELECTIVE or not profiles[i].selective_bytes]
+            parts.append(PartPlan(_span(names, start, stop), checkpoint_decision(checkpointed),
+                                  kept, measured_seconds(profiles, rerun)))
+        run: list[int] = []
+        for i in [*range(start, stop), None]:
+            if (i is None or i in sequences) and run and not checkpointed:
+                parts.append(PartPlan(_span(names, run[0], run[-1] + 1), Store(),
+                                      sum(profiles[j].saved_bytes for j in run), 0.0))
+                run = []
+            if i is not None and i in sequences:
+                inside = " (inside the checkpoint)" if checkpointed else ""
+                parts.append(PartPlan(
+                    names[i] + inside,
+                    original[i] if i in reconstructed else Store(),
+                    profiles[i].saved_bytes,
+                    measured_seconds(profiles, range(i, i + 1)) if i in reconstructed else 0.0,
+                ))
+            elif i is not None:
+                run.append(i)
+    checkpointed = any(isinstance(part.decision, Checkpoint) for part in parts)
+    return memory_plan(parts, reconstructed, checkpointed, peak, budget)
+
+
+def checkpoint_decision(recompute: Recompute) -> Checkpoint:
+    return Checkpoint(selective=recompute == SELECTIVE)
+
+
+def memory_plan(
+    parts: Sequence[PartPlan], reconstructed: frozenset[int], checkpointed: bool, peak: int,
+    budget: int,
+) -> MemoryPlan:
+    return MemoryPlan(
+        stages=Reconstruct() if reconstructed else Store(),
+        rest=Checkpoint() if checkpointed else Store(),
+        parts=tuple(parts),
+        peak_bytes=peak,
+        budget=budget,
+    )
+
+
+def _span(names: list[str], start: int, stop: int) -> str:
+    return names[start] if stop - start == 1 else f"{names[start]} .. {names[stop - 1]}"
+
+
+def measured_seconds(profiles: Sequence[LayerProfile], indices: Sequence[int]) -> float:
+    """Forward seconds of some steps, NaN where they were not measured (on the meta device)."""
+    return sum(profiles[i].forward_seconds for i in indices)
+
+
+def step_name(step: nn.Module, index: int) -> str:
+    return step.label if isinstance(step, GraphStep) else f"{index}:{type(step).__name__}"

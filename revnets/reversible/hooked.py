@@ -1,0 +1,66 @@
+"""What a hooked block's forward builds beside the engine: a graph of the hooks' own, which
+begins at a node that refuses to be backpropagated into, and the same refusal on tensors the
+forward stored as module attributes. Both mean a loss reached an activation inside a block,
+which the reversible engine does not store or differentiate: an error naming the block, never
+a silently missing gradient."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from revnets.replay import Recording
+
+__all__ = ["graph_start", "hooks_own_graph", "refuse_gradients"]
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def hooks_own_graph() -> Iterator[None]:
+    """Grad enabled, and the graph built here the hooks' own: saved-tensor hooks around the
+    sequence (a surrounding checkpoint) must not see it."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        yield
+
+
+def graph_start(x: Tensor, where: str) -> Tensor:
+    """``x`` cut from its graph, as the first node of a new one that refuses backpropagation."""
+    return _NoGradientThroughForward.apply(x.detach().requires_grad_(), where)
+
+
+def refuse_gradients(recording: Recording, where: str) -> None:
+    """Tensors the forward stored as module attributes (an auxiliary loss, a router's
+    load-balancing term) were computed without a graph: a loss on them raises, naming where they
+    came from, instead of silently getting no gradient through the block."""
+    for slot in recording.assigned:
+        value = slot.current()
+        if isinstance(value, Tensor) and value.is_floating_point() and not value.requires_grad:
+            with torch.enable_grad():
+                slot.put(graph_start(value, where))
+
+
+class _NoGradientThroughForward(torch.autograd.Function):
+    """Marks where the graph of a hooked block's forward pass begins; backpropagating into it
+    means a loss used an activation that the reversible engine does not differentiate."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, where: str) -> Tensor:
+        ctx.where = where
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        raise RuntimeError(
+            f"ReversibleSequence: a loss used an activation from inside {ctx.where} (captured by "
+            "a forward hook or stored as a module attribute, for example an auxiliary loss). "
+            "The reversible engine does not "
+            "store or differentiate activations inside its blocks, so that term would get no "
+            "gradient. Compute it from the sequence's output or its context, or run this "
+            "sequence with memory=revnets.Store()."
+        )
