@@ -11,6 +11,7 @@ meter. Time: median of interleaved steps, over the eager step's.
     python benchmarks/frontier.py            # gpt, resnet50, vit (writes results/frontier-*)
     python benchmarks/frontier.py --quick    # small sizes, to check that it runs
     python benchmarks/frontier.py --only gpt
+    python benchmarks/frontier.py --device cuda   # on a GPU: the caching allocator's peak
 """
 
 from __future__ import annotations
