@@ -337,27 +337,10 @@ class Recording:
                 )
 
     # -- the replay ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def replayed(self) -> Iterator[None]:
+    def replayed(self) -> contextlib.AbstractContextManager[None]:
         """Run the replay: same random numbers, the module state the run found, transforming
         hooks only; everything put back afterwards."""
-        with contextlib.ExitStack() as stack:
-            # Only what there is to put in place: a replay runs for every transform of every step.
-            if self.generators or self.python:
-                stack.enter_context(self._random_replayed())
-            stack.enter_context(self._scalars_found())
-            if self.external:
-                stack.enter_context(self._external_found())
-            if self.changed:
-                stack.enter_context(
-                    self._state_as(lambda s: None if s.found is None else s.found.clone())
-                )
-            if self.norms:
-                stack.enter_context(frozen_running_stats(self.norms, tracked=True))
-            stack.enter_context(recomputing(self.walked, self.hooks, walked=True))
-            if parametrize._cache_enabled:  # a cache entered inside the run is the run's own
-                stack.enter_context(_uncached_parametrizations())
-            yield
+        return _Replay(self)
 
     @contextlib.contextmanager
     def left_state(self) -> Iterator[None]:
@@ -397,16 +380,12 @@ class Recording:
             for g, state in python:
                 g.setstate(state)
 
-    @contextlib.contextmanager
-    def _scalars_found(self) -> Iterator[None]:
+    def _scalars_found(self) -> list[tuple[dict, str, Any]]:
+        """Put the plain numbers and flags the run found; return what to put back."""
         current = [(d, k, d.get(k)) for d, k, _ in self.scalars]
         for d, k, v in self.scalars:
             d[k] = v
-        try:
-            yield
-        finally:
-            for d, k, v in current:
-                d[k] = v
+        return current
 
     @contextlib.contextmanager
     def _external_found(self) -> Iterator[None]:
@@ -434,6 +413,58 @@ class Recording:
         """Forget what the replay needed (the copies of changed state, the generators' states)."""
         self.changed, self.generators, self.python, self.slots = [], [], [], []
         self.scalars, self.external, self.assigned = [], [], []
+
+
+class _Replay:
+    """:meth:`Recording.replayed`, written out rather than stacked from generator context managers
+    (it is entered for every transform of every step): what the run left undone on the rare paths
+    (random numbers, changed state) goes on an ExitStack, the rest is set and put back directly,
+    in reverse order."""
+
+    __slots__ = ("recording", "rare", "scalars", "frozen", "marked", "uncached")
+
+    def __init__(self, recording: Recording) -> None:
+        self.recording = recording
+
+    def __enter__(self) -> None:
+        r = self.recording
+        self.rare = rare = contextlib.ExitStack()
+        self.scalars = self.frozen = self.marked = self.uncached = None
+        try:
+            if r.generators or r.python:
+                rare.enter_context(r._random_replayed())
+            if r.external:
+                rare.enter_context(r._external_found())
+            if r.changed:
+                rare.enter_context(r._state_as(_found_copy))
+            self.scalars = r._scalars_found()
+            if r.norms:
+                self.frozen = frozen_running_stats(r.norms, tracked=True)
+                self.frozen.__enter__()
+            self.marked = recomputing(r.walked, r.hooks, walked=True)
+            self.marked.__enter__()
+            if parametrize._cache_enabled:  # a cache entered inside the run is the run's own
+                self.uncached = _uncached_parametrizations()
+                self.uncached.__enter__()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            for entered in (self.uncached, self.marked, self.frozen):
+                if entered is not None:
+                    entered.__exit__(None, None, None)
+            if self.scalars is not None:
+                for d, k, v in self.scalars:
+                    d[k] = v
+        finally:
+            self.rare.__exit__(*exc)
+
+
+def _found_copy(slot: _Slot) -> Tensor | None:
+    # A copy: whatever the replay writes into it is dropped (NOTE [ Replay ], rule 2).
+    return None if slot.found is None else slot.found.clone()
 
 
 def _names(modules: Sequence[nn.Module]) -> dict[int, str]:

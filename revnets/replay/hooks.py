@@ -119,45 +119,54 @@ def is_recomputing() -> bool:
     return _RECOMPUTING.depth > 0
 
 
-@contextlib.contextmanager
-def recomputing(
-    modules: Sequence[nn.Module] = (),
-    replay_hooks: Sequence[ReplayedHook] = (),
-    walked: bool = False,
-) -> Iterator[None]:
+class recomputing:  # noqa: N801 (a context manager, named like contextlib's)
     """Mark a replay for :func:`is_recomputing`, with the forward hooks of ``modules`` and their
     submodules (``walked``: ``modules`` lists them all already) and the global ones silenced but
     those in ``replay_hooks``, which changed an output in the recorded run (NOTE [ Replay ], rule
-    4)."""
-    _RECOMPUTING.depth += 1
-    every = modules if walked else [m for root in modules for m in root.modules()]
-    silenced = [(m, m._forward_hooks) for m in every if m._forward_hooks]
-    global_hooks = nn.modules.module._global_forward_hooks
-    saved_global = dict(global_hooks)
-    for m, _ in silenced:
-        m._forward_hooks = type(m._forward_hooks)()
-    global_hooks.clear()
-    replayed = []
-    for k, replay in enumerate(replay_hooks):
-        module = replay.module
-        hooks = module._forward_hooks if module is not None else global_hooks
-        key = ("revnets-replay", k)
-        hooks[key] = replay.hook
-        with_kwargs, always_called = _flags(module)
-        if replay.with_kwargs:
-            with_kwargs[key] = True
-        if replay.always_call:
-            always_called[key] = True
-        replayed.append((key, hooks, with_kwargs, always_called))
-    try:
-        yield
-    finally:
-        for key, *tables in replayed:
+    4). A class rather than a generator: it is entered for every replay of every transform."""
+
+    __slots__ = ("modules", "replay_hooks", "walked", "silenced", "saved_global", "replayed")
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module] = (),
+        replay_hooks: Sequence[ReplayedHook] = (),
+        walked: bool = False,
+    ) -> None:
+        self.modules, self.replay_hooks, self.walked = modules, replay_hooks, walked
+
+    def __enter__(self) -> None:
+        _RECOMPUTING.depth += 1
+        modules = self.modules
+        every = modules if self.walked else [m for root in modules for m in root.modules()]
+        self.silenced = [(m, m._forward_hooks) for m in every if m._forward_hooks]
+        global_hooks = nn.modules.module._global_forward_hooks
+        self.saved_global = dict(global_hooks) if global_hooks else None
+        for m, _ in self.silenced:
+            m._forward_hooks = type(m._forward_hooks)()
+        global_hooks.clear()
+        self.replayed = []
+        for k, replay in enumerate(self.replay_hooks):
+            module = replay.module
+            hooks = module._forward_hooks if module is not None else global_hooks
+            key = ("revnets-replay", k)
+            hooks[key] = replay.hook
+            with_kwargs, always_called = _flags(module)
+            if replay.with_kwargs:
+                with_kwargs[key] = True
+            if replay.always_call:
+                always_called[key] = True
+            self.replayed.append((key, hooks, with_kwargs, always_called))
+
+    def __exit__(self, *exc: Any) -> None:
+        for key, *tables in self.replayed:
             for table in tables:
                 table.pop(key, None)
+        global_hooks = nn.modules.module._global_forward_hooks
         global_hooks.clear()
-        global_hooks.update(saved_global)
-        for m, hooks in silenced:
+        if self.saved_global:
+            global_hooks.update(self.saved_global)
+        for m, hooks in self.silenced:
             m._forward_hooks = hooks
         _RECOMPUTING.depth -= 1
 

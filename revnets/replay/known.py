@@ -3,6 +3,7 @@ dispatcher's watch (NOTE [ Known layers ])."""
 
 from __future__ import annotations
 
+import functools
 import operator
 import types
 from collections.abc import Iterable, Sequence
@@ -181,8 +182,13 @@ def _layers_in_order(
             kinds.add(kind)
         else:
             return None
-    made = frozenset().union(*(_MRO[kind] for kind in kinds))
-    return order if _as_made(made, verified) else None
+    return order if _as_made(_made(frozenset(kinds)), verified) else None
+
+
+@functools.cache
+def _made(kinds: frozenset[type]) -> frozenset[_AsMade]:
+    """The class namespaces that layers of ``kinds`` run code from."""
+    return frozenset().union(*(_MRO[kind] for kind in kinds))
 
 
 def _keeps_statistics(m: nn.Module) -> bool:
@@ -216,12 +222,15 @@ def known_run(
     fresh, draws = False, False
     for m in order:
         kind = type(m)
-        inplace = getattr(m, "inplace", False)
+        # Known layers keep these flags as plain attributes (no getattr: a miss raises inside
+        # nn.Module.__getattr__, which costs more than the rest of this loop).
+        d = vars(m)
+        inplace = d.get("inplace", False)
         if inplace and not fresh:
             return None  # it would write into the caller's tensor
         if kind in _DRAWING:
-            draws = draws or (m.training and getattr(m, "p", 1.0) != 0)
-            fresh = fresh or (m.training and not inplace and getattr(m, "p", 1.0) != 0)
+            draws = draws or (m.training and d.get("p", 1.0) != 0)
+            fresh = fresh or (m.training and not inplace and d.get("p", 1.0) != 0)
         elif kind in _FRESH or (kind in _ACTIVATIONS and not inplace):
             fresh = True
     return KnownRun(device if draws and keep_random else None, draws)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -160,33 +161,65 @@ def state_tensors(
     return found
 
 
-@contextlib.contextmanager
-def frozen_running_stats(
-    modules: nn.Module | Sequence[nn.Module], tracked: bool = False
-) -> Iterator[None]:
+class frozen_running_stats:  # noqa: N801 (a context manager, named like contextlib's)
     """Within this context, BatchNorm layers in training mode normalise with batch statistics as
     usual but leave ``running_mean``, ``running_var`` and ``num_batches_tracked`` as they were
-    (NOTE [ Replay ], rule 2). ``tracked``: ``modules`` are those BatchNorms already."""
-    if isinstance(modules, nn.Module):
-        modules = [modules]
-    norms = modules if tracked else _tracked_norms(modules)
-    frozen = [(m, m.momentum, _copy(m.num_batches_tracked)) for m in norms]
-    for m, _, _ in frozen:
-        # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0, exactly.
-        # Everything else stays as in the original forward, down to which tensors autograd saves
-        # (torch.utils.checkpoint checks that the recomputation saves the same ones).
-        m.momentum = 0.0
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, momentum, count in frozen:
-                m.momentum = momentum
-                if count is not None:  # a layer may drop its count (num_batches_tracked = None)
-                    m.num_batches_tracked.copy_(count)
+    (NOTE [ Replay ], rule 2). ``tracked``: ``modules`` are those BatchNorms already.
+
+    A class rather than a generator, and attributes written straight into the modules'
+    dictionaries: it is entered for every replay of every transform."""
+
+    __slots__ = ("norms", "frozen")
+
+    def __init__(
+        self, modules: nn.Module | Sequence[nn.Module], tracked: bool = False
+    ) -> None:
+        if isinstance(modules, nn.Module):
+            modules = [modules]
+        self.norms = modules if tracked else _tracked_norms(modules)
+        self.frozen: list[tuple[dict, Any, Tensor | None]] = []
+
+    def __enter__(self) -> None:
+        for m in self.norms:
+            # A subclass may make momentum a property: then it is set as any attribute.
+            d = vars(m) if _plain_momentum(type(m)) else _Attributes(m)
+            count = m._buffers.get("num_batches_tracked")
+            self.frozen.append((d, d["momentum"], None if count is None else count.clone()))
+            # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0,
+            # exactly. Everything else stays as in the original forward, down to which tensors
+            # autograd saves (torch.utils.checkpoint checks that the recomputation saves the same
+            # ones).
+            d["momentum"] = 0.0
+
+    def __exit__(self, *exc: Any) -> None:
+        frozen, self.frozen = self.frozen, []
+        for (d, momentum, count), m in zip(frozen, self.norms):
+            d["momentum"] = momentum
+            if count is not None:  # a layer may drop its count (num_batches_tracked = None)
+                now = m._buffers.get("num_batches_tracked")
+                if now is not None:  # an integer count: copy_ records no graph
+                    now.copy_(count)
 
 
-@dataclass
+@functools.cache
+def _plain_momentum(kind: type) -> bool:
+    return not hasattr(kind, "momentum")
+
+
+class _Attributes:
+    """A module's attributes behind the dictionary interface, set through ``setattr``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self.module, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self.module, key, value)
+
+
+@dataclass(slots=True)
 class _Slot:
     """One place a module keeps a tensor: ``table`` is ``_parameters``, ``_buffers`` or
     ``__dict__`` (a plain tensor attribute)."""
@@ -213,10 +246,6 @@ class _Slot:
 
     def name(self, names: dict[int, str]) -> str:
         return names.get(id(self.module), type(self.module).__name__) + self.key
-
-
-def _copy(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.clone()
 
 
 def _table(module: nn.Module, table: str) -> dict:
@@ -312,9 +341,9 @@ class Census:
             d = vars(m)
             found.scalars.append((d, "training", d["training"]))
             candidates = []
-            for key, value in d.items():
-                if key in _MODULE_INTERNALS:
-                    continue
+            keys = tuple(d)
+            for key in _own_attributes(keys):
+                value = d[key]
                 if isinstance(value, Tensor):
                     found.slots.append(
                         _Slot(
@@ -328,7 +357,7 @@ class Census:
                     found.scalars.append((d, key, value))
                 elif generators:
                     _python_generators_in(value, kinds, python)
-            found.attributes.append((m, d, tuple(d), candidates))
+            found.attributes.append((m, d, keys, candidates))
         return found
 
     def new_tensor_attributes(self) -> list[_Slot]:
@@ -345,6 +374,20 @@ class Census:
                 if isinstance(d.get(k), Tensor)
             ]
         return created
+
+
+_OWN_ATTRIBUTES: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def _own_attributes(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The attribute names among ``keys`` (a module's, in order) that are not nn.Module's own
+    internals; modules of one class mostly share their names, so this is looked up."""
+    own = _OWN_ATTRIBUTES.get(keys)
+    if own is None:
+        if len(_OWN_ATTRIBUTES) > 4096:  # modules that keep gaining attributes
+            _OWN_ATTRIBUTES.clear()
+        own = _OWN_ATTRIBUTES[keys] = tuple(k for k in keys if k not in _MODULE_INTERNALS)
+    return own
 
 
 def _python_generators_in(value: Any, kinds: tuple[type, ...], found: dict[int, Any]) -> None:
