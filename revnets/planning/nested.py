@@ -98,39 +98,44 @@ def nested_schedule(
     # Keeping a layer whole adds what it saves besides its input (kept already) and its output.
     whole = [math.ceil(p.saved_intermediate_bytes / slot) + out[i] for i, p in enumerate(profiles)]
     memory = np.arange(slots + 1)
+    out_array = np.array(out, dtype=np.int64)
 
-    # cost[s][t]: array over m = 0..slots; choice[s][t]: per m, -1 = keep s whole, k = checkpoint
-    # layers s..k-1 and continue from k.
-    cost: dict[tuple[int, int], np.ndarray] = {}
-    choice: dict[tuple[int, int], np.ndarray] = {}
+    # cost[s, t]: array over m = 0..slots; choice[s, t]: per m, -1 = keep s whole, k = checkpoint
+    # layers s..k-1 and continue from k. All checkpoints k of one (s, t) at once, as rows.
+    cost = np.full((n, n, slots + 1), INFEASIBLE)
+    choice = np.full((n, n, slots + 1), -1, dtype=np.int64)
     for length in range(1, n + 1):
         for s in range(0, n - length + 1):
             t = s + length - 1
             if s == t:
                 # Its backward also holds the gradients of its output and of its input.
                 needed = whole[s] + out[s] + (out[s - 1] if s else 0)
-                best = np.where(memory >= needed, times[s], INFEASIBLE)
-                cost[s, t], choice[s, t] = best, np.full(slots + 1, -1)
+                cost[s, t] = np.where(memory >= needed, times[s], INFEASIBLE)
                 continue
             # Keep layer s whole: it saves its activations, and its output feeds s+1.
-            rest = cost[s + 1, t]
             shifted = np.full(slots + 1, INFEASIBLE)
             if whole[s] <= slots:
-                shifted[whole[s]:] = rest[: slots + 1 - whole[s]]
+                shifted[whole[s]:] = cost[s + 1, t, : slots + 1 - whole[s]]
             best = times[s] + shifted
-            pick = np.full(slots + 1, -1)
             # A checkpointed run starting at a forbidden cut would keep a value overwritten later.
-            for k in range(s + 1, t + 1) if s not in forbidden else ():
-                kept = out[k - 1]
-                if kept > slots:
-                    continue
-                after = np.full(slots + 1, INFEASIBLE)
-                after[kept:] = cost[k, t][: slots + 1 - kept]
-                candidate = (prefix[k] - prefix[s]) + after + cost[s, k - 1]
-                better = candidate < best
-                best = np.where(better, candidate, best)
-                pick = np.where(better, k, pick)
-            cost[s, t], choice[s, t] = best, pick
+            if s not in forbidden:
+                ks = np.arange(s + 1, t + 1)
+                kept = out_array[ks - 1]
+                # after[r, m]: the rest from k = ks[r] with the checkpoint's output held.
+                index = memory[None, :] - kept[:, None]
+                after = np.where(
+                    index >= 0,
+                    cost[ks, t][np.arange(len(ks))[:, None], np.maximum(index, 0)],
+                    INFEASIBLE,
+                )
+                candidates = (prefix[ks] - prefix[s])[:, None] + after + cost[s, ks - 1]
+                row = candidates.argmin(axis=0)  # the first k of the least cost
+                least = candidates[row, memory]
+                better = least < best
+                cost[s, t] = np.where(better, least, best)
+                choice[s, t] = np.where(better, ks[row], -1)
+            else:
+                cost[s, t] = best
     total = cost[0, n - 1][slots]
     if not math.isfinite(total):
         return None
