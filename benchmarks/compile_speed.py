@@ -180,20 +180,26 @@ def main(argv: list[str] | None = None) -> None:
     # A recompile-limit hit raises instead of silently falling back to eager.
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
-    rows = []
+    rows: list[dict] = []
+    stem = args.out or results_stem("compile_speed", torch.device(args.device).type)
+    command = " ".join(["compile_speed.py", *(sys.argv[1:] if argv is None else argv)])
     for name in models:
         for plan in plans:
             row = measure(name, plan, args.batch, args.repeats, args.transforms, args.device)
             if row is not None:
                 print({k: v for k, v in row.items() if k != "break_reasons"}, flush=True)
                 rows.append(row)
-    stem = args.out or results_stem("compile_speed", torch.device(args.device).type)
+                # After every row: a run over the whole zoo takes hours, and a cut-off one keeps
+                # what it measured.
+                write_results(stem, rows, command, args.device)
+
+
+def write_results(stem: str, rows: list[dict], command: str, device: str) -> None:
     write_csv(RESULTS / f"{stem}.csv", rows)
     lines = [
         "# torch.compile: compiled / eager training step",
         "",
-        provenance(" ".join(["compile_speed.py", *(sys.argv[1:] if argv is None else argv)]),
-                   args.device),
+        provenance(command, device),
         "",
         "ratio: median compiled step / median eager step (below 1: compiling pays); paired: "
         "min / median / max of the per-round ratios. grad error: max |compiled - eager| / "
