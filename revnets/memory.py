@@ -25,6 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from revnets.replay.watch import operator_tensors
+
 __all__ = ["MemoryReport", "MemoryTracker", "measure_memory"]
 
 MiB = 2**20
@@ -161,17 +163,13 @@ class MemoryTracker(TorchDispatchMode):
         if func is _DEVICE_QUERY:  # asked of fake tensors only: not an operator of the run
             return func(*args, **(kwargs or {}))
         self._clock += 1
-        inputs, _ = tree_flatten((args, kwargs))
-        for t in inputs:
-            if isinstance(t, Tensor):
-                # An unknown storage here was made outside the dispatcher (torch.get_rng_state,
-                # from_numpy) or before tracking began; it counts from its first use.
-                self._see(t, allocated=self._clock)
+        for t in operator_tensors(args, kwargs):
+            # An unknown storage here was made outside the dispatcher (torch.get_rng_state,
+            # from_numpy) or before tracking began; it counts from its first use.
+            self._see(t, allocated=self._clock)
         out = func(*args, **(kwargs or {}))
-        outputs, _ = tree_flatten(out)
-        for t in outputs:
-            if isinstance(t, Tensor):
-                self._see(t, allocated=self._clock)
+        for t in operator_tensors(out):
+            self._see(t, allocated=self._clock)
         if self.device is not None and self.device.type == "cuda":
             # The allocator's peak only grows: the last operator that raised it is where the
             # step peaked, and that is the moment the categories are split at.

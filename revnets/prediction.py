@@ -32,9 +32,16 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
-from revnets.memory import MemoryReport, Watch, _device_of, _measure, _owners_in
+from revnets.memory import (
+    _DEVICE_QUERY,
+    MemoryReport,
+    Watch,
+    _device_of,
+    _measure,
+    _owners_in,
+)
+from revnets.replay.watch import operator_tensors
 
 __all__ = ["predict_memory"]
 
@@ -97,7 +104,9 @@ class _LikeTheDevice(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if func is _DEVICE_QUERY:  # a fake tensor's device, asked at every operator
+            return func(*args, **kwargs)
+        tensors = operator_tensors(args, kwargs)
         if tensors and not func._schema.is_mutable and not any(
             isinstance(t, FakeTensor) for t in tensors
         ):

@@ -19,7 +19,7 @@ from revnets.replay.state import (
     _storage_key,
 )
 
-__all__ = ["Watch"]
+__all__ = ["Watch", "operator_tensors"]
 
 
 _aten = torch.ops.aten
@@ -188,3 +188,16 @@ def _tensors_in(values: Any) -> Iterator[Tensor]:
             for v in value:
                 if isinstance(v, Tensor):
                     yield v
+
+
+def operator_tensors(args: Any, kwargs: dict | None = None) -> list[Tensor]:
+    """The tensors an operator call takes (``args`` and ``kwargs``) or returns (``args`` alone:
+    a tensor, or a tuple or list of them). A dispatch mode sees every operator of a run, and
+    operator schemas nest lists one deep: this is a loop, where a pytree flatten would cost
+    more than the rest of the mode."""
+    if isinstance(args, Tensor):
+        return [args]
+    found = list(_tensors_in(args))
+    if kwargs:
+        found += _tensors_in(tuple(kwargs.values()))
+    return found
