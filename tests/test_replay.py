@@ -73,6 +73,32 @@ def test_the_replay_sees_the_state_the_run_found_and_its_update_is_dropped(reass
     assert torch.equal(model.ema, torch.ones(2))
 
 
+class ScheduledMomentumNorm(nn.BatchNorm1d):
+    """A batch norm whose momentum is a property (a schedule kept elsewhere)."""
+
+    @property
+    def momentum(self):
+        return self.schedule
+
+    @momentum.setter
+    def momentum(self, value):
+        self.schedule = value
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d, ScheduledMomentumNorm])
+def test_the_replay_leaves_batch_norm_statistics_as_the_run_left_them(norm):
+    model = norm(2).train()
+    x = torch.randn(4, 2)
+    recording = recorded(model, x)
+    after_run = (model.running_mean.clone(), model.running_var.clone(),
+                 model.num_batches_tracked.clone())
+    with recording.replayed():
+        model(x)
+    assert model.momentum == 0.1
+    assert all(torch.equal(a, b) for a, b in zip(
+        after_run, (model.running_mean, model.running_var, model.num_batches_tracked)))
+
+
 def test_the_replay_draws_from_a_generator_only_a_closure_knows():
     generator = torch.Generator().manual_seed(5)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -166,8 +165,7 @@ class frozen_running_stats:  # noqa: N801 (a context manager, named like context
     usual but leave ``running_mean``, ``running_var`` and ``num_batches_tracked`` as they were
     (NOTE [ Replay ], rule 2). ``tracked``: ``modules`` are those BatchNorms already.
 
-    A class rather than a generator, and attributes written straight into the modules'
-    dictionaries: it is entered for every replay of every transform."""
+    A class rather than a generator: it is entered for every replay of every transform."""
 
     __slots__ = ("norms", "frozen")
 
@@ -177,46 +175,27 @@ class frozen_running_stats:  # noqa: N801 (a context manager, named like context
         if isinstance(modules, nn.Module):
             modules = [modules]
         self.norms = modules if tracked else _tracked_norms(modules)
-        self.frozen: list[tuple[dict, Any, Tensor | None]] = []
+        self.frozen: list[tuple[Any, Tensor | None]] = []
 
     def __enter__(self) -> None:
         for m in self.norms:
-            # A subclass may make momentum a property: then it is set as any attribute.
-            d = vars(m) if _plain_momentum(type(m)) else _Attributes(m)
             count = m._buffers.get("num_batches_tracked")
-            self.frozen.append((d, d["momentum"], None if count is None else count.clone()))
+            self.frozen.append((m.momentum, None if count is None else count.clone()))
             # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0,
             # exactly. Everything else stays as in the original forward, down to which tensors
             # autograd saves (torch.utils.checkpoint checks that the recomputation saves the same
-            # ones).
-            d["momentum"] = 0.0
+            # ones). object.__setattr__: a plain attribute (or a subclass's property), without
+            # nn.Module.__setattr__'s checks for parameters and submodules.
+            object.__setattr__(m, "momentum", 0.0)
 
     def __exit__(self, *exc: Any) -> None:
         frozen, self.frozen = self.frozen, []
-        for (d, momentum, count), m in zip(frozen, self.norms):
-            d["momentum"] = momentum
+        for (momentum, count), m in zip(frozen, self.norms):
+            object.__setattr__(m, "momentum", momentum)
             if count is not None:  # a layer may drop its count (num_batches_tracked = None)
                 now = m._buffers.get("num_batches_tracked")
                 if now is not None:  # an integer count: copy_ records no graph
                     now.copy_(count)
-
-
-@functools.cache
-def _plain_momentum(kind: type) -> bool:
-    return not hasattr(kind, "momentum")
-
-
-class _Attributes:
-    """A module's attributes behind the dictionary interface, set through ``setattr``."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self.module, key)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        setattr(self.module, key, value)
 
 
 @dataclass(slots=True)
