@@ -203,3 +203,21 @@ def test_a_meta_batch_stands_for_one_on_the_models_device():
     assert predict_memory(train_step, model, x.to("meta")).peak_bytes == measure_memory(
         train_step, model, x
     ).peak_bytes
+
+
+def test_views_have_the_strides_the_cpu_kernel_gives():
+    """Views are computed by the view kernels themselves, so a size-1 dimension's stride (which
+    a later ``is_contiguous`` or memory-format check may read) is the real run's, and views of
+    views share one storage."""
+    def views(x):
+        tokens = x[:, 1:].transpose(1, 2)  # a ViT's patch tokens back to a grid
+        grid = tokens.view(1, 96, 4, 4)
+        parts = grid.permute(0, 2, 3, 1).unbind(1)
+        return [(v.shape, v.stride(), v.storage_offset(), v.is_contiguous(),
+                 v.is_contiguous(memory_format=torch.channels_last))
+                for v in (tokens, grid, *parts, grid.detach(), grid.expand(2, -1, -1, -1))]
+
+    seen = {}
+    x = torch.randn(1, 17, 96)
+    predict_memory(lambda t: seen.setdefault("predicted", views(t)), x)
+    assert seen["predicted"] == views(x)
