@@ -67,15 +67,74 @@ def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
 def _predict(
     fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
 ) -> MemoryReport:
-    device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
-    # A tensor the call reaches outside its arguments (a closure) is made fake on first use.
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict[int, Any] = {}
-    fake_args = tuple(_to_fake(a, mode, memo, device) for a in args)
-    fake_kwargs = {k: _to_fake(v, mode, memo, device) for k, v in kwargs.items()}
-    with _random_state_kept(device), mode, _LikeTheDevice(mode, device):
-        report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch)
-    return report
+    return Predictor().predict(fn, args, kwargs, watch)
+
+
+class Predictor:
+    """Predictions of several calls over the same modules (a planner's candidate plans of one
+    model) in one fake mode, where each parameter and buffer is made fake once: making a
+    model's tensors fake is most of what copying it costs, a large share of a prediction.
+
+    Each prediction starts from the real parameters' gradients and ``requires_grad``, as a
+    fresh one does; what else a call leaves on the fake tensors kept (their values, which fake
+    tensors do not have; version counters, only ever compared within a run) holds no memory.
+    Everything else (the modules themselves, inputs, tensors a closure reaches, optimizer
+    state, scalars kept as constants) is made anew each time: the mode remembers a fake tensor
+    only while something holds it.
+    """
+
+    def __init__(self) -> None:
+        # A tensor the call reaches outside its arguments (a closure) is made fake on first use.
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._made: dict[int, tuple[Tensor, Tensor]] = {}  # id(real): (real, fake)
+
+    def predict(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
+    ) -> MemoryReport:
+        device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
+        memo: dict[int, Any] = {key: fake for key, (_, fake) in self._made.items()}
+        fake_args = tuple(self._to_fake(a, memo, device) for a in args)
+        fake_kwargs = {k: self._to_fake(v, memo, device) for k, v in kwargs.items()}
+        mode = self.mode
+        with _random_state_kept(device), mode, _LikeTheDevice(mode, device):
+            return _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch)
+
+    def _to_fake(self, obj: Any, memo: dict[int, Any], device: torch.device) -> Any:
+        if id(obj) in memo:
+            return memo[id(obj)]
+        mode = self.mode
+        if isinstance(obj, nn.Module):
+            with FakeCopyMode(mode):
+                fake = copy.deepcopy(obj, memo)
+            self._made_once(obj.named_buffers(remove_duplicate=False),
+                            fake.named_buffers(remove_duplicate=False))
+            for old, new in self._made_once(obj.named_parameters(remove_duplicate=False),
+                                            fake.named_parameters(remove_duplicate=False)):
+                # Gradients left from an earlier step are alive until zero_grad, or accumulate.
+                new.grad = None if old.grad is None else mode.from_tensor(
+                    old.grad, static_shapes=True)
+                new.requires_grad_(old.requires_grad)
+        elif isinstance(obj, torch.optim.Optimizer):
+            fake = _optimizer_to_fake(obj, mode, memo)
+        elif isinstance(obj, Tensor):
+            fake = _tensor_to_fake(obj, mode, device)
+        elif isinstance(obj, (list, tuple)):
+            fake = type(obj)(self._to_fake(o, memo, device) for o in obj)
+        elif isinstance(obj, dict):
+            fake = {k: self._to_fake(v, memo, device) for k, v in obj.items()}
+        else:
+            return obj
+        memo[id(obj)] = fake
+        return fake
+
+    def _made_once(
+        self, real: Iterator[tuple[str, Tensor]], fake: Iterator[tuple[str, Tensor]]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Pairs of a module's tensors and their fake copies, remembered for the next
+        prediction."""
+        pairs = [(old, new) for (_, old), (_, new) in zip(real, fake)]
+        self._made.update((id(old), (old, new)) for old, new in pairs)
+        return pairs
 
 
 @contextlib.contextmanager
@@ -167,30 +226,6 @@ class _LikeTheDevice(TorchDispatchMode):
             return func(*args, **kwargs)
         finally:
             self.mode.cache_enabled = cached
-
-
-def _to_fake(obj: Any, mode: FakeTensorMode, memo: dict[int, Any], device: torch.device) -> Any:
-    if id(obj) in memo:
-        return memo[id(obj)]
-    if isinstance(obj, nn.Module):
-        with FakeCopyMode(mode):
-            fake = copy.deepcopy(obj, memo)
-        for old, new in zip(obj.parameters(), fake.parameters()):
-            if old.grad is not None and new.grad is None:
-                # Gradients left from an earlier step are alive until zero_grad, or accumulate.
-                new.grad = mode.from_tensor(old.grad, static_shapes=True)
-    elif isinstance(obj, torch.optim.Optimizer):
-        fake = _optimizer_to_fake(obj, mode, memo)
-    elif isinstance(obj, Tensor):
-        fake = _tensor_to_fake(obj, mode, device)
-    elif isinstance(obj, (list, tuple)):
-        fake = type(obj)(_to_fake(o, mode, memo, device) for o in obj)
-    elif isinstance(obj, dict):
-        fake = {k: _to_fake(v, mode, memo, device) for k, v in obj.items()}
-    else:
-        return obj
-    memo[id(obj)] = fake
-    return fake
 
 
 def _tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:

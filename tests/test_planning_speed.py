@@ -10,6 +10,7 @@ import revnets
 import revnets.planning.auto as auto
 from revnets.memory import measure_memory
 from revnets.planning.search import MAX_GUESSES
+from revnets.prediction import Predictor
 
 from conftest import make_stack
 
@@ -35,14 +36,15 @@ def activation_budget(model, x, keep: float) -> int:
 
 @pytest.fixture
 def predictions(monkeypatch):
-    """The calls auto_checkpoint makes to predict_memory."""
+    """The exact predictions auto_checkpoint makes."""
     calls = []
+    predict = Predictor.predict
 
-    def counted(*args, **kwargs):
+    def counted(self, *args, **kwargs):
         calls.append(1)
-        return revnets.predict_memory(*args, **kwargs)
+        return predict(self, *args, **kwargs)
 
-    monkeypatch.setattr(auto, "predict_memory", counted)
+    monkeypatch.setattr(Predictor, "predict", counted)
     return calls
 
 

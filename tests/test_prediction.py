@@ -221,3 +221,42 @@ def test_views_have_the_strides_the_cpu_kernel_gives():
     x = torch.randn(1, 17, 96)
     predict_memory(lambda t: seen.setdefault("predicted", views(t)), x)
     assert seen["predicted"] == views(x)
+
+
+class MovingAverage(nn.Module):
+    """Reassigns a buffer in its forward, and keeps a Python step count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        self.avg = 0.9 * self.avg + 0.1 * x.detach().mean(0)
+        return x - self.avg
+
+
+@pytest.mark.parametrize("grads", ["none", "left from a step"])
+def test_a_predictor_reused_predicts_each_call_as_a_fresh_prediction(grads):
+    """The planner predicts plan after plan in one Predictor, its modules' tensors made fake
+    once: gradients the first run leaves, optimizer state and step counts it makes, buffers it
+    writes or reassigns, must not reach the next run."""
+    from revnets.prediction import Predictor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), MovingAverage(), nn.BatchNorm1d(8), nn.ReLU(),
+                          nn.Linear(8, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(16, 8, requires_grad=True)
+
+    def step(model, optimizer, x):  # as a training loop's step, gradients from an earlier one
+        model(x).sum().backward()
+        optimizer.step()
+
+    step(model, optimizer, x)  # the optimizer has state, the batch norm has counted a batch
+    if grads == "none":
+        optimizer.zero_grad(set_to_none=True)
+    fresh = predict_memory(step, model, optimizer, x).peak_bytes
+    predictor = Predictor()
+    again = [predictor.predict(step, (model, optimizer, x), {}).peak_bytes for _ in range(3)]
+    assert again == [fresh] * 3
+    assert fresh == measure_memory(step, model, optimizer, x).peak_bytes

@@ -40,7 +40,7 @@ from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profil
 from revnets.planning.search import Option, Segments, modelled_peak_of, search
 from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.untouched import ModelState
-from revnets.prediction import predict_memory
+from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
@@ -213,12 +213,13 @@ class _Planner:
             for t in (*chain.parameters(), *chain.buffers())
         )
         self.predictions = 0
+        self.predictor = Predictor()  # every plan's parameters and buffers made fake once
 
     # -- predictions ------------------------------------------------------------------------
     def peak(self, module: nn.Module) -> int:
         self.predictions += 1
-        return predict_memory(
-            _training_step, module, self.example_input, self.loss_fn, self.optimizer
+        return self.predictor.predict(
+            _training_step, (module, self.example_input, self.loss_fn, self.optimizer), {}
         ).peak_bytes
 
     def _store_all(self) -> None:
@@ -395,13 +396,13 @@ def _choose_preset(
 ) -> nn.Module:
     """For zoo models torch.fx cannot trace: the cheapest preset that fits."""
     original = model.memory
-    peaks = {}
+    peaks, predictor = {}, Predictor()
     for name in ("none", "reversible", "checkpoint", "reversible+checkpoint"):
         if name not in model.memory_strategies:
             continue
         model.set_memory(name)
-        peaks[name] = predict_memory(
-            _training_step, model, example_input, loss_fn, optimizer
+        peaks[name] = predictor.predict(
+            _training_step, (model, example_input, loss_fn, optimizer), {}
         ).peak_bytes
         if peaks[name] <= budget:
             model.memory_plan = replace(PRESETS[name], peak_bytes=peaks[name], budget=budget)
