@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import (
     FakeCopyMode,
     FakeTensor,
@@ -184,6 +185,8 @@ class _LikeTheDevice(TorchDispatchMode):
                 device = generator.device if generator is not None else self.device
                 torch.empty(1, device=device).uniform_(generator=generator)
             return func(*args, **kwargs)
+        if self.device.type == "cpu" and func in _CPU_OUTPUTS and self._ours(tensors):
+            return _CPU_OUTPUTS[func](*args, **kwargs)
         if func.is_view and not func._schema.is_mutable:
             out = self._view(func, args, kwargs, tensors)
         elif func._schema.is_mutable:
@@ -207,8 +210,7 @@ class _LikeTheDevice(TorchDispatchMode):
         storage: what the device's kernel computes (strides of size-1 dimensions included), at
         a fifth of the cost of the fake mode's own path, which runs the view's Python
         decomposition."""
-        if not all(isinstance(t, FakeTensor) and t.fake_mode is self.mode
-                   and t.constant is None for t in tensors):
+        if not self._ours(tensors):
             return self._uncached(func, args, kwargs)
         try:
             with in_kernel_invocation_manager(self.mode):
@@ -216,6 +218,12 @@ class _LikeTheDevice(TorchDispatchMode):
         except NotImplementedError:  # no meta kernel
             return self._uncached(func, args, kwargs)
         return self.mode.wrap_meta_outputs_with_default_device_logic(out, func, tensors, None)
+
+    def _ours(self, tensors: list[Tensor]) -> bool:
+        """Whether these are this mode's fake tensors, none of them a constant (the fake mode
+        computes on constants for real)."""
+        return all(isinstance(t, FakeTensor) and t.fake_mode is self.mode
+                   and t.constant is None for t in tensors)
 
     def _uncached(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Outputs the fake mode's dispatch cache rebuilds for views and in-place operators
@@ -281,10 +289,42 @@ def _optimizer_to_fake(
 #   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
 #   and the size is remembered for those shapes. Its backward returns the gradients of the two
 #   biases in two tensors (the meta kernel: one).
+# Batch norm's meta kernels are Python decompositions, which the fake mode runs op by op for
+# every new shape (tens of milliseconds per layer of a DenseNet): its outputs are made directly,
+# as the CPU kernels allocate them (the output and the input's gradient in the input's suggested
+# memory format; the saved statistics per channel in training, empty in evaluation, in float32
+# when mixed as above; the parameters' gradients in the weight's dtype).
 
 
 def _batch_norm(out: Any, args: tuple, kwargs: dict) -> Any:
     return _float32_statistics(out, args[0], args[1:5])
+
+
+def _batch_norm_outputs(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+    running_var: Tensor | None, training: bool, momentum: float, eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    params = [t for t in (weight, bias, running_mean, running_var) if t is not None]
+    mixed = x.dtype in (torch.bfloat16, torch.float16) and any(
+        t.dtype == torch.float32 for t in params)
+    channels = x.shape[1] if training else 0
+    dtype = torch.float32 if mixed else x.dtype
+    return (_like_input(x), x.new_empty((channels,), dtype=dtype),
+            x.new_empty((channels,), dtype=dtype))
+
+
+def _batch_norm_backward_outputs(
+    grad_out: Tensor, x: Tensor, weight: Tensor | None, *statistics: Any
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    mask = statistics[-1]
+    per_channel = ((x.shape[1],), weight.dtype if weight is not None else x.dtype)
+    return (_like_input(x) if mask[0] else None,
+            x.new_empty(per_channel[0], dtype=per_channel[1]) if mask[1] else None,
+            x.new_empty(per_channel[0], dtype=per_channel[1]) if mask[2] else None)
+
+
+def _like_input(x: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=suggest_memory_format(x))
 
 
 def _group_norm(out: Any, args: tuple, kwargs: dict) -> Any:
@@ -352,4 +392,9 @@ _CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     torch.ops.aten.native_group_norm.default: _group_norm,
     torch.ops.aten.native_group_norm_backward.default: _group_norm_backward,
     torch.ops.aten.mkldnn_rnn_layer.default: _rnn_layer,
+}
+
+_CPU_OUTPUTS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.native_batch_norm.default: _batch_norm_outputs,
+    torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward_outputs,
 }

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
+from torch._prims_common import suggest_memory_format
 
 import revnets
 from revnets.memory import measure_memory
@@ -260,3 +261,54 @@ def test_a_predictor_reused_predicts_each_call_as_a_fresh_prediction(grads):
     again = [predictor.predict(step, (model, optimizer, x), {}).peak_bytes for _ in range(3)]
     assert again == [fresh] * 3
     assert fresh == measure_memory(step, model, optimizer, x).peak_bytes
+
+
+def _layouts():
+    for shape in [(2, 6, 5, 5), (2, 6, 3, 4, 4), (4, 6), (4, 6, 7)]:
+        yield "contiguous", lambda s=shape: torch.randn(s)
+        yield "permuted", lambda s=shape: torch.randn(*reversed(s)).permute(
+            *reversed(range(len(s))))
+        yield "every other channel", lambda s=shape: torch.randn(s[0], 2 * s[1], *s[2:])[:, ::2]
+        if len(shape) in (4, 5):
+            layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+            yield "channels_last", lambda s=shape, f=layout: torch.randn(s).contiguous(
+                memory_format=f)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16)], ids=str)
+def test_batch_norm_outputs_are_allocated_as_the_cpu_kernels_allocate_them(training, dtypes):
+    """Batch norm's outputs are made from its arguments in a prediction (its meta kernel is a
+    slow decomposition): each output's shape, strides, dtype and storage, forward and backward,
+    are the CPU kernel's, over layouts, ranks, affine or not, with or without statistics."""
+    aten = torch.ops.aten
+
+    def outputs(x, weight, mean, grad_out):
+        y = aten.native_batch_norm(x, weight, weight, mean, mean, training, 0.1, 1e-5)
+        grads = [aten.native_batch_norm_backward(grad_out, x, weight, mean, mean, y[1], y[2],
+                                                 training, 1e-5, mask)
+                 for mask in ([True, True, True], [True, False, False], [False, True, True])
+                 if weight is not None or not mask[1]]
+        return [None if t is None else (t.shape, t.stride(), t.dtype,
+                                        t.untyped_storage().nbytes())
+                for t in (*y, *(g for grad in grads for g in grad))]
+
+    x_dtype, p_dtype = dtypes
+    for name, make in _layouts():
+        for affine, tracked in [(True, True), (False, True), (True, False), (False, False)]:
+            if not (training or tracked):
+                continue
+            x = make().to(x_dtype)
+            channels = x.shape[1]
+            weight = torch.randn(channels, dtype=p_dtype) if affine else None
+            mean = torch.zeros(channels, dtype=p_dtype) if tracked else None
+            if mean is None and weight is None and x_dtype != p_dtype:
+                continue  # no parameter to be of the other dtype
+            grad_out = torch.randn(x.shape, dtype=x_dtype).contiguous(
+                memory_format=suggest_memory_format(x))
+            seen = {}
+            predict_memory(lambda *a: seen.setdefault("predicted", outputs(*a)),
+                           x, weight, mean, grad_out)
+            assert seen["predicted"] == outputs(x, weight, mean, grad_out), (name, affine,
+                                                                              tracked)
