@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -108,7 +109,10 @@ def optimal_plan(
     time). Returns None when no plan fits. The model ignores transient buffers, so callers check
     the chosen plan's real peak (``revnets.predict_memory``) and tighten ``budget`` if needed.
     """
-    segments = _optimal(profiles, budget, input_state, mixed=False)
+    return _one_level(_optimal(_ChainArrays.of(profiles, input_state), budget, mixed=False))
+
+
+def _one_level(segments: list[Segment] | None) -> Plan | None:
     return None if segments is None else [(a, b) for a, b, _ in segments]
 
 
@@ -122,7 +126,7 @@ def optimal_segments(
     The model counts the values live at every cut as kept, a stored segment's input too (its
     steps save what they need of it: a slight over-count, on the safe side), and each front is
     thinned to ``FRONT_CAP`` points, so it is exact only for short chains."""
-    return _optimal(profiles, budget, input_state, mixed=True)
+    return _optimal(_ChainArrays.of(profiles, input_state), budget, mixed=True)
 
 
 # A segment: (start, stop, recompute), recompute False (stored), True (checkpointed) or
@@ -142,56 +146,78 @@ def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
                if recompute != SELECTIVE or not profiles[i].selective_bytes)
 
 
-def _optimal(
-    profiles: Sequence[LayerProfile], budget: int, input_state: dict[str, int] | None,
-    mixed: bool,
-) -> list[Segment] | None:
-    n = len(profiles)
-    if n == 0:
-        return [(0, 0, False)]
-    costs = _step_costs(profiles)
-    forbidden = forbidden_cuts(profiles)
-    saved_prefix = [0]
-    time_prefix = [0.0]
-    for p, cost in zip(profiles, costs):
-        saved_prefix.append(saved_prefix[-1] + p.saved_bytes)
-        time_prefix.append(time_prefix[-1] + cost)
-    # What selective checkpoints keep and do not recompute, and the steps they must not span.
-    kept_prefix = np.cumsum([0] + [p.selective_bytes for p in profiles])
-    skipped_prefix = np.cumsum(
-        [0.0] + [cost if p.selective_bytes else 0.0 for p, cost in zip(profiles, costs)])
-    unsafe_prefix = np.cumsum([0] + [not p.selective_safe for p in profiles])
-    states = [input_state or {"input": 0}] + [p.state for p in profiles]
-    first_seen: dict[str, int] = {}
-    for c, state in enumerate(states):
-        for name in state:
-            first_seen.setdefault(name, c)
+@dataclass(frozen=True)
+class _ChainArrays:
+    """What the dynamic programme reads of a chain, whatever the budget (made once for the many
+    budgets a search asks about): prefix sums over the steps of what they save, cost, keep
+    selectively and skip recomputing, and for each cut the values live there."""
+
+    n: int
+    forbidden: frozenset[int]
+    saved: np.ndarray
+    times: np.ndarray
+    kept_prefix: np.ndarray
+    skipped_prefix: np.ndarray
+    unsafe_prefix: np.ndarray
     # For cut k: the values live there sorted by the cut they first appeared at, so that what a
     # checkpoint at k adds to one at i (values that appeared after i) is a suffix sum.
-    appeared, added_after = [], []
-    for state in states:
-        pairs = sorted((first_seen[name], nbytes) for name, nbytes in state.items())
-        appeared.append(np.array([c for c, _ in pairs], dtype=np.int64))
-        suffix = np.zeros(len(pairs) + 1, dtype=np.int64)
-        for j in range(len(pairs) - 1, -1, -1):
-            suffix[j] = suffix[j + 1] + pairs[j][1]
-        added_after.append(suffix)
-    state_bytes = [sum(state.values()) for state in states]
-    saved = np.array(saved_prefix, dtype=np.int64)
-    times = np.array(time_prefix, dtype=np.float64)
+    appeared: list[np.ndarray]
+    added_after: list[np.ndarray]
+    state_bytes: list[int]
+
+    @classmethod
+    def of(
+        cls, profiles: Sequence[LayerProfile], input_state: dict[str, int] | None
+    ) -> _ChainArrays:
+        costs = _step_costs(profiles)
+        selective = [p.selective_bytes for p in profiles]
+        states = [input_state or {"input": 0}] + [p.state for p in profiles]
+        first_seen: dict[str, int] = {}
+        for c, state in enumerate(states):
+            for name in state:
+                first_seen.setdefault(name, c)
+        appeared, added_after = [], []
+        for state in states:
+            pairs = sorted((first_seen[name], nbytes) for name, nbytes in state.items())
+            appeared.append(np.array([c for c, _ in pairs], dtype=np.int64))
+            nbytes = np.array([b for _, b in pairs] + [0], dtype=np.int64)
+            added_after.append(np.cumsum(nbytes[::-1])[::-1])
+        return cls(
+            n=len(profiles),
+            forbidden=frozenset(forbidden_cuts(profiles)),
+            saved=np.cumsum([0] + [p.saved_bytes for p in profiles], dtype=np.int64),
+            times=np.cumsum([0.0, *costs], dtype=np.float64),
+            kept_prefix=np.cumsum([0, *selective], dtype=np.int64),
+            skipped_prefix=np.cumsum(
+                [0.0] + [cost if b else 0.0 for b, cost in zip(selective, costs)]),
+            unsafe_prefix=np.cumsum([0] + [not p.selective_safe for p in profiles]),
+            appeared=appeared,
+            added_after=added_after,
+            state_bytes=[sum(state.values()) for state in states],
+        )
+
+
+def _optimal(chain: _ChainArrays, budget: int, mixed: bool) -> list[Segment] | None:
+    n = chain.n
+    if n == 0:
+        return [(0, 0, False)]
+    forbidden, saved, times = chain.forbidden, chain.saved, chain.times
+    kept_prefix, skipped_prefix = chain.kept_prefix, chain.skipped_prefix
+    unsafe_prefix, state_bytes = chain.unsafe_prefix, chain.state_bytes
+    appeared, added_after = chain.appeared, chain.added_after
 
     # Every Pareto point found, in the order the cuts are reached (then by bytes): the cut it
     # ends at, kept bytes, recompute time, the room left for the next segment (the next cut's
     # saved prefix and live values must stay within it), the point it came from and how the
     # segment that ended there runs.
-    cut = np.array([0], dtype=np.int64)
-    kept = np.array([state_bytes[0]], dtype=np.int64)
-    spent = np.array([0.0])
-    room = budget - kept + saved[0]
-    parent = np.array([-1], dtype=np.int64)
-    kind = np.array([_STORE])
+    # The points live in buffers that grow by doubling (concatenating at every cut copied them
+    # all, quadratic in the chain's length).
+    points = _Points(4 * n)
+    cut, kept, spent, room, parent, kind = points.arrays
+    cut[0], kept[0], spent[0], parent[0], kind[0] = 0, state_bytes[0], 0.0, -1, _STORE
+    room[0] = budget - kept[0] + saved[0]
     active = np.array([0], dtype=np.int64)  # points whose next segment can still end ahead
-    best = _best_last_segment(None, kept, spent, budget - (saved[n] - saved[0]), 0, 0)
+    best = _best_last_segment(None, kept[:1], spent[:1], budget - (saved[n] - saved[0]), 0, 0)
     for k in range(1, n):
         # Segment [cut, k) from a point: it fits while kept + saved[cut:k] <= budget, and
         # saved grows with k, so a point that cannot reach k cannot reach anything after it.
@@ -233,14 +259,16 @@ def _optimal(
         if mixed:
             active = active[_undominated(kept[active], spent[active],
                                          new_kept[front], new_spent[front])]
-        first = len(cut)
-        cut = np.concatenate([cut, np.full(len(front), k)])
-        kept = np.concatenate([kept, new_kept[front]])
-        spent = np.concatenate([spent, new_spent[front]])
-        room = np.concatenate([room, budget - new_kept[front] + saved[k]])
-        parent = np.concatenate([parent, new_parent[front]])
-        kind = np.concatenate([kind, new_kind[front]])
-        active = np.concatenate([active, np.arange(first, len(cut))])
+        first = points.size
+        cut, kept, spent, room, parent, kind = points.grow(len(front))
+        added = slice(first, points.size)
+        cut[added] = k
+        kept[added] = new_kept[front]
+        spent[added] = new_spent[front]
+        room[added] = budget - kept[added] + saved[k]
+        parent[added] = new_parent[front]
+        kind[added] = new_kind[front]
+        active = np.concatenate([active, np.arange(first, points.size)])
         best = _best_last_segment(
             best, new_kept[front], new_spent[front], budget - (saved[n] - saved[k]), first, k)
     if best is None:
@@ -251,6 +279,23 @@ def _optimal(
         segments.append((int(cut[parent[point]]), int(cut[point]), _KINDS[kind[point]]))
         point = int(parent[point])
     return _merged(segments[::-1])
+
+
+class _Points:
+    """The dynamic programme's points (cut, kept bytes, time, room, parent, kind) in buffers
+    that double when full."""
+
+    def __init__(self, capacity: int) -> None:
+        capacity = max(capacity, 16)
+        self.arrays = [np.empty(capacity, dtype=t) for t in
+                       (np.int64, np.int64, np.float64, np.int64, np.int64, np.int64)]
+        self.size = 1
+
+    def grow(self, added: int) -> list[np.ndarray]:
+        while self.size + added > len(self.arrays[0]):
+            self.arrays = [np.concatenate([a, np.empty_like(a)]) for a in self.arrays]
+        self.size += added
+        return self.arrays
 
 
 _CHECKPOINT, _STORE, _SELECTIVE = 0, 1, 2
@@ -328,10 +373,9 @@ def selective_plans(
     selectively)."""
     if not profiles or any(math.isnan(p.forward_seconds) for p in profiles):
         return []
-    plans = {
-        tuple(plan) for budget in budgets
-        if (plan := optimal_segments(profiles, budget, input_state)) is not None
-    }
+    chain = _ChainArrays.of(profiles, input_state)
+    plans = {tuple(plan) for budget in budgets
+             if (plan := _optimal(chain, budget, mixed=True)) is not None}
     return sorted((list(p) for p in plans),
                   key=lambda p: [(a, b, _KINDS.index(r)) for a, b, r in p])
 
@@ -357,8 +401,9 @@ def candidate_plans(
         proposals.append(budget_plan(profiles, int(budget)))
     low = max(max(sum(p.state.values()) for p in profiles), 1)
     high = max(total, low)
+    chain = _ChainArrays.of(profiles, input_state)
     for k in range(steps + 1):
-        plan = optimal_plan(profiles, int(low * (high / low) ** (k / steps)), input_state)
+        plan = _one_level(_optimal(chain, int(low * (high / low) ** (k / steps)), mixed=False))
         if plan is not None:
             proposals.append(plan)
     plans = {tuple(respect_inplace(p, profiles)) for p in proposals}
