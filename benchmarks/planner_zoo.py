@@ -219,7 +219,10 @@ def run_case(case: Case, repeats: int) -> list[dict]:
             times = interleaved_times({"plain": functools.partial(train_step, model, x, loss),
                                        "planned": functools.partial(train_step, planned, x, loss)},
                                       repeats).seconds
-            overhead = statistics.median(times["planned"]) / statistics.median(times["plain"]) - 1
+            step = statistics.median(times["plain"])
+            overhead = statistics.median(times["planned"]) / step - 1
+            row["step_ms"] = round(1000 * step, 1)
+            row["planning_steps"] = round(seconds / step)
         ok = peak == predicted and peak <= budget and (previous_peak is None
                                                        or peak <= previous_peak)
         row.update({
@@ -236,7 +239,8 @@ def run_case(case: Case, repeats: int) -> list[dict]:
 
 
 FIELDS = ["model", "input", "cut_asked_pct", "budget_mib", "refused_named_mib", "cut_reached_pct",
-          "planning_s", "measured_mib", "measured_eq_predicted", "overhead_pct", "verdict"]
+          "planning_s", "step_ms", "planning_steps", "measured_mib", "measured_eq_predicted",
+          "overhead_pct", "verdict"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -280,12 +284,15 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "needs more memory than "
         "this machine has: it is planned on a meta input standing for a CPU one (no forward "
         "times measured), its budget's base predicted, its plan's peak not measured. Overhead: "
-        f"median of {args.repeats} interleaved steps, planned over unplanned. Timing columns are "
+        f"median of {args.repeats} interleaved steps, planned over unplanned; step: the "
+        "unplanned step's median in the same run, and planning in those steps (the machine's "
+        "speed moves from hour to hour, the ratio much less). Timing columns are "
         "from whatever machine ran this; the memory columns are deterministic.",
         "",
         "| model | input | cut asked | budget (MiB) | refused, named (MiB) | cut reached | "
-        "planning (s) | measured (MiB) | measured == predicted | overhead | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "planning (s) | step (ms) | planning (steps) | measured (MiB) | measured == predicted | "
+        "overhead | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(f, "-")) for f in FIELDS) + " |")
