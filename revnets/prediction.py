@@ -77,8 +77,11 @@ class Predictor:
     model's tensors fake is most of what copying it costs, a large share of a prediction.
 
     Each prediction starts from the real parameters' gradients and ``requires_grad``, as a
-    fresh one does; what else a call leaves on the fake tensors kept (their values, which fake
-    tensors do not have; version counters, only ever compared within a run) holds no memory.
+    fresh one does (a tensor changed under the same object, by ``module.double()`` say, is
+    made fake again), and from copies of scalar buffers and optimizer state (step counts),
+    which it reads and changes; what else a call leaves on the fake tensors kept (their values,
+    which fake tensors do not have; version counters, only ever compared within a run) holds
+    no memory.
     Everything else (the modules themselves, inputs, tensors a closure reaches, optimizer
     state, scalars kept as constants) is made anew each time: the mode remembers a fake tensor
     only while something holds it.
@@ -87,13 +90,16 @@ class Predictor:
     def __init__(self) -> None:
         # A tensor the call reaches outside its arguments (a closure) is made fake on first use.
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self._made: dict[int, tuple[Tensor, Tensor]] = {}  # id(real): (real, fake)
+        # id(real): (real, fake, the real one's layout when made): ``param.data = ...`` and
+        # ``module.double()`` or ``.to(memory_format=...)`` change a tensor under the same object.
+        self._made: dict[int, tuple[Tensor, Tensor, tuple]] = {}
 
     def predict(
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
     ) -> MemoryReport:
         device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
-        memo: dict[int, Any] = {key: fake for key, (_, fake) in self._made.items()}
+        memo: dict[int, Any] = {key: fake for key, (real, fake, layout) in self._made.items()
+                                if _layout(real) == layout}
         fake_args = tuple(self._to_fake(a, memo, device) for a in args)
         fake_kwargs = {k: self._to_fake(v, memo, device) for k, v in kwargs.items()}
         mode = self.mode
@@ -105,6 +111,10 @@ class Predictor:
             return memo[id(obj)]
         mode = self.mode
         if isinstance(obj, nn.Module):
+            # Scalar buffers (batch norm's num_batches_tracked) keep their values, made anew for
+            # every prediction: code reads them (momentum=None), and the run changes them.
+            memo.update((id(b), _scalar_to_fake(b, mode)) for b in obj.buffers()
+                        if _is_cpu_scalar(b) and id(b) not in memo)
             with FakeCopyMode(mode):
                 fake = copy.deepcopy(obj, memo)
             self._made_once(obj.named_buffers(remove_duplicate=False),
@@ -112,8 +122,10 @@ class Predictor:
             for old, new in self._made_once(obj.named_parameters(remove_duplicate=False),
                                             fake.named_parameters(remove_duplicate=False)):
                 # Gradients left from an earlier step are alive until zero_grad, or accumulate.
+                # (a new tensor object each time: the fake mode remembers fakes by object, and
+                # ``module.double()`` changes the gradient under the same one)
                 new.grad = None if old.grad is None else mode.from_tensor(
-                    old.grad, static_shapes=True)
+                    old.grad.detach(), static_shapes=True)
                 new.requires_grad_(old.requires_grad)
         elif isinstance(obj, torch.optim.Optimizer):
             fake = _optimizer_to_fake(obj, mode, memo)
@@ -134,8 +146,14 @@ class Predictor:
         """Pairs of a module's tensors and their fake copies, remembered for the next
         prediction."""
         pairs = [(old, new) for (_, old), (_, new) in zip(real, fake)]
-        self._made.update((id(old), (old, new)) for old, new in pairs)
+        self._made.update((id(old), (old, new, _layout(old))) for old, new in pairs
+                          if not _is_cpu_scalar(old))
         return pairs
+
+
+def _layout(tensor: Tensor) -> tuple:
+    return (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.device,
+            tensor.untyped_storage()._cdata)
 
 
 @contextlib.contextmanager
@@ -185,7 +203,9 @@ class _LikeTheDevice(TorchDispatchMode):
                 device = generator.device if generator is not None else self.device
                 torch.empty(1, device=device).uniform_(generator=generator)
             return func(*args, **kwargs)
-        if self.device.type == "cpu" and func in _CPU_OUTPUTS and self._ours(tensors):
+        if self.device.type == "cpu" and func in _CPU_OUTPUTS and self._ours(
+            [t for t in tensors if isinstance(t, FakeTensor)]
+        ):  # real tensors among them (statistics a closure holds) are read for their sizes
             return _CPU_OUTPUTS[func](*args, **kwargs)
         if func.is_view and not func._schema.is_mutable:
             out = self._view(func, args, kwargs, tensors)
@@ -241,10 +261,21 @@ def _tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) 
         # A meta input stands for one on the model's device (a batch too large to allocate).
         fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor, device)
         return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake
-    if tensor.dim() == 0 and tensor.device.type == "cpu":
-        # Scalars keep their value: optimizers read their step counts with ``.item()``.
-        return mode.fake_tensor_converter.from_real_tensor(mode, tensor, make_constant=True)
+    if _is_cpu_scalar(tensor):
+        return _scalar_to_fake(tensor, mode)
     return mode.from_tensor(tensor, static_shapes=True)
+
+
+def _is_cpu_scalar(tensor: Tensor) -> bool:
+    return tensor.dim() == 0 and tensor.device.type == "cpu" and not isinstance(
+        tensor, nn.Parameter)
+
+
+def _scalar_to_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
+    """Scalars keep their value (optimizers read their step counts with ``.item()``), in a
+    copy: the fake mode computes on a constant for real, in place too (``step += 1``), and the
+    original is the user's."""
+    return mode.fake_tensor_converter.from_real_tensor(mode, tensor.clone(), make_constant=True)
 
 
 def _optimizer_to_fake(
@@ -280,10 +311,11 @@ def _optimizer_to_fake(
 # NOTE [ CPU kernels that allocate unlike their meta kernels ]
 # Fake tensors run the meta kernels, which give the shapes and dtypes of every output. Where the
 # CPU kernel's outputs differ, the outputs are corrected here, exactly:
-# - native_batch_norm and native_group_norm on a reduced-precision input with float32 parameters
-#   (autocast) keep their saved mean and inverse standard deviation in float32 (the meta
-#   kernels: the input's dtype); native_group_norm_backward returns the input's gradient in the
-#   input's dtype (the meta kernel: float32 when the parameters are);
+# - batch norm (native_batch_norm, and the operators compiled and exported graphs call), group
+#   norm and layer norm on a reduced-precision input with float32 parameters (autocast) keep
+#   their saved mean and inverse standard deviation in float32 (the meta kernels: the input's
+#   dtype); native_group_norm_backward returns the input's gradient in the input's dtype (the
+#   meta kernel: float32 when the parameters are);
 # - mkldnn_rnn_layer (each layer and direction of nn.LSTM) returns a oneDNN workspace whose size
 #   oneDNN computes from the shapes, the instruction set and its version (the meta kernel: empty).
 #   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
@@ -293,11 +325,20 @@ def _optimizer_to_fake(
 # every new shape (tens of milliseconds per layer of a DenseNet): its outputs are made directly,
 # as the CPU kernels allocate them (the output and the input's gradient in the input's suggested
 # memory format; the saved statistics per channel in training, empty in evaluation, in float32
-# when mixed as above; the parameters' gradients in the weight's dtype).
+# when mixed as above; the parameters' gradients in the weight's dtype; no input gradient where
+# the input needs none), real statistics a closure holds included.
 
 
 def _batch_norm(out: Any, args: tuple, kwargs: dict) -> Any:
     return _float32_statistics(out, args[0], args[1:5])
+
+
+def _batch_norm_without_statistics(out: Any, args: tuple, kwargs: dict) -> Any:
+    return _float32_statistics(out, args[0], args[1:3])
+
+
+def _layer_norm(out: Any, args: tuple, kwargs: dict) -> Any:
+    return _float32_statistics(out, args[0], args[2:4])
 
 
 def _batch_norm_outputs(
@@ -323,6 +364,14 @@ def _batch_norm_backward_outputs(
             x.new_empty(per_channel[0], dtype=per_channel[1]) if mask[2] else None)
 
 
+def _batch_norm_backward_with_reserve_outputs(
+    grad_out: Tensor, x: Tensor, weight: Tensor | None, running_mean: Tensor | None,
+    running_var: Tensor | None, save_mean: Tensor | None, save_var: Tensor | None,
+    update: bool, eps: float, output_mask: list[bool], reserve: Tensor,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    return _batch_norm_backward_outputs(grad_out, x, weight, output_mask)
+
+
 def _like_input(x: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=suggest_memory_format(x))
 
@@ -345,10 +394,9 @@ def _float32_statistics(out: Any, x: Tensor, parameters: Sequence[Tensor | None]
     )
     if not mixed:
         return out
-    y, mean, invstd = out
-    return y, mean.new_empty(mean.shape, dtype=torch.float32), invstd.new_empty(
-        invstd.shape, dtype=torch.float32
-    )
+    y, mean, invstd, *rest = out  # batch norm with update: its reserve too
+    return (y, mean.new_empty(mean.shape, dtype=torch.float32),
+            invstd.new_empty(invstd.shape, dtype=torch.float32), *rest)
 
 
 _RNN_WORKSPACE: dict[tuple, int] = {}
@@ -389,6 +437,12 @@ def _rnn_layer_backward(out: Any, args: tuple, kwargs: dict) -> Any:
 _CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_backward,
     torch.ops.aten.native_batch_norm.default: _batch_norm,
+    torch.ops.aten._native_batch_norm_legit.default: _batch_norm,
+    torch.ops.aten._native_batch_norm_legit.no_stats: _batch_norm_without_statistics,
+    torch.ops.aten._native_batch_norm_legit_no_training.default: _batch_norm,
+    torch.ops.aten._batch_norm_with_update.default: _batch_norm,
+    torch.ops.aten._batch_norm_no_update.default: _batch_norm,
+    torch.ops.aten.native_layer_norm.default: _layer_norm,
     torch.ops.aten.native_group_norm.default: _group_norm,
     torch.ops.aten.native_group_norm_backward.default: _group_norm_backward,
     torch.ops.aten.mkldnn_rnn_layer.default: _rnn_layer,
@@ -397,4 +451,5 @@ _CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
 _CPU_OUTPUTS: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.native_batch_norm.default: _batch_norm_outputs,
     torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward_outputs,
+    torch.ops.aten.batch_norm_backward.default: _batch_norm_backward_with_reserve_outputs,
 }

@@ -312,3 +312,119 @@ def test_batch_norm_outputs_are_allocated_as_the_cpu_kernels_allocate_them(train
                            x, weight, mean, grad_out)
             assert seen["predicted"] == outputs(x, weight, mean, grad_out), (name, affine,
                                                                               tracked)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.RAdam, torch.optim.ASGD])
+def test_a_prediction_leaves_the_optimizers_step_counts_alone(kind):
+    """Optimizers keep their step counts in scalar tensors, which a prediction reads for real;
+    it counts its own steps in copies: the user's optimizer is where it was, and a Predictor
+    asked again predicts the same step (ASGD's second prediction used to find its ``mu`` and
+    ``eta`` without values, RAdam's rectification a step the real run never took)."""
+    from revnets.prediction import Predictor
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = kind(model.parameters())
+    x = torch.randn(2, 8)
+
+    def step(model, optimizer, x):
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(5):  # RAdam rectifies from its sixth step on
+        step(model, optimizer, x)
+    counts = {name: value.clone() for name, value in optimizer.state[model.weight].items()
+              if torch.is_tensor(value) and value.dim() == 0}
+    predictor = Predictor()
+    predicted = [predictor.predict(step, (model, optimizer, x), {}).peak_bytes
+                 for _ in range(2)]
+    assert all(torch.equal(optimizer.state[model.weight][name], value)
+               for name, value in counts.items())
+    assert predicted == [measure_memory(step, model, optimizer, x).peak_bytes] * 2
+
+
+def test_a_predictor_sees_parameters_converted_in_place():
+    """``module.double()`` and ``.to(memory_format=...)`` change parameters and gradients under
+    the same tensor objects: a Predictor that made them fake before makes them again."""
+    from revnets.prediction import Predictor
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    x = torch.randn(2, 3, 8, 8)
+    predictor = Predictor()
+    train_step(model, x)  # gradients left
+    predictor.predict(train_step, (model, x), {})
+    model.to(memory_format=torch.channels_last)
+    assert predictor.predict(train_step, (model, x), {}).peak_bytes == measure_memory(
+        train_step, model, x).peak_bytes
+    model.double()
+    assert predictor.predict(train_step, (model, x.double()), {}).peak_bytes == measure_memory(
+        train_step, model, x.double()).peak_bytes
+
+
+def test_batch_norm_without_momentum_reads_its_batch_count():
+    """momentum=None averages by the batches counted, a scalar buffer it reads with float()."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None))
+    x = torch.randn(2, 3, 6, 6)
+    train_step(model, x)
+    predicted = predict_memory(train_step, model, x).peak_bytes
+    assert model[1].num_batches_tracked == 1  # the prediction counted in a copy
+    assert predicted == measure_memory(train_step, model, x).peak_bytes
+
+
+def test_batch_norm_on_statistics_a_closure_holds_after_frozen_layers():
+    """The input of a batch norm after frozen layers needs no gradient, and the CPU makes none,
+    also when the statistics are real tensors a closure holds rather than buffers."""
+    mean, var = torch.zeros(16), torch.ones(16)
+
+    class Normalised(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 16, 3, padding=1).requires_grad_(False)
+            self.weight, self.bias = nn.Parameter(torch.ones(16)), nn.Parameter(torch.zeros(16))
+
+        def forward(self, x):
+            return F.batch_norm(self.conv(x), mean, var, self.weight, self.bias, training=True)
+
+    assert_predicted_exactly(train_step, Normalised(), torch.randn(4, 3, 8, 8))
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "convnext"])
+def test_layer_norm_keeps_float32_statistics_under_bfloat16_autocast(norm):
+    """The CPU's layer norm keeps the mean and inverse deviation of a bfloat16 input in float32
+    when its parameters are float32 (the meta kernel: bfloat16)."""
+    if norm == "layer_norm":
+        model, x = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), torch.randn(2, 4, 4, 8)
+    else:
+        model, x = torchvision.models.convnext_tiny(num_classes=10), torch.randn(1, 3, 32, 32)
+    assert_predicted_exactly(autocast_step, model, x)
+
+
+def test_batch_norm_of_compiled_graphs_is_allocated_as_on_the_cpu():
+    """Graphs torch.compile and torch.export make call batch norm's other operators: their
+    statistics are float32 for a bfloat16 input with float32 parameters, and no input gradient
+    is made for an input that needs none."""
+    aten = torch.ops.aten
+    x16 = torch.randn(2, 4, 3, 3, dtype=torch.bfloat16)
+    weight, bias = torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+
+    def forward(op):
+        def step(x, weight, bias):
+            statistics = torch.zeros(4), torch.ones(4)
+            out = op(x, weight, bias, *statistics)
+            out[0].float().sum().backward()
+        return step
+
+    ops = {
+        "legit": lambda x, w, b, m, v: aten._native_batch_norm_legit(
+            x, w, b, m, v, True, 0.1, 1e-5),
+        "legit_no_stats": lambda x, w, b, m, v: aten._native_batch_norm_legit(
+            x, w, b, True, 0.1, 1e-5),
+        "with_update": lambda x, w, b, m, v: aten._batch_norm_with_update(
+            x, w, b, m, v, 0.1, 1e-5),
+    }
+    for name, op in ops.items():
+        for x in (x16, x16.float()):  # bfloat16 input, then one that needs no gradient
+            predicted = predict_memory(forward(op), x, weight, bias)
+            measured = measure_memory(forward(op), x, weight, bias)
+            assert predicted.peak_bytes == measured.peak_bytes, (name, x.dtype)
