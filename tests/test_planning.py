@@ -29,6 +29,7 @@ from revnets.planning import (
 )
 from revnets.planning import chain as chain_module
 from revnets.planning.chain import SELECTIVE
+from revnets.planning.nested import most_frugal_schedule
 
 from conftest import conv_unit, max_grad_error
 
@@ -401,6 +402,65 @@ def test_nested_schedules_go_below_one_level_plans():
         reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
         assert all(torch.equal(g, r) for g, r in zip(grads, reference))
     assert costs[0] == 0 and costs == sorted(costs)  # less memory, more recomputation
+
+
+def all_nested_trees(s, t, forbidden):
+    """Every nested schedule of layers s..t: layer s kept whole, or a checkpointed run s..k-1
+    (its own schedule inside), then the rest."""
+    if s == t:
+        yield [s]
+        return
+    for rest in all_nested_trees(s + 1, t, forbidden):
+        yield [s, *rest]
+    if s not in forbidden:
+        for k in range(s + 1, t + 1):
+            for run in all_nested_trees(s, k - 1, forbidden):
+                for rest in all_nested_trees(k, t, forbidden):
+                    yield [run, *rest]
+
+
+def nested_memory(items, s, profiles):
+    """rotor's model of a tree's memory, written out from its definition: a layer kept whole
+    holds what it saves and its output while the rest runs; a checkpointed run holds only its
+    output while the rest runs, then is run again under its own schedule; a last layer's
+    backward holds its output's and its input's gradients."""
+    out = [sum(p.state.values()) for p in profiles]
+    first, rest = items[0], items[1:]
+    if isinstance(first, int):
+        whole = profiles[first].saved_intermediate_bytes + out[first]
+        if not rest:
+            return whole + out[first] + (out[first - 1] if first else 0)
+        return whole + nested_memory(rest, first + 1, profiles)
+    stop = s + sum(1 for _ in flatten(first))
+    return max(out[stop - 1] + nested_memory(rest, stop, profiles),
+               nested_memory(first, s, profiles))
+
+
+def flatten(items):
+    for item in items:
+        yield from flatten(item) if isinstance(item, list) else (item,)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_most_frugal_schedule_needs_the_least_memory_of_all_nested_schedules(seed):
+    n = 7
+    generator = torch.Generator().manual_seed(200 + seed)
+    profiles = [replace(p, saved_intermediate_bytes=int(torch.randint(0, 60, (1,),
+                                                                       generator=generator)))
+                for p in synthetic_profiles(n, seed)]
+    forbidden = forbidden_cuts(profiles)
+    trees = list(all_nested_trees(0, n - 1, forbidden))
+    least = min(nested_memory(tree, 0, profiles) for tree in trees)
+    frugal = most_frugal_schedule(profiles)
+    assert frugal.tree in trees
+    assert nested_memory(frugal.tree, 0, profiles) == least
+    assert frugal.recompute_cost == recomputed(frugal.tree)
+
+
+def recomputed(items):
+    """Layers run again in backward: every checkpointed run once more, nested ones again."""
+    return sum(len(list(flatten(item))) + recomputed(item)
+               for item in items if isinstance(item, list))
 
 
 def test_auto_checkpoint_nests_checkpoints_when_one_level_is_not_enough():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 from torch import nn
@@ -195,22 +194,55 @@ def group_chain(
 
 
 def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | None:
-    """The nested schedule of the least memory (to 1/64 of it) in rotor's model, every layer
-    counting one unit of time."""
-    unmeasured = [replace(p, forward_seconds=math.nan) for p in profiles]
-    high = max(sum(p.saved_bytes + p.output_bytes for p in profiles), 1)
-    for _ in range(8):  # storing everything fits rotor's model, give or take its gradients
-        if nested_schedule(unmeasured, high) is not None:
-            break
-        high *= 2
-    else:
+    """The nested schedule of the least memory in rotor's model (the recursion of
+    :func:`nested_schedule`, in bytes rather than slots), every layer counting one unit of time;
+    of the schedules needing that least memory, one recomputing few layers. It depends on the
+    sizes alone, so a budget a refusal names after it plans when asked for.
+
+    One pass of the recursion over the least memory itself, instead of a search over budgets
+    that each run the whole recursion: with ``need(s, t)`` the least memory that runs layers
+    ``s..t`` forward and backward, their input kept,
+
+        need(s, t) = min( whole(s) + need(s+1, t),                         keep layer s whole
+                          min over s < k <= t of
+                            max(out(k-1) + need(k, t), need(s, k-1)) )      checkpoint at k
+    """
+    n = len(profiles)
+    if n == 0:
         return None
-    low, frugal = 0, nested_schedule(unmeasured, high)
-    while high - low > max(high // 64, 1):
-        middle = (low + high) // 2
-        schedule = nested_schedule(unmeasured, middle)
-        if schedule is None:
-            low = middle
-        else:
-            high, frugal = middle, schedule
-    return frugal
+    forbidden = forbidden_cuts(profiles)
+    out = np.array([sum(p.state.values()) if p.state else p.output_bytes for p in profiles],
+                   dtype=np.int64)
+    whole = np.array([p.saved_intermediate_bytes for p in profiles], dtype=np.int64) + out
+    need = np.zeros((n, n), dtype=np.int64)
+    steps = np.zeros((n, n), dtype=np.int64)  # forward runs of layers, recomputations included
+    choice = np.full((n, n), -1, dtype=np.int64)
+    for length in range(1, n + 1):
+        for s in range(0, n - length + 1):
+            t = s + length - 1
+            if s == t:  # its backward also holds the gradients of its output and of its input
+                need[s, t] = whole[s] + out[s] + (out[s - 1] if s else 0)
+                steps[s, t] = 1
+                continue
+            best = (int(whole[s] + need[s + 1, t]), int(1 + steps[s + 1, t]))
+            if s not in forbidden:  # a run starting at a forbidden cut: see nested_schedule
+                ks = np.arange(s + 1, t + 1)
+                memory = np.maximum(out[ks - 1] + need[ks, t], need[s, ks - 1])
+                runs = (ks - s) + steps[ks, t] + steps[s, ks - 1]
+                least = memory.min()
+                row = int(np.flatnonzero(memory == least)[runs[memory == least].argmin()])
+                if (int(least), int(runs[row])) < best:
+                    best, choice[s, t] = (int(least), int(runs[row])), ks[row]
+            need[s, t], steps[s, t] = best
+
+    def tree(s: int, t: int) -> list:
+        if s > t:
+            return []
+        if s == t:
+            return [s]
+        k = int(choice[s, t])
+        if k == -1:
+            return [s, *tree(s + 1, t)]
+        return [tree(s, k - 1), *tree(k, t)]
+
+    return NestedSchedule(tree(0, n - 1), float(steps[0, n - 1] - n))
