@@ -3,7 +3,6 @@ within it, and the plan it follows."""
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -36,7 +35,13 @@ from revnets.planning.nested import (
     nested_schedule,
 )
 from revnets.planning.planned import PlannedModel
-from revnets.planning.profile import LayerProfile, _device_type, _nbytes, profile_chain
+from revnets.planning.profile import (
+    LayerProfile,
+    _device_type,
+    _nbytes,
+    on_meta,
+    profile_chain,
+)
 from revnets.planning.search import Option, Segments, modelled_peak_of, search
 from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.untouched import ModelState
@@ -187,17 +192,17 @@ class _Planner:
         self.sequences = {i: s for i, step in enumerate(chain)
                           if (s := _sequence_of(step)) is not None}
         self.original = {i: _decision_of(s) for i, s in self.sequences.items()}
-        meta_chain = copy.deepcopy(chain).to("meta")
         meta_input = _meta_like(example_input)
         self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
         # One profile with every reversible sequence stored, one with every one reconstructing
-        # (when there are any); other steps profile the same in both.
+        # (when there are any); other steps profile the same in both. Sizes come from the meta
+        # device, the chain's own modules running on meta copies of their tensors.
         self.profiles: dict[type, list[LayerProfile]] = {}
-        meta_sequences = {i: _sequence_of(meta_chain[i]) for i in self.sequences}
-        for decision in (Store(), Reconstruct()) if self.sequences else (Store(),):
-            for sequence in meta_sequences.values():
-                sequence.set_memory(decision)
-            self.profiles[type(decision)] = profile_chain(list(meta_chain), meta_input)
+        with on_meta(list(chain)):
+            for decision in (Store(), Reconstruct()) if self.sequences else (Store(),):
+                for sequence in self.sequences.values():
+                    sequence.set_memory(decision)
+                self.profiles[type(decision)] = profile_chain(list(chain), meta_input)
         self.profiles.setdefault(Reconstruct, self.profiles[Store])
         if measure_time and _device_type(example_input) != "meta":
             self._store_all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from revnets.checkpoint import SELECTIVE_OPS
 from revnets.replay import forked_rng, frozen_running_stats
 
-__all__ = ["LayerProfile", "profile_chain"]
+__all__ = ["LayerProfile", "on_meta", "profile_chain"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,39 @@ def profile_chain(
     device = next(t for t in tree_flatten(example_input)[0] if isinstance(t, Tensor)).device
     with frozen_running_stats(list(layers)), forked_rng(device):
         return _profile(layers, example_input, repeats)
+
+
+@contextlib.contextmanager
+def on_meta(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """The layers' parameters and buffers replaced by meta tensors of the same shapes, dtypes and
+    ``requires_grad`` while inside (one meta tensor for a tensor the layers share), so that
+    sizes can be profiled on the meta device without copying the modules; put back on exit,
+    also on an exception."""
+    made: dict[int, Tensor] = {}
+    swapped: list[tuple[dict, str, Tensor]] = []
+
+    def meta(tensor: Tensor) -> Tensor:
+        if id(tensor) not in made:
+            made[id(tensor)] = torch.empty_like(tensor, device="meta").requires_grad_(
+                tensor.requires_grad)
+        return made[id(tensor)]
+
+    try:
+        seen: set[int] = set()
+        for layer in layers:
+            for module in layer.modules():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                for slots in (module._parameters, module._buffers):
+                    for name, tensor in slots.items():
+                        if tensor is not None:
+                            swapped.append((slots, name, tensor))
+                            slots[name] = meta(tensor)
+        yield
+    finally:
+        for slots, name, tensor in reversed(swapped):
+            slots[name] = tensor
 
 
 def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> list[LayerProfile]:
