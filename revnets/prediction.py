@@ -130,6 +130,15 @@ class Predictor:
         elif isinstance(obj, torch.optim.Optimizer):
             fake = _optimizer_to_fake(obj, mode, memo)
         elif isinstance(obj, Tensor):
+            if obj.requires_grad and obj.grad_fn is not None:
+                # Its history is the caller's: a backward through it reaches tensors the call
+                # never sees, which a fake copy (a leaf) cannot follow.
+                raise ValueError(
+                    f"predict_memory: an argument is a tensor computed from others "
+                    f"({type(obj.grad_fn).__name__}, shape {tuple(obj.shape)}), whose backward "
+                    f"reaches beyond the call; pass a leaf (x.detach().requires_grad_()) or "
+                    f"compute it inside the call"
+                )
             fake = _tensor_to_fake(obj, mode, device)
         elif isinstance(obj, (list, tuple)):
             fake = type(obj)(self._to_fake(o, memo, device) for o in obj)

@@ -428,3 +428,15 @@ def test_batch_norm_of_compiled_graphs_is_allocated_as_on_the_cpu():
             predicted = predict_memory(forward(op), x, weight, bias)
             measured = measure_memory(forward(op), x, weight, bias)
             assert predicted.peak_bytes == measured.peak_bytes, (name, x.dtype)
+
+
+@pytest.mark.parametrize("made", ["view", "product"])
+def test_an_input_with_a_history_is_refused_by_name(made):
+    """A backward through an argument computed from other tensors reaches beyond the call, which
+    a prediction on fake tensors cannot follow (it was predicted off, or crashed inside torch)."""
+    base = torch.randn(2, 4, 10, requires_grad=True)
+    x = base.reshape(2, 40) if made == "view" else base * 2
+    with pytest.raises(ValueError, match="computed from others.*x.detach"):
+        predict_memory(train_step, nn.Linear(x.shape[-1], 3), x)
+    leaf = x.detach().requires_grad_()
+    assert_predicted_exactly(train_step, nn.Linear(x.shape[-1], 3), leaf)
