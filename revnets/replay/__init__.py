@@ -243,6 +243,12 @@ class Recording:
             ]
             self._python_found = {}
         self.external = list(watch.external.values())
+        if self.known:
+            # Known layers assign no attribute and replace no slot's tensor or its .data; they
+            # write only into running statistics, which are no slots (NOTE [ Known layers ]):
+            # every slot is as the run found it.
+            self.walked, self._census = self._census.modules, None
+            return
         for s in self.slots:
             now = s.current()
             copy = watch.written.get(s.storage)

@@ -34,7 +34,8 @@ __all__ = ["KnownRun", "known_run"]
 #   - a norm given running statistics it does not track (InstanceNorm still updates them), and
 #     norms in training and in eval mode together (one might read statistics the other updates).
 # Everything else about the recording (module state by slot, scalars, the checks before a
-# replay) is the same on both paths.
+# replay) is the same on both paths, but that a known run's slots are not compared on the way
+# out: the layers assign no attribute and replace no tensor, so each slot holds what it held.
 
 # Layers whose output is always fresh memory.
 _FRESH = frozenset({
