@@ -27,7 +27,6 @@ from revnets.replay import (
     Recording,
     RecordingChain,
     has_forward_hooks,
-    state_tensors,
     submodules,
 )
 from revnets.reversible.block import ReversibleBlock
@@ -64,18 +63,38 @@ class BlockPlan:
 
     def __init__(self, block: ReversibleBlock | Invertible) -> None:
         self.block = block
+        # Hooks see the activations of an ordinary forward: intact and, like under autograd,
+        # carrying a graph (which leads to an error rather than to a silently missing gradient).
+        # One walk over f and one over g find both their parameters and their hooks.
         if isinstance(block, Invertible):
-            f_slots, g_slots = state_tensors(block, buffers=False), []
+            (f_slots, hooked), g_slots = _parameters_and_hooks(block), []
         else:
-            f_slots = state_tensors(block.f, buffers=False)
-            g_slots = state_tensors(block.g, buffers=False)
+            f_slots, f_hooked = _parameters_and_hooks(block.f)
+            g_slots, g_hooked = _parameters_and_hooks(block.g)
+            others = [m for m in block._modules.values() if m is not block.f and m is not block.g]
+            hooked = f_hooked or g_hooked or has_forward_hooks(
+                [block, *(m for other in others if other is not None for m in submodules(other))]
+            )
+        self.hooked = hooked
         self.lazy = any(isinstance(p, UninitializedTensorMixin) for p in (*f_slots, *g_slots))
         self.f_params = _trainable(f_slots)  # an Invertible's own parameters
         self.g_params = _trainable(g_slots)
         self.params = list(dict.fromkeys((*self.f_params, *self.g_params)))
-        # Hooks see the activations of an ordinary forward: intact and, like under autograd,
-        # carrying a graph (which leads to an error rather than to a silently missing gradient).
-        self.hooked = has_forward_hooks(submodules(block))
+
+
+def _parameters_and_hooks(root: nn.Module) -> tuple[list[Any], bool]:
+    """``state_tensors(root, buffers=False)`` (in its order), and whether a module in it has a
+    forward hook or pre-hook or a global one is registered; one walk (it runs for every block
+    of every step)."""
+    found: list[Any] = []
+    hooked = has_forward_hooks(())  # the global ones
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        found += m._parameters.values()
+        hooked = hooked or bool(m._forward_hooks or m._forward_pre_hooks)
+        stack += [c for c in reversed(m._modules.values()) if c is not None]
+    return found, hooked
 
 
 def _trainable(slots: list[Any]) -> list[nn.Parameter]:
