@@ -445,7 +445,7 @@ class _Replay:
                 rare.enter_context(r._state_as(_found_copy))
             self.scalars = r._scalars_found()
             if r.norms:
-                self.frozen = frozen_running_stats(r.norms, tracked=True)
+                self.frozen = frozen_running_stats(r.norms, tracked=True, uncounted=r.known)
                 self.frozen.__enter__()
             self.marked = recomputing(r.walked, r.hooks, walked=True)
             self.marked.__enter__()
