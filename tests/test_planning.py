@@ -495,3 +495,21 @@ def test_inception_v3_plan_keeps_gradients_and_statistics():
     assert max_grad_error(model, reference) <= 1e-6
     for a, b in zip(model.buffers(), reference.buffers()):
         assert torch.equal(a, b)
+
+
+def test_sizes_are_profiled_on_meta_copies_of_the_models_own_tensors():
+    """The planner profiles sizes with the model's own modules (no copy of it) on meta copies of
+    their parameters and buffers: one copy for a tensor two layers share, parameters still
+    parameters, and everything put back, also when the profile fails."""
+    from revnets.planning.profile import on_meta
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    model[2].weight = model[0].weight  # tied
+    before = [(id(t), t.device) for t in (*model.parameters(), *model.buffers())]
+    with on_meta(list(model)):
+        assert model[0].weight is model[2].weight and model[0].weight.is_meta
+        assert isinstance(model[0].weight, nn.Parameter) and model[1].running_mean.is_meta
+        assert profile_chain(list(model), torch.empty(2, 4, device="meta"))
+    with pytest.raises(RuntimeError, match="profile failed"), on_meta(list(model)):
+        raise RuntimeError("profile failed")
+    assert [(id(t), t.device) for t in (*model.parameters(), *model.buffers())] == before

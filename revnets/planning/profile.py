@@ -72,17 +72,19 @@ def profile_chain(
 
 @contextlib.contextmanager
 def on_meta(layers: Sequence[nn.Module]) -> Iterator[None]:
-    """The layers' parameters and buffers replaced by meta tensors of the same shapes, dtypes and
-    ``requires_grad`` while inside (one meta tensor for a tensor the layers share), so that
-    sizes can be profiled on the meta device without copying the modules; put back on exit,
-    also on an exception."""
+    """The layers' parameters and buffers replaced by meta tensors (parameters by parameters) of
+    the same shapes, dtypes and ``requires_grad`` while inside (one meta tensor for a tensor the
+    layers share), so that sizes can be profiled on the meta device without copying the
+    modules; put back on exit, also on an exception."""
     made: dict[int, Tensor] = {}
     swapped: list[tuple[dict, str, Tensor]] = []
 
     def meta(tensor: Tensor) -> Tensor:
         if id(tensor) not in made:
-            made[id(tensor)] = torch.empty_like(tensor, device="meta").requires_grad_(
-                tensor.requires_grad)
+            copy = torch.empty_like(tensor, device="meta")
+            made[id(tensor)] = (nn.Parameter(copy, tensor.requires_grad)
+                                if isinstance(tensor, nn.Parameter)
+                                else copy.requires_grad_(tensor.requires_grad))
         return made[id(tensor)]
 
     try:
