@@ -81,8 +81,7 @@ class Predictor:
     made fake again), and from copies of scalar buffers and optimizer state (step counts),
     which it reads and changes; what else a call leaves on the fake tensors kept (their values,
     which fake tensors do not have; version counters, only ever compared within a run) holds
-    no memory.
-    Everything else (the modules themselves, inputs, tensors a closure reaches, optimizer
+    no memory. Everything else (the modules themselves, inputs, tensors a closure reaches, optimizer
     state, scalars kept as constants) is made anew each time: the mode remembers a fake tensor
     only while something holds it.
     """
@@ -122,8 +121,8 @@ class Predictor:
             for old, new in self._made_once(obj.named_parameters(remove_duplicate=False),
                                             fake.named_parameters(remove_duplicate=False)):
                 # Gradients left from an earlier step are alive until zero_grad, or accumulate.
-                # (a new tensor object each time: the fake mode remembers fakes by object, and
-                # ``module.double()`` changes the gradient under the same one)
+                # Made from a new object each time: the fake mode remembers fakes by object, and
+                # ``module.double()`` changes a gradient under the same one.
                 new.grad = None if old.grad is None else mode.from_tensor(
                     old.grad.detach(), static_shapes=True)
                 new.requires_grad_(old.requires_grad)
@@ -354,11 +353,8 @@ def _batch_norm_outputs(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
     running_var: Tensor | None, training: bool, momentum: float, eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    params = [t for t in (weight, bias, running_mean, running_var) if t is not None]
-    mixed = x.dtype in (torch.bfloat16, torch.float16) and any(
-        t.dtype == torch.float32 for t in params)
     channels = x.shape[1] if training else 0
-    dtype = torch.float32 if mixed else x.dtype
+    dtype = torch.float32 if _mixed(x, (weight, bias, running_mean, running_var)) else x.dtype
     return (_like_input(x), x.new_empty((channels,), dtype=dtype),
             x.new_empty((channels,), dtype=dtype))
 
@@ -396,12 +392,14 @@ def _group_norm_backward(out: Any, args: tuple, kwargs: dict) -> Any:
     return (grad_input.new_empty(grad_input.shape, dtype=x.dtype), *out[1:])
 
 
+def _mixed(x: Tensor, parameters: Sequence[Tensor | None]) -> bool:
+    """A reduced-precision input with float32 parameters (autocast): float32 statistics."""
+    return x.dtype in (torch.bfloat16, torch.float16) and any(
+        t is not None and t.dtype == torch.float32 for t in parameters)
+
+
 def _float32_statistics(out: Any, x: Tensor, parameters: Sequence[Tensor | None]) -> Any:
-    params = [t for t in parameters if t is not None]
-    mixed = x.dtype in (torch.bfloat16, torch.float16) and any(
-        t.dtype == torch.float32 for t in params
-    )
-    if not mixed:
+    if not _mixed(x, parameters):
         return out
     y, mean, invstd, *rest = out  # batch norm with update: its reserve too
     return (y, mean.new_empty(mean.shape, dtype=torch.float32),

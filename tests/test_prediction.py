@@ -339,6 +339,7 @@ def test_a_prediction_leaves_the_optimizers_step_counts_alone(kind):
     predictor = Predictor()
     predicted = [predictor.predict(step, (model, optimizer, x), {}).peak_bytes
                  for _ in range(2)]
+    revnets.auto_checkpoint(model, x, budget=2**30, optimizer=optimizer)  # predicts the step
     assert all(torch.equal(optimizer.state[model.weight][name], value)
                for name, value in counts.items())
     assert predicted == [measure_memory(step, model, optimizer, x).peak_bytes] * 2
@@ -362,14 +363,24 @@ def test_a_predictor_sees_parameters_converted_in_place():
         train_step, model, x.double()).peak_bytes
 
 
-def test_batch_norm_without_momentum_reads_its_batch_count():
+@pytest.mark.parametrize("where", ["plain", "reversible", "checkpointed", "autocast"])
+def test_batch_norm_without_momentum_reads_its_batch_count(where):
     """momentum=None averages by the batches counted, a scalar buffer it reads with float()."""
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None))
+    if where == "reversible":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), make_stack(2, half=4))
+    elif where == "checkpointed":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), revnets.Checkpointed(conv_unit(8)))
+    else:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    for norm in norms:
+        norm.momentum = None
+    step = autocast_step if where == "autocast" else train_step
     x = torch.randn(2, 3, 6, 6)
-    train_step(model, x)
-    predicted = predict_memory(train_step, model, x).peak_bytes
-    assert model[1].num_batches_tracked == 1  # the prediction counted in a copy
-    assert predicted == measure_memory(train_step, model, x).peak_bytes
+    step(model, x)
+    predicted = predict_memory(step, model, x).peak_bytes
+    assert all(norm.num_batches_tracked == 1 for norm in norms)  # the prediction counted copies
+    assert predicted == measure_memory(step, model, x).peak_bytes
 
 
 def test_batch_norm_on_statistics_a_closure_holds_after_frozen_layers():

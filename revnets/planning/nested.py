@@ -236,8 +236,6 @@ def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | N
             need[s, t], steps[s, t] = best
 
     def tree(s: int, t: int) -> list:
-        if s > t:
-            return []
         if s == t:
             return [s]
         k = int(choice[s, t])
