@@ -105,6 +105,9 @@ class _Storage:
 
 
 _DEVICE_QUERY = torch.ops.prim.device.default
+# ``torch.tensor(...)`` makes its tensor outside the dispatcher and hands it to a lift, whose
+# output is the tensor the code holds: the same storage in a real run, a fake one in a prediction.
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -163,7 +166,7 @@ class MemoryTracker(TorchDispatchMode):
         if func is _DEVICE_QUERY:  # asked of fake tensors only: not an operator of the run
             return func(*args, **(kwargs or {}))
         self._clock += 1
-        for t in operator_tensors(args, kwargs):
+        for t in () if func in _LIFTS else operator_tensors(args, kwargs):
             # An unknown storage here was made outside the dispatcher (torch.get_rng_state,
             # from_numpy) or before tracking began; it counts from its first use.
             self._see(t, allocated=self._clock)

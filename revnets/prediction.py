@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from revnets.memory import (
     _DEVICE_QUERY,
+    _LIFTS,
     MemoryReport,
     Watch,
     _device_of,
@@ -198,6 +199,13 @@ class _LikeTheDevice(TorchDispatchMode):
         if func is _DEVICE_QUERY:  # a fake tensor's device, asked at every operator
             return func(*args, **kwargs)
         tensors = operator_tensors(args, kwargs)
+        if func in _LIFTS and _is_cpu_scalar(args[0]) and not isinstance(args[0], FakeTensor):
+            # ``torch.tensor(0.0)`` (Adam's first step count): a scalar made from a number, kept
+            # as one, so that in-place updates (``torch._foreach_add_``) change its value. Fresh:
+            # nobody else holds it.
+            return self.mode.fake_tensor_converter.from_real_tensor(
+                self.mode, args[0], make_constant=True
+            )
         if tensors and not func._schema.is_mutable and not any(
             isinstance(t, FakeTensor) for t in tensors
         ):

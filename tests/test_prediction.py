@@ -2,6 +2,8 @@
 take other paths than the CPU: tensors the step reaches outside its arguments, tied parameters,
 autocast, the CPU's own kernels, graphs torch.fx traced, buffers a forward leaves alone."""
 
+import copy
+
 import pytest
 import timm
 import torch
@@ -261,6 +263,38 @@ def test_a_predictor_reused_predicts_each_call_as_a_fresh_prediction(grads):
     again = [predictor.predict(step, (model, optimizer, x), {}).peak_bytes for _ in range(3)]
     assert again == [fresh] * 3
     assert fresh == measure_memory(step, model, optimizer, x).peak_bytes
+
+
+@pytest.mark.parametrize("implementation", ["for-loop", "foreach", "fused"])
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
+                                  torch.optim.RAdam, torch.optim.NAdam, torch.optim.Adagrad])
+def test_an_optimizers_first_step_is_predicted_as_measured(kind, implementation):
+    """The first step makes the optimizer's state, step counts from ``torch.tensor(0.0)``
+    included; the foreach implementation raises them with ``torch._foreach_add_`` and divides by
+    ``1 - beta ** step`` read back (a count left at zero divided by zero)."""
+    flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
+             "fused": {"fused": True}}[implementation]
+    if kind is torch.optim.SGD:
+        flags["momentum"] = 0.9
+    try:
+        make = lambda model: kind(model.parameters(), **flags)  # noqa: E731
+        make(nn.Linear(1, 1))
+    except (RuntimeError, TypeError, ValueError):
+        pytest.skip(f"{kind.__name__} has no {implementation} implementation on this device")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = make(model)
+    x = torch.randn(4, 8)
+
+    def step(model, optimizer, x):
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    before = copy.deepcopy(optimizer.state_dict())  # Adagrad makes its state when built
+    predicted = predict_memory(step, model, optimizer, x).peak_bytes
+    assert str(optimizer.state_dict()) == str(before)  # the user's optimizer took no step
+    assert predicted == measure_memory(step, model, optimizer, x).peak_bytes
 
 
 def _layouts():
