@@ -85,3 +85,16 @@ def test_frontier_quick_run_measures_every_family(tmp_path):
                    "'compile budget 0.3'"):
         assert family in out
     assert list(tmp_path.glob("frontier-*-quick-gpt.png"))
+
+
+def test_gradient_sensitivity_compares_a_moved_input_with_float64(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "gradient_sensitivity.py", "--models", "revnet38", "--results",
+         str(tmp_path)], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in next(tmp_path.glob("*.md")).read_text().splitlines()
+            if line.startswith("| revnet38")]
+    assert [row.split(" | ")[1] for row in rows] == ["none", "checkpoint"]
+    # A shallow RevNet's float32 gradient is well conditioned: all three agree to round-off.
+    assert all(float(value) < 1e-3 for row in rows for value in row.strip(" |").split(" | ")[2:])
