@@ -185,7 +185,8 @@ class _LikeTheDevice(TorchDispatchMode):
       state (a checkpoint replaying dropout) looks at whether the generator moved. One real draw
       per random operator makes it move as in a real run; :func:`_predict` restores every
       generator after.
-    - Operators on real tensors alone (a generator's state, kept aside) run for real.
+    - Operators on real tensors alone (a generator's state, kept aside) run for real, but never
+      write a real tensor.
     - Scalars made from numbers keep their values.
     """
 
@@ -206,6 +207,9 @@ class _LikeTheDevice(TorchDispatchMode):
             return self.mode.fake_tensor_converter.from_real_tensor(
                 self.mode, args[0], make_constant=True
             )
+        if func._schema.is_mutable:
+            args, kwargs = self._real_ones_not_written(func, args, kwargs)
+            tensors = operator_tensors(args, kwargs)
         if tensors and not func._schema.is_mutable and not any(
             isinstance(t, FakeTensor) for t in tensors
         ):
@@ -240,6 +244,28 @@ class _LikeTheDevice(TorchDispatchMode):
                 self.mode, real, make_constant=True
             )
         return out
+
+    def _real_ones_not_written(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments, a real tensor that the operator writes (a counter a closure holds,
+        ``counter.add_(1)``) replaced by its fake: the fake mode would write the user's tensor
+        itself (it computes on real CPU tensors as constants). The mode remembers the fake, so
+        later reads of the real tensor see the written one."""
+        def fake(value: Any) -> Any:
+            if isinstance(value, Tensor) and not isinstance(value, FakeTensor):
+                return self.mode.from_tensor(value, static_shapes=True)
+            if isinstance(value, (list, tuple)):
+                return type(value)(fake(v) for v in value)
+            return value
+
+        args, kwargs = list(args), dict(kwargs)
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            if i < len(args) and not argument.kwarg_only:
+                args[i] = fake(args[i])
+            elif argument.name in kwargs:
+                kwargs[argument.name] = fake(kwargs[argument.name])
+        return tuple(args), kwargs
 
     def _view(self, func: Any, args: tuple, kwargs: dict, tensors: list[Tensor]) -> Any:
         """A view of this mode's fake tensors, from the view kernel itself on their meta

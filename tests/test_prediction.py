@@ -297,6 +297,25 @@ def test_an_optimizers_first_step_is_predicted_as_measured(kind, implementation)
     assert predicted == measure_memory(step, model, optimizer, x).peak_bytes
 
 
+def test_a_prediction_writes_no_real_tensor_a_closure_holds():
+    """A step that updates tensors it reaches outside its arguments (a counter, a running sum,
+    written in place or through ``out=``) is predicted as measured, and the user's tensors are
+    where they were: the prediction writes fakes of them."""
+    counter, total, average = torch.tensor(0.0), torch.zeros(8), torch.zeros(8)
+
+    def step(model, x):
+        counter.add_(1)
+        total.add_(1)
+        y = model(x)
+        torch.add(average, y.detach().mean(0), out=average)
+        ((y + total) * counter).sum().backward()
+
+    model, x = nn.Linear(8, 8), torch.randn(4, 8)
+    predicted = predict_memory(step, model, x).peak_bytes
+    assert (counter.item(), total.sum().item(), average.abs().sum().item()) == (0, 0, 0)
+    assert predicted == measure_memory(step, model, x).peak_bytes
+
+
 def _layouts():
     for shape in [(2, 6, 5, 5), (2, 6, 3, 4, 4), (4, 6), (4, 6, 7)]:
         yield "contiguous", lambda s=shape: torch.randn(s)
