@@ -202,10 +202,13 @@ class _LikeTheDevice(TorchDispatchMode):
         tensors = operator_tensors(args, kwargs)
         if func in _LIFTS and _is_cpu_scalar(args[0]) and not isinstance(args[0], FakeTensor):
             # ``torch.tensor(0.0)`` (Adam's first step count): a scalar made from a number, kept
-            # as one, so that in-place updates (``torch._foreach_add_``) change its value. Fresh:
-            # nobody else holds it.
+            # as one, so that in-place updates (``torch._foreach_add_``) change its value. In a
+            # copy: the fake mode computes on a constant for real, and ``torch.from_numpy``
+            # lifts memory the user's array owns.
+            with _disable_current_modes():
+                value = args[0].clone()
             return self.mode.fake_tensor_converter.from_real_tensor(
-                self.mode, args[0], make_constant=True
+                self.mode, value, make_constant=True
             )
         if func._schema.is_mutable:
             args, kwargs = self._real_ones_not_written(func, args, kwargs)
