@@ -11,7 +11,7 @@ so the prediction takes the paths a real run takes, with no patching of torch:
 - a real tensor the call reaches without it being an argument (labels a loss function closes
   over) takes part as a fake one, and counts from its first use as measure_memory counts it;
 - scalar tensors made from Python numbers keep their values, so optimizers can read their step
-  counts (``.item()``).
+  counts (``.item()``): NOTE [ Real tensors in a prediction ].
 
 Modules and optimizers among the arguments are copied with one copy memo, so parameters a model
 shares between its layers (tied embeddings) stay one parameter, as they are one storage for the
@@ -25,23 +25,26 @@ import collections
 import contextlib
 import copy
 import random
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeCopyMode,
     FakeTensor,
     FakeTensorMode,
     in_kernel_invocation_manager,
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
 
+from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS
 from revnets.memory import (
     _DEVICE_QUERY,
-    _LIFTS,
     MemoryReport,
     Watch,
     _device_of,
@@ -51,6 +54,10 @@ from revnets.memory import (
 from revnets.replay.watch import operator_tensors
 
 __all__ = ["predict_memory"]
+
+_CHECK_AND_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+_SET_STORAGE = (torch.ops.aten.set_.source_Storage,
+                torch.ops.aten.set_.source_Storage_storage_offset)
 
 
 def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
@@ -103,8 +110,33 @@ class Predictor:
         fake_args = tuple(self._to_fake(a, memo, device) for a in args)
         fake_kwargs = {k: self._to_fake(v, memo, device) for k, v in kwargs.items()}
         mode = self.mode
-        with _random_state_kept(device), mode, _LikeTheDevice(mode, device):
-            return _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch)
+        optimizers = [o for o in _owners_in(*args, **kwargs)
+                      if isinstance(o, torch.optim.Optimizer)]
+        hyperparameters = [_hyperparameters(o) for o in optimizers]
+        try:
+            with _random_state_kept(device), mode, _LikeTheDevice(mode, device):
+                report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch)
+        except (DataDependentOutputException, DynamicOutputShapeException) as error:
+            raise ValueError(
+                f"predict_memory: the call reads the value of a tensor computed from its "
+                f"inputs ({error.func}: .item(), float(), bool() or a shape that depends on "
+                f"values), which a prediction does not compute; keep such reads out of the "
+                f"predicted call, or measure it with measure_memory"
+            ) from error
+        for optimizer, before in zip(optimizers, hyperparameters):
+            if _hyperparameters(optimizer) != before:
+                changed = sorted({k for old, new in zip(before, _hyperparameters(optimizer))
+                                  for k in old if new.get(k) is not old[k]})
+                for group, old in zip(optimizer.param_groups, before):
+                    group.update(old)
+                raise ValueError(
+                    f"predict_memory: the call changed the {', '.join(changed)} of the "
+                    f"{type(optimizer).__name__} it was given, through something it reaches "
+                    f"outside its arguments (a learning-rate scheduler a closure holds, which "
+                    f"has now taken a step). The optimizer is restored; pass the scheduler as an "
+                    f"argument, after the optimizer, and the prediction steps a copy of it"
+                )
+        return report
 
     def _to_fake(self, obj: Any, memo: dict[int, Any], device: torch.device) -> Any:
         if id(obj) in memo:
@@ -129,6 +161,19 @@ class Predictor:
                 new.requires_grad_(old.requires_grad)
         elif isinstance(obj, torch.optim.Optimizer):
             fake = _optimizer_to_fake(obj, mode, memo)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            if id(obj.optimizer) not in memo:
+                raise ValueError(
+                    "predict_memory: pass the optimizer a learning-rate scheduler steps before "
+                    "the scheduler in the argument list"
+                )
+            fake = copy.deepcopy(obj, memo)  # over the optimizer's copy, found in the memo
+        elif isinstance(obj, torch.amp.GradScaler):
+            # Its scale is made on first use, and changed by every step: a copy, with its own.
+            fake = copy.copy(obj)
+            fake._scale, fake._growth_tracker = (self._to_fake(t, memo, device)
+                                                 for t in (obj._scale, obj._growth_tracker))
+            fake._per_optimizer_states = copy.deepcopy(obj._per_optimizer_states)
         elif isinstance(obj, Tensor):
             if obj.requires_grad and obj.grad_fn is not None:
                 # Its history is the caller's: a backward through it reaches tensors the call
@@ -178,6 +223,27 @@ def _random_state_kept(device: torch.device) -> Iterator[None]:
         random.setstate(python)
 
 
+# NOTE [ Real tensors in a prediction ]
+# A prediction meets real tensors besides the fakes made of its arguments: tensors a closure holds
+# (labels, a counter, a scheduler's or GradScaler's state) and scalars the call makes from numbers
+# (``torch.tensor(0.0)``, ``torch.full((), 2.0)``: Adam's step counts, a GradScaler's scale).
+# 1. Made from numbers, a scalar stays a real tensor, with its value (``.item()``, ``.numpy()``,
+#    ``torch.save`` and ``copy.deepcopy`` work on it); operators on real tensors alone that write
+#    nothing run for real: their outputs are small, made in a real run too, and counted as there.
+# 2. A real tensor is never written. The first operator that writes one gets a fake of it instead
+#    (for a CPU scalar, a constant copy, so that its value still rises: Adam's
+#    ``torch._foreach_add_(steps, 1)``), and that fake stands for it in every operator after. The
+#    write's output, and a view of a written tensor, are real tensors over the user's memory, as
+#    in a real run, so that the tracker counts that memory once; a view stands for the same view
+#    of the fake. Fakes are held weakly: a real tensor lives as long as in a real run.
+# 3. A real scalar read along with fakes joins as a constant, so that operators on constants
+#    alone compute their values (the fake mode computes on constants for real).
+# 4. What the call reads of a written tensor is the fake's value; read from the real tensor
+#    directly (``.numpy()``), it is the value from before the call.
+# 5. GradScaler's check for infinite gradients has no values to check; it is taken to find none
+#    (its ``found_inf`` is left as it was, 0), so that the scaler steps the optimizer.
+
+
 class _LikeTheDevice(TorchDispatchMode):
     """Where fake tensors would behave unlike real ones, in ways the code can see.
 
@@ -187,88 +253,127 @@ class _LikeTheDevice(TorchDispatchMode):
       generator after.
     - Operators on real tensors alone (a generator's state, kept aside) run for real, but never
       write a real tensor.
-    - Scalars made from numbers keep their values.
+    - Real tensors are never written, and scalars keep their values: NOTE [ Real tensors in
+      a prediction ].
     """
 
     def __init__(self, mode: FakeTensorMode, device: torch.device) -> None:
         super().__init__()
         self.mode = mode
         self.device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
+        # A real tensor the call wrote, and the fake that took the write and every later read;
+        # a real scalar read along with fake tensors, and its constant. Held weakly: a real
+        # tensor's memory lives as long as in a real run.
+        self.written: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.constants: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _DEVICE_QUERY:  # a fake tensor's device, asked at every operator
             return func(*args, **kwargs)
         tensors = operator_tensors(args, kwargs)
-        if func in _LIFTS and _is_cpu_scalar(args[0]) and not isinstance(args[0], FakeTensor):
-            # ``torch.tensor(0.0)`` (Adam's first step count): a scalar made from a number, kept
-            # as one, so that in-place updates (``torch._foreach_add_``) change its value. In a
-            # copy: the fake mode computes on a constant for real, and ``torch.from_numpy``
-            # lifts memory the user's array owns.
-            with _disable_current_modes():
-                value = args[0].clone()
-            return self.mode.fake_tensor_converter.from_real_tensor(
-                self.mode, value, make_constant=True
+        if (func in _SET_STORAGE and isinstance(args[0], FakeTensor)
+                and args[1].device.type != "meta"):
+            raise ValueError(
+                "predict_memory: the call puts a real tensor's memory under a new tensor "
+                "(aten.set_, as copy.deepcopy or a storage copy of a tensor does), which a "
+                "prediction cannot follow without writing it; copy tensors with .clone() in the "
+                "predicted call"
             )
-        if func._schema.is_mutable:
-            args, kwargs = self._real_ones_not_written(func, args, kwargs)
+        written = self._real_ones_written(func, args, kwargs) if func._schema.is_mutable else []
+        if written or (self.written and any(t in self.written for t in tensors)):
+            real_args, real_kwargs = args, kwargs
+            args, kwargs = _replaced(args, self.written), _replaced(kwargs, self.written)
+            if written:
+                out = self._as_real(self.__torch_dispatch__(func, types, args, kwargs), written)
+                if func is _CHECK_AND_UNSCALE and real_args[1] in self.written:
+                    del self.written[real_args[1]]  # NOTE [ Real tensors in a prediction ], 5
+                return out
+            if func.is_view and not any(isinstance(t, FakeTensor) for t in tensors):
+                # A view of a written tensor is a view of the user's, as in a real run (its
+                # memory counted once), that stands for the same view of the fake.
+                out = self.__torch_dispatch__(func, types, args, kwargs)
+                with _disable_current_modes():
+                    real = func(*real_args, **real_kwargs)
+                for r, f in zip(operator_tensors(real), operator_tensors(out)):
+                    self.written[r] = f
+                return real
             tensors = operator_tensors(args, kwargs)
-        if tensors and not func._schema.is_mutable and not any(
-            isinstance(t, FakeTensor) for t in tensors
-        ):
+        fakes = [isinstance(t, FakeTensor) for t in tensors]
+        if tensors and not func._schema.is_mutable and not any(fakes):
             # Only real tensors in, nothing written: what the real run computes, computed (a
-            # generator's state kept aside by a checkpoint must stay a real one to restore).
+            # generator's state kept aside by a checkpoint must stay a real one to restore; a
+            # scalar ``torch.tensor(2.0)`` makes stays a real one to save or turn to numpy).
             with _disable_current_modes():
                 return func(*args, **kwargs)
+        if not all(fakes) and any(_is_cpu_scalar(t) for t in tensors):
+            # A real scalar (``torch.tensor(1.0)`` added to Adam's step counts) joins as a
+            # constant, so that operators on constants alone still compute their values.
+            for t in tensors:
+                if _is_cpu_scalar(t) and not isinstance(t, FakeTensor):
+                    self._fake_of(t, self.constants)
+            args, kwargs = _replaced(args, self.constants), _replaced(kwargs, self.constants)
+            tensors = operator_tensors(args, kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags:
             generator = kwargs.get("generator")
             with _disable_current_modes():
                 device = generator.device if generator is not None else self.device
                 torch.empty(1, device=device).uniform_(generator=generator)
             return func(*args, **kwargs)
-        if self.device.type == "cpu" and func in _CPU_OUTPUTS and self._ours(
+        if self.device.type == "cpu" and func in CPU_OUTPUTS and self._ours(
             [t for t in tensors if isinstance(t, FakeTensor)]
         ):  # real tensors among them (statistics a closure holds) are read for their sizes
-            return _CPU_OUTPUTS[func](*args, **kwargs)
+            return CPU_OUTPUTS[func](*args, **kwargs)
         if func.is_view and not func._schema.is_mutable:
             out = self._view(func, args, kwargs, tensors)
         elif func._schema.is_mutable:
             out = self._uncached(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
-        if self.device.type == "cpu" and func in _CPU_KERNELS:
-            return _CPU_KERNELS[func](out, args, kwargs)
+        if self.device.type == "cpu" and func in CPU_KERNELS:
+            return CPU_KERNELS[func](out, args, kwargs)
         if not tensors and isinstance(out, FakeTensor) and out.dim() == 0 and out.is_cpu:
-            # A scalar made from numbers (ASGD's ``mu = torch.ones(())``) keeps its value, to be
-            # read back with ``.item()`` as from a real one.
+            # A scalar made from numbers (ASGD's ``mu = torch.ones(())``, a GradScaler's
+            # scale) is a real one: NOTE [ Real tensors in a prediction ].
             with _disable_current_modes():
-                real = func(*args, **kwargs)
-            return self.mode.fake_tensor_converter.from_real_tensor(
-                self.mode, real, make_constant=True
-            )
+                return func(*args, **kwargs)
         return out
 
-    def _real_ones_not_written(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The arguments, a real tensor that the operator writes (a counter a closure holds,
-        ``counter.add_(1)``) replaced by its fake: the fake mode would write the user's tensor
-        itself (it computes on real CPU tensors as constants). The mode remembers the fake, so
-        later reads of the real tensor see the written one."""
-        def fake(value: Any) -> Any:
-            if isinstance(value, Tensor) and not isinstance(value, FakeTensor):
-                return self.mode.from_tensor(value, static_shapes=True)
-            if isinstance(value, (list, tuple)):
-                return type(value)(fake(v) for v in value)
-            return value
-
-        args, kwargs = list(args), dict(kwargs)
+    def _real_ones_written(self, func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
+        """The real tensors the operator writes (a counter a closure holds,
+        ``counter.add_(1)``), each given a fake in ``self.written`` that takes the write in its
+        place: the fake mode would write the user's tensor itself (it computes on real CPU
+        tensors as constants)."""
+        found: list[Tensor] = []
         for i, argument in enumerate(func._schema.arguments):
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
-            if i < len(args) and not argument.kwarg_only:
-                args[i] = fake(args[i])
-            elif argument.name in kwargs:
-                kwargs[argument.name] = fake(kwargs[argument.name])
-        return tuple(args), kwargs
+            value = (args[i] if i < len(args) and not argument.kwarg_only
+                     else kwargs.get(argument.name))
+            # Written tensors or lists of them, where schemas nest; no recursive closure (a
+            # reference cycle would keep the tensors alive past their time).
+            for t in operator_tensors((value,)):
+                if not isinstance(t, FakeTensor):
+                    self._fake_of(t, self.written)
+                    found.append(t)
+        return found
+
+    def _fake_of(self, real: Tensor, fakes: WeakIdKeyDictionary) -> None:
+        """Make the fake that stands for ``real`` in ``fakes``, once. Scalars keep their values
+        (Adam's step counts, which ``torch._foreach_add_`` raises and ``.item()`` reads), in a
+        copy."""
+        if real not in fakes:
+            with _disable_current_modes():
+                fakes[real] = (_scalar_to_fake(real, self.mode) if _is_cpu_scalar(real)
+                               else self.mode.from_tensor(real, static_shapes=True))
+
+    def _as_real(self, value: Any, written: list[Tensor]) -> Any:
+        """An operator's output, the fakes of the user's tensors it wrote given back as theirs."""
+        if isinstance(value, FakeTensor):
+            return next((real for real in written if self.written[real] is value), value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._as_real(v, written) for v in value)
+        return value
 
     def _view(self, func: Any, args: tuple, kwargs: dict, tensors: list[Tensor]) -> Any:
         """A view of this mode's fake tensors, from the view kernel itself on their meta
@@ -301,6 +406,18 @@ class _LikeTheDevice(TorchDispatchMode):
             self.mode.cache_enabled = cached
 
 
+def _replaced(value: Any, fakes: WeakIdKeyDictionary) -> Any:
+    """``value`` (an operator's arguments) with each real tensor in ``fakes`` replaced by its
+    fake."""
+    if isinstance(value, Tensor):
+        return fakes.get(value, value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replaced(v, fakes) for v in value)
+    if isinstance(value, dict):
+        return {k: _replaced(v, fakes) for k, v in value.items()}
+    return value
+
+
 def _tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:
     if tensor.is_meta and device.type != "meta":
         # A meta input stands for one on the model's device (a batch too large to allocate).
@@ -321,6 +438,10 @@ def _scalar_to_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
     copy: the fake mode computes on a constant for real, in place too (``step += 1``), and the
     original is the user's."""
     return mode.fake_tensor_converter.from_real_tensor(mode, tensor.clone(), make_constant=True)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def _optimizer_to_fake(
@@ -350,150 +471,17 @@ def _optimizer_to_fake(
             k: _tensor_to_fake(v, mode, v.device) if isinstance(v, Tensor) else v
             for k, v in state.items()
         }
+    if hasattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched"):
+        # A scheduler wrapped the real one's step to see it called (and warn otherwise); the
+        # copy's own, seen the same way.
+        fake.step = _step_seen_by_schedulers(weakref.ref(fake))
     return fake
 
 
-# NOTE [ CPU kernels that allocate unlike their meta kernels ]
-# Fake tensors run the meta kernels, which give the shapes and dtypes of every output. Where the
-# CPU kernel's outputs differ, the outputs are corrected here, exactly:
-# - batch norm (native_batch_norm, and the operators compiled and exported graphs call), group
-#   norm and layer norm on a reduced-precision input with float32 parameters (autocast) keep
-#   their saved mean and inverse standard deviation in float32 (the meta kernels: the input's
-#   dtype); native_group_norm_backward returns the input's gradient in the input's dtype (the
-#   meta kernel: float32 when the parameters are);
-# - mkldnn_rnn_layer (each layer and direction of nn.LSTM) returns a oneDNN workspace whose size
-#   oneDNN computes from the shapes, the instruction set and its version (the meta kernel: empty).
-#   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
-#   and the size is remembered for those shapes. Its backward returns the gradients of the two
-#   biases in two tensors (the meta kernel: one).
-# Batch norm's meta kernels are Python decompositions, which the fake mode runs op by op for
-# every new shape (tens of milliseconds per layer of a DenseNet): its outputs are made directly,
-# as the CPU kernels allocate them (the output and the input's gradient in the input's suggested
-# memory format; the saved statistics per channel in training, empty in evaluation, in float32
-# when mixed as above; the parameters' gradients in the weight's dtype; no input gradient where
-# the input needs none), real statistics a closure holds included.
+def _step_seen_by_schedulers(optimizer: weakref.ref) -> Callable[..., Any]:
+    def step(*args: Any, **kwargs: Any) -> Any:
+        optimizer()._opt_called = True
+        return type(optimizer()).step(optimizer(), *args, **kwargs)
 
-
-def _batch_norm(out: Any, args: tuple, kwargs: dict) -> Any:
-    return _float32_statistics(out, args[0], args[1:5])
-
-
-def _batch_norm_without_statistics(out: Any, args: tuple, kwargs: dict) -> Any:
-    return _float32_statistics(out, args[0], args[1:3])
-
-
-def _layer_norm(out: Any, args: tuple, kwargs: dict) -> Any:
-    return _float32_statistics(out, args[0], args[2:4])
-
-
-def _batch_norm_outputs(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
-    running_var: Tensor | None, training: bool, momentum: float, eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    channels = x.shape[1] if training else 0
-    dtype = torch.float32 if _mixed(x, (weight, bias, running_mean, running_var)) else x.dtype
-    return (_like_input(x), x.new_empty((channels,), dtype=dtype),
-            x.new_empty((channels,), dtype=dtype))
-
-
-def _batch_norm_backward_outputs(
-    grad_out: Tensor, x: Tensor, weight: Tensor | None, *statistics: Any
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    mask = statistics[-1]
-    per_channel = ((x.shape[1],), weight.dtype if weight is not None else x.dtype)
-    return (_like_input(x) if mask[0] else None,
-            x.new_empty(per_channel[0], dtype=per_channel[1]) if mask[1] else None,
-            x.new_empty(per_channel[0], dtype=per_channel[1]) if mask[2] else None)
-
-
-def _batch_norm_backward_with_reserve_outputs(
-    grad_out: Tensor, x: Tensor, weight: Tensor | None, running_mean: Tensor | None,
-    running_var: Tensor | None, save_mean: Tensor | None, save_var: Tensor | None,
-    update: bool, eps: float, output_mask: list[bool], reserve: Tensor,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    return _batch_norm_backward_outputs(grad_out, x, weight, output_mask)
-
-
-def _like_input(x: Tensor) -> Tensor:
-    return torch.empty_like(x, memory_format=suggest_memory_format(x))
-
-
-def _group_norm(out: Any, args: tuple, kwargs: dict) -> Any:
-    return _float32_statistics(out, args[0], args[1:3])
-
-
-def _group_norm_backward(out: Any, args: tuple, kwargs: dict) -> Any:
-    grad_input, x = out[0], args[1]
-    if grad_input is None or grad_input.dtype == x.dtype:
-        return out
-    return (grad_input.new_empty(grad_input.shape, dtype=x.dtype), *out[1:])
-
-
-def _mixed(x: Tensor, parameters: Sequence[Tensor | None]) -> bool:
-    """A reduced-precision input with float32 parameters (autocast): float32 statistics."""
-    return x.dtype in (torch.bfloat16, torch.float16) and any(
-        t is not None and t.dtype == torch.float32 for t in parameters)
-
-
-def _float32_statistics(out: Any, x: Tensor, parameters: Sequence[Tensor | None]) -> Any:
-    if not _mixed(x, parameters):
-        return out
-    y, mean, invstd, *rest = out  # batch norm with update: its reserve too
-    return (y, mean.new_empty(mean.shape, dtype=torch.float32),
-            invstd.new_empty(invstd.shape, dtype=torch.float32), *rest)
-
-
-_RNN_WORKSPACE: dict[tuple, int] = {}
-
-
-def _rnn_layer(out: Any, args: tuple, kwargs: dict) -> Any:
-    def key(value: Any) -> Any:
-        if isinstance(value, Tensor):
-            return (tuple(value.shape), value.dtype)
-        if isinstance(value, (list, tuple)):
-            return tuple(key(v) for v in value)
-        return value
-
-    signature = key((args, sorted(kwargs.items())))
-    if signature not in _RNN_WORKSPACE:
-        def real(value: Any) -> Any:
-            if isinstance(value, Tensor):
-                return torch.zeros(value.shape, dtype=value.dtype)
-            if isinstance(value, (list, tuple)):
-                return type(value)(real(v) for v in value)
-            return value
-
-        with _disable_current_modes():
-            workspace = torch.ops.aten.mkldnn_rnn_layer.default(
-                *real(args), **real(kwargs)
-            )[3]
-        _RNN_WORKSPACE[signature] = workspace.numel()
-    y, hy, cy, workspace = out
-    return y, hy, cy, workspace.new_empty(_RNN_WORKSPACE[signature])
-
-
-def _rnn_layer_backward(out: Any, args: tuple, kwargs: dict) -> Any:
-    # The meta kernel returns one tensor as the gradient of both biases; the CPU kernel returns
-    # two, which the two parameters keep as their gradients.
-    return (*out[:4], out[4].new_empty(out[4].shape), *out[5:])
-
-
-_CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
-    torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_backward,
-    torch.ops.aten.native_batch_norm.default: _batch_norm,
-    torch.ops.aten._native_batch_norm_legit.default: _batch_norm,
-    torch.ops.aten._native_batch_norm_legit.no_stats: _batch_norm_without_statistics,
-    torch.ops.aten._native_batch_norm_legit_no_training.default: _batch_norm,
-    torch.ops.aten._batch_norm_with_update.default: _batch_norm,
-    torch.ops.aten._batch_norm_no_update.default: _batch_norm,
-    torch.ops.aten.native_layer_norm.default: _layer_norm,
-    torch.ops.aten.native_group_norm.default: _group_norm,
-    torch.ops.aten.native_group_norm_backward.default: _group_norm_backward,
-    torch.ops.aten.mkldnn_rnn_layer.default: _rnn_layer,
-}
-
-_CPU_OUTPUTS: dict[Any, Callable[..., Any]] = {
-    torch.ops.aten.native_batch_norm.default: _batch_norm_outputs,
-    torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward_outputs,
-    torch.ops.aten.batch_norm_backward.default: _batch_norm_backward_with_reserve_outputs,
-}
+    step._wrapped_by_lr_sched = True
+    return step

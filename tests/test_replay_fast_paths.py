@@ -4,6 +4,7 @@ forward share their Python and numpy generator states and the torch namespaces f
 them (RecordingChain). Each case trains exactly like
 the same modules under ordinary autograd (float64, 1e-10), or is shown to take the watched path."""
 
+import io
 import random
 
 import numpy as np
@@ -98,6 +99,19 @@ WATCHED = {
 
 def test_a_transform_of_torch_nn_layers_is_recorded_without_the_watch():
     assert known_run([known_unit()], CPU, keep_random=True) is not None
+
+
+def test_a_tensor_saved_with_torch_save_leaves_the_layers_known(monkeypatch):
+    """Pickling adds a data attribute to the tensor class (``__slotnames__``, once per process),
+    which runs no code: no patch, so a training loop that saves checkpoints keeps the fast
+    path (before: it was off from the first save on). A method added is still a patch."""
+    monkeypatch.delattr(torch.Tensor, "__slotnames__", raising=False)
+    assert known_run([known_unit()], CPU, keep_random=True) is not None
+    torch.save(torch.zeros(2), io.BytesIO())
+    assert "__slotnames__" in vars(torch.Tensor)
+    assert known_run([known_unit()], CPU, keep_random=True) is not None
+    monkeypatch.setattr(torch.Tensor, "relu_twice", lambda self: self.relu(), raising=False)
+    assert known_run([known_unit()], CPU, keep_random=True) is None
 
 
 @pytest.mark.parametrize("make", WATCHED.values(), ids=WATCHED.keys())

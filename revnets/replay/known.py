@@ -109,7 +109,9 @@ class _AsMade:
 
 
 def _is_code(value: Any) -> bool:
-    return value is _MISSING or callable(value) or hasattr(type(value), "__get__")
+    # An entry added or removed is code when the entry there is (the other side is _MISSING):
+    # a data attribute copyreg adds on first pickling (Tensor.__slotnames__) is none.
+    return value is not _MISSING and (callable(value) or hasattr(type(value), "__get__"))
 
 
 def _names_run_by(functions: Iterable[Any]) -> frozenset[str]:

@@ -168,7 +168,10 @@ class Watch(TorchDispatchMode):
                         self.params_written += slots
                     self.written[key] = slots[0].tensor.detach().clone()
                 elif key not in self.created and key not in self.exempt:
-                    flat = t.new_empty(0).set_(t.untyped_storage())
+                    # A view, where ``set_`` would put a real storage under a fake tensor
+                    # in a prediction (which then writes the fake of it, never the user's).
+                    flat = t.detach().as_strided(
+                        (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
                     self.external[key] = (flat, flat.clone())
 
 

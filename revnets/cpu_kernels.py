@@ -1,0 +1,164 @@
+"""Outputs of the CPU's kernels where their meta kernels allocate otherwise.
+
+A prediction (:mod:`revnets.prediction`) runs each operator's meta kernel on fake tensors; for
+the operators below, the CPU kernel's outputs differ in dtype, size or number, or the meta
+kernel is a slow decomposition. Each maps an operator to its outputs as the CPU allocates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._prims_common import suggest_memory_format
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["CPU_KERNELS", "CPU_OUTPUTS"]
+
+
+# NOTE [ CPU kernels that allocate unlike their meta kernels ]
+# Fake tensors run the meta kernels, which give the shapes and dtypes of every output. Where the
+# CPU kernel's outputs differ, the outputs are corrected here, exactly:
+# - batch norm (native_batch_norm, and the operators compiled and exported graphs call), group
+#   norm and layer norm on a reduced-precision input with float32 parameters (autocast) keep
+#   their saved mean and inverse standard deviation in float32 (the meta kernels: the input's
+#   dtype); native_group_norm_backward returns the input's gradient in the input's dtype (the
+#   meta kernel: float32 when the parameters are);
+# - mkldnn_rnn_layer (each layer and direction of nn.LSTM) returns a oneDNN workspace whose size
+#   oneDNN computes from the shapes, the instruction set and its version (the meta kernel: empty).
+#   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
+#   and the size is remembered for those shapes. Its backward returns the gradients of the two
+#   biases in two tensors (the meta kernel: one).
+# Batch norm's meta kernels are Python decompositions, which the fake mode runs op by op for
+# every new shape (tens of milliseconds per layer of a DenseNet): its outputs are made directly,
+# as the CPU kernels allocate them (the output and the input's gradient in the input's suggested
+# memory format; the saved statistics per channel in training, empty in evaluation, in float32
+# when mixed as above; the parameters' gradients in the weight's dtype; no input gradient where
+# the input needs none), real statistics a closure holds included.
+
+
+def _batch_norm(out: Any, args: tuple, kwargs: dict) -> Any:
+    return _float32_statistics(out, args[0], args[1:5])
+
+
+def _batch_norm_without_statistics(out: Any, args: tuple, kwargs: dict) -> Any:
+    return _float32_statistics(out, args[0], args[1:3])
+
+
+def _layer_norm(out: Any, args: tuple, kwargs: dict) -> Any:
+    return _float32_statistics(out, args[0], args[2:4])
+
+
+def _batch_norm_outputs(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+    running_var: Tensor | None, training: bool, momentum: float, eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    channels = x.shape[1] if training else 0
+    dtype = torch.float32 if _mixed(x, (weight, bias, running_mean, running_var)) else x.dtype
+    return (_like_input(x), x.new_empty((channels,), dtype=dtype),
+            x.new_empty((channels,), dtype=dtype))
+
+
+def _batch_norm_backward_outputs(
+    grad_out: Tensor, x: Tensor, weight: Tensor | None, *statistics: Any
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    mask = statistics[-1]
+    per_channel = ((x.shape[1],), weight.dtype if weight is not None else x.dtype)
+    return (_like_input(x) if mask[0] else None,
+            x.new_empty(per_channel[0], dtype=per_channel[1]) if mask[1] else None,
+            x.new_empty(per_channel[0], dtype=per_channel[1]) if mask[2] else None)
+
+
+def _batch_norm_backward_with_reserve_outputs(
+    grad_out: Tensor, x: Tensor, weight: Tensor | None, running_mean: Tensor | None,
+    running_var: Tensor | None, save_mean: Tensor | None, save_var: Tensor | None,
+    update: bool, eps: float, output_mask: list[bool], reserve: Tensor,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    return _batch_norm_backward_outputs(grad_out, x, weight, output_mask)
+
+
+def _like_input(x: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=suggest_memory_format(x))
+
+
+def _group_norm(out: Any, args: tuple, kwargs: dict) -> Any:
+    return _float32_statistics(out, args[0], args[1:3])
+
+
+def _group_norm_backward(out: Any, args: tuple, kwargs: dict) -> Any:
+    grad_input, x = out[0], args[1]
+    if grad_input is None or grad_input.dtype == x.dtype:
+        return out
+    return (grad_input.new_empty(grad_input.shape, dtype=x.dtype), *out[1:])
+
+
+def _mixed(x: Tensor, parameters: Sequence[Tensor | None]) -> bool:
+    """A reduced-precision input with float32 parameters (autocast): float32 statistics."""
+    return x.dtype in (torch.bfloat16, torch.float16) and any(
+        t is not None and t.dtype == torch.float32 for t in parameters)
+
+
+def _float32_statistics(out: Any, x: Tensor, parameters: Sequence[Tensor | None]) -> Any:
+    if not _mixed(x, parameters):
+        return out
+    y, mean, invstd, *rest = out  # batch norm with update: its reserve too
+    return (y, mean.new_empty(mean.shape, dtype=torch.float32),
+            invstd.new_empty(invstd.shape, dtype=torch.float32), *rest)
+
+
+_RNN_WORKSPACE: dict[tuple, int] = {}
+
+
+def _rnn_layer(out: Any, args: tuple, kwargs: dict) -> Any:
+    def key(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return (tuple(value.shape), value.dtype)
+        if isinstance(value, (list, tuple)):
+            return tuple(key(v) for v in value)
+        return value
+
+    signature = key((args, sorted(kwargs.items())))
+    if signature not in _RNN_WORKSPACE:
+        def real(value: Any) -> Any:
+            if isinstance(value, Tensor):
+                return torch.zeros(value.shape, dtype=value.dtype)
+            if isinstance(value, (list, tuple)):
+                return type(value)(real(v) for v in value)
+            return value
+
+        with _disable_current_modes():
+            workspace = torch.ops.aten.mkldnn_rnn_layer.default(
+                *real(args), **real(kwargs)
+            )[3]
+        _RNN_WORKSPACE[signature] = workspace.numel()
+    y, hy, cy, workspace = out
+    return y, hy, cy, workspace.new_empty(_RNN_WORKSPACE[signature])
+
+
+def _rnn_layer_backward(out: Any, args: tuple, kwargs: dict) -> Any:
+    # The meta kernel returns one tensor as the gradient of both biases; the CPU kernel returns
+    # two, which the two parameters keep as their gradients.
+    return (*out[:4], out[4].new_empty(out[4].shape), *out[5:])
+
+
+CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
+    torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_backward,
+    torch.ops.aten.native_batch_norm.default: _batch_norm,
+    torch.ops.aten._native_batch_norm_legit.default: _batch_norm,
+    torch.ops.aten._native_batch_norm_legit.no_stats: _batch_norm_without_statistics,
+    torch.ops.aten._native_batch_norm_legit_no_training.default: _batch_norm,
+    torch.ops.aten._batch_norm_with_update.default: _batch_norm,
+    torch.ops.aten._batch_norm_no_update.default: _batch_norm,
+    torch.ops.aten.native_layer_norm.default: _layer_norm,
+    torch.ops.aten.native_group_norm.default: _group_norm,
+    torch.ops.aten.native_group_norm_backward.default: _group_norm_backward,
+    torch.ops.aten.mkldnn_rnn_layer.default: _rnn_layer,
+}
+
+CPU_OUTPUTS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.native_batch_norm.default: _batch_norm_outputs,
+    torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward_outputs,
+    torch.ops.aten.batch_norm_backward.default: _batch_norm_backward_with_reserve_outputs,
+}
