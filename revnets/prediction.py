@@ -464,6 +464,9 @@ def _optimizer_to_fake(
             params.append(memo[id(p)])
         groups.append({**group, "params": params})
     fake = copy.copy(optimizer)
+    for name, value in vars(optimizer).items():  # what __getstate__ leaves out (LBFGS's _params)
+        if name not in vars(fake) and name != "step":
+            setattr(fake, name, copy.deepcopy(value, memo))  # parameters: their fakes
     fake.param_groups = groups
     fake.state = collections.defaultdict(dict)
     for p, state in optimizer.state.items():

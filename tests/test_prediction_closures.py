@@ -195,15 +195,25 @@ def test_a_scheduler_before_its_optimizer_is_refused():
         predict_memory(lambda m, s, o, x: stepped(m, o, s, x), model, scheduler, optimizer, x)
 
 
-@pytest.mark.parametrize("read", ["item", "nonzero"])
+@pytest.mark.parametrize("read", ["item", "nonzero", "LBFGS", "Adafactor"])
 def test_reading_a_computed_value_is_refused_with_what_to_do(read):
-    def step(model, x):
-        y = model(x)
-        if read == "item" and y.sum() > 0:
-            y = y * 2
-        if read == "nonzero":
-            y = y[y > 0]
-        y.sum().backward()
+    """Also optimizers whose steps read values: LBFGS's line search, Adafactor's norms (before:
+    LBFGS raised an AttributeError on its copy)."""
+    model, x = nn.Linear(8, 8), torch.randn(4, 8)
+    optimizer = getattr(torch.optim, read, torch.optim.SGD)(model.parameters(), lr=0.1)
+
+    def step(model, optimizer, x):
+        def loss():
+            optimizer.zero_grad()
+            y = model(x)
+            if read == "item" and y.sum() > 0:
+                y = y * 2
+            if read == "nonzero":
+                y = y[y > 0]
+            y.sum().backward()
+            return y.sum()
+
+        optimizer.step(loss) if read == "LBFGS" else (loss(), optimizer.step())
 
     with pytest.raises(ValueError, match="reads the value of a tensor computed from its inputs"):
-        predict_memory(step, nn.Linear(8, 8), torch.randn(4, 8))
+        predict_memory(step, model, optimizer, x)
