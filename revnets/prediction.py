@@ -227,9 +227,10 @@ def _random_state_kept(device: torch.device) -> Iterator[None]:
 # A prediction meets real tensors besides the fakes made of its arguments: tensors a closure holds
 # (labels, a counter, a scheduler's or GradScaler's state) and scalars the call makes from numbers
 # (``torch.tensor(0.0)``, ``torch.full((), 2.0)``: Adam's step counts, a GradScaler's scale).
-# 1. Made from numbers, a scalar stays a real tensor, with its value (``.item()``, ``.numpy()``,
-#    ``torch.save`` and ``copy.deepcopy`` work on it); operators on real tensors alone that write
-#    nothing run for real: their outputs are small, made in a real run too, and counted as there.
+# 1. Made from numbers, a scalar stays a real tensor, with its value (``.item()``, ``.numpy()``
+#    and ``torch.save`` work on it); operators on real tensors alone that write nothing run for
+#    real: their outputs are small, made in a real run too, and counted as there. (A deep copy of
+#    a real tensor puts new memory under a fake one, ``set_``: refused by name.)
 # 2. A real tensor is never written. The first operator that writes one gets a fake of it instead
 #    (for a CPU scalar, a constant copy, so that its value still rises: Adam's
 #    ``torch._foreach_add_(steps, 1)``), and that fake stands for it in every operator after. The
