@@ -331,6 +331,13 @@ class _LikeTheDevice(TorchDispatchMode):
             out = self._uncached(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
+            if isinstance(out, Tensor) and out.layout is not torch.strided:
+                raise ValueError(
+                    f"predict_memory: the call makes a {out.layout} tensor ({func}: a sparse "
+                    f"gradient, nn.Embedding(sparse=True), say), whose number of entries depends "
+                    f"on values, which a prediction does not compute; measure the step with "
+                    f"measure_memory, or use dense gradients"
+                )
         if self.device.type == "cpu" and func in CPU_KERNELS:
             return CPU_KERNELS[func](out, args, kwargs)
         if not tensors and isinstance(out, FakeTensor) and out.dim() == 0 and out.is_cpu:

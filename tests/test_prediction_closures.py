@@ -217,3 +217,17 @@ def test_reading_a_computed_value_is_refused_with_what_to_do(read):
 
     with pytest.raises(ValueError, match="reads the value of a tensor computed from its inputs"):
         predict_memory(step, model, optimizer, x)
+
+
+def test_a_sparse_gradient_is_refused_by_name():
+    """A sparse gradient's entries depend on the indices' values (before: predicted with no
+    entries, 19264 bytes against 22400 measured with SparseAdam)."""
+    model, x = nn.Embedding(100, 16, sparse=True), torch.randint(0, 100, (8,))
+    optimizer = torch.optim.SparseAdam(model.parameters())
+
+    def step(model, optimizer, x):
+        model(x).sum().backward()
+        optimizer.step()
+
+    with pytest.raises(ValueError, match="sparse_coo tensor.*depends on values"):
+        predict_memory(step, model, optimizer, x)
