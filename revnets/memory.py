@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -140,6 +140,9 @@ class MemoryTracker(TorchDispatchMode):
         self._start_labels: dict[int, str] = {}
         self._end_labels: dict[int, str] = {}
         self.module: str | None = None  # set by a timeline while a top-level module runs
+        # id(real storage): a fake tensor whose storage stands for it (a prediction's copy of a
+        # model's parameter, reached through a closure too).
+        self.stand_ins: dict[int, tuple[Any, Tensor]] = {}
 
     # -- recording -------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
@@ -187,6 +190,8 @@ class MemoryTracker(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
             return None
         key = id(storage)
+        if key in self.stand_ins:
+            return self._see(self.stand_ins[key][1], allocated)
         record = self._storages.get(key)
         nbytes = storage.nbytes()
         if record is not None and record.nbytes == nbytes:
@@ -342,10 +347,13 @@ def _measure(
     kwargs: dict,
     predicted: bool = False,
     watch: Watch | None = None,
+    stand_ins: Mapping[Tensor, Tensor] | None = None,
 ) -> MemoryReport:
     """measure_memory's work; ``watch(tracker, owners)``, if given, is a context entered around
     the call inside the tracker (a timeline attributes storages to modules with it).
-    ``predicted``: the call runs on fake tensors, whose storage is all there is to count."""
+    ``predicted``: the call runs on fake tensors, whose storage is all there is to count;
+    ``stand_ins``: real tensors the call may reach (through a closure) and the fakes whose
+    storage is theirs in the prediction."""
     owners = _owners_in(*args, **kwargs)
     device = _indexed(_device_of(owners, args, kwargs))
     allocator = device.type == "cuda" and not predicted
@@ -356,6 +364,9 @@ def _measure(
     leaves, _ = tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
     tracker = MemoryTracker(*owners, inputs=tensors, device=str(device))
+    if stand_ins:
+        tracker.stand_ins = {id(storage): (storage, fake) for real, fake in stand_ins.items()
+                             for storage in [real.untyped_storage()]}  # held: ids stay theirs
     with tracker, watch(tracker, owners) if watch else contextlib.nullcontext():
         result = fn(*args, **kwargs)
     if predicted:

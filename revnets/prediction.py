@@ -21,11 +21,9 @@ ones.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import random
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,10 +37,23 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     in_kernel_invocation_manager,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
 from torch.utils.weak import WeakIdKeyDictionary
 
 from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS
+from revnets.fake_copies import (
+    is_cpu_scalar,
+    kept_as_found,
+    optimizer_to_fake,
+    scalar_to_fake,
+    scaler_to_fake,
+    scheduler_to_fake,
+    tensor_to_fake,
+)
 from revnets.memory import (
     _DEVICE_QUERY,
     MemoryReport,
@@ -56,6 +67,9 @@ from revnets.replay.watch import operator_tensors
 __all__ = ["predict_memory"]
 
 _CHECK_AND_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+_RESIZES = {getattr(op, overload) for op in (torch.ops.aten.resize_, torch.ops.aten.resize_as_,
+                                               torch.ops.aten.set_)
+            for overload in op.overloads()}
 _SET_STORAGE = (torch.ops.aten.set_.source_Storage,
                 torch.ops.aten.set_.source_Storage_storage_offset)
 
@@ -112,31 +126,22 @@ class Predictor:
         mode = self.mode
         optimizers = [o for o in _owners_in(*args, **kwargs)
                       if isinstance(o, torch.optim.Optimizer)]
-        hyperparameters = [_hyperparameters(o) for o in optimizers]
+        like = _LikeTheDevice(mode, device, _stand_ins(args, kwargs, memo))
         try:
-            with _random_state_kept(device), mode, _LikeTheDevice(mode, device):
-                report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch)
+            with (kept_as_found(optimizers, {id(memo[id(o)]) for o in optimizers},
+                                like.active),
+                  _random_state_kept(device), mode, like):
+                return _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch,
+                                stand_ins=like.stand_ins)
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
             raise ValueError(
-                f"predict_memory: the call reads the value of a tensor computed from its "
-                f"inputs ({error.func}: .item(), float(), bool() or a shape that depends on "
-                f"values), which a prediction does not compute; keep such reads out of the "
-                f"predicted call, or measure it with measure_memory"
+                f"predict_memory: the call reads the value of a tensor ({error.func}: .item(), "
+                f".tolist(), bool() or a shape that depends on values), which a prediction "
+                f"does not compute (only scalars made from numbers keep theirs); keep such "
+                f"reads out of the predicted call, or measure it with measure_memory"
             ) from error
-        for optimizer, before in zip(optimizers, hyperparameters):
-            if _hyperparameters(optimizer) != before:
-                changed = sorted({k for old, new in zip(before, _hyperparameters(optimizer))
-                                  for k in old if new.get(k) is not old[k]})
-                for group, old in zip(optimizer.param_groups, before):
-                    group.update(old)
-                raise ValueError(
-                    f"predict_memory: the call changed the {', '.join(changed)} of the "
-                    f"{type(optimizer).__name__} it was given, through something it reaches "
-                    f"outside its arguments (a learning-rate scheduler a closure holds, which "
-                    f"has now taken a step). The optimizer is restored; pass the scheduler as an "
-                    f"argument, after the optimizer, and the prediction steps a copy of it"
-                )
-        return report
+        finally:
+            like.restore_gradients()
 
     def _to_fake(self, obj: Any, memo: dict[int, Any], device: torch.device) -> Any:
         if id(obj) in memo:
@@ -145,8 +150,8 @@ class Predictor:
         if isinstance(obj, nn.Module):
             # Scalar buffers (batch norm's num_batches_tracked) keep their values, made anew for
             # every prediction: code reads them (momentum=None), and the run changes them.
-            memo.update((id(b), _scalar_to_fake(b, mode)) for b in obj.buffers()
-                        if _is_cpu_scalar(b) and id(b) not in memo)
+            memo.update((id(b), scalar_to_fake(b, mode)) for b in obj.buffers()
+                        if is_cpu_scalar(b) and id(b) not in memo)
             with FakeCopyMode(mode):
                 fake = copy.deepcopy(obj, memo)
             self._made_once(obj.named_buffers(remove_duplicate=False),
@@ -160,20 +165,11 @@ class Predictor:
                     old.grad.detach(), static_shapes=True)
                 new.requires_grad_(old.requires_grad)
         elif isinstance(obj, torch.optim.Optimizer):
-            fake = _optimizer_to_fake(obj, mode, memo)
+            fake = optimizer_to_fake(obj, mode, memo)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            if id(obj.optimizer) not in memo:
-                raise ValueError(
-                    "predict_memory: pass the optimizer a learning-rate scheduler steps before "
-                    "the scheduler in the argument list"
-                )
-            fake = copy.deepcopy(obj, memo)  # over the optimizer's copy, found in the memo
+            fake = scheduler_to_fake(obj, memo)
         elif isinstance(obj, torch.amp.GradScaler):
-            # Its scale is made on first use, and changed by every step: a copy, with its own.
-            fake = copy.copy(obj)
-            fake._scale, fake._growth_tracker = (self._to_fake(t, memo, device)
-                                                 for t in (obj._scale, obj._growth_tracker))
-            fake._per_optimizer_states = copy.deepcopy(obj._per_optimizer_states)
+            fake = scaler_to_fake(obj, lambda t: self._to_fake(t, memo, device))
         elif isinstance(obj, Tensor):
             if obj.requires_grad and obj.grad_fn is not None:
                 # Its history is the caller's: a backward through it reaches tensors the call
@@ -184,7 +180,7 @@ class Predictor:
                     f"reaches beyond the call; pass a leaf (x.detach().requires_grad_()) or "
                     f"compute it inside the call"
                 )
-            fake = _tensor_to_fake(obj, mode, device)
+            fake = tensor_to_fake(obj, mode, device)
         elif isinstance(obj, (list, tuple)):
             fake = type(obj)(self._to_fake(o, memo, device) for o in obj)
         elif isinstance(obj, dict):
@@ -201,7 +197,7 @@ class Predictor:
         prediction."""
         pairs = [(old, new) for (_, old), (_, new) in zip(real, fake)]
         self._made.update((id(old), (old, new, _layout(old))) for old, new in pairs
-                          if not _is_cpu_scalar(old))
+                          if not is_cpu_scalar(old))
         return pairs
 
 
@@ -240,8 +236,12 @@ def _random_state_kept(device: torch.device) -> Iterator[None]:
 # 3. A real scalar read along with fakes joins as a constant, so that operators on constants
 #    alone compute their values (the fake mode computes on constants for real).
 # 4. What the call reads of a written tensor is the fake's value; read from the real tensor
-#    directly (``.numpy()``), it is the value from before the call.
-# 5. GradScaler's check for infinite gradients has no values to check; it is taken to find none
+#    directly (``.numpy()``), it is the value from before the call (for a scalar the call made
+#    too). A write that changes a real tensor's shape (``unsqueeze_``, ``resize_``, ``set_``)
+#    would have to change the user's tensor: refused by name.
+# 5. A real leaf that requires gradients (a parameter of a module a closure holds) gets a fake
+#    gradient from the backward; its gradient from before is put back after the call.
+# 6. GradScaler's check for infinite gradients has no values to check; it is taken to find none
 #    (its ``found_inf`` is left as it was, 0), so that the scaler steps the optimizer.
 
 
@@ -258,21 +258,50 @@ class _LikeTheDevice(TorchDispatchMode):
       a prediction ].
     """
 
-    def __init__(self, mode: FakeTensorMode, device: torch.device) -> None:
+    def __init__(
+        self, mode: FakeTensorMode, device: torch.device, stand_ins: WeakIdKeyDictionary
+    ) -> None:
         super().__init__()
         self.mode = mode
         self.device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
-        # A real tensor the call wrote, and the fake that took the write and every later read;
-        # a real scalar read along with fake tensors, and its constant. Held weakly: a real
-        # tensor's memory lives as long as in a real run.
-        self.written: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # A real tensor and the fake that stands for it in every operator: the copy of an
+        # argument's (a model's weight a closure reaches too), or a fake that took a write and
+        # every later read. Held weakly: a real tensor's memory lives as long as in a real run.
+        self.stand_ins = stand_ins
+        self.written: WeakIdKeyDictionary = WeakIdKeyDictionary(stand_ins)
+        # A real scalar read along with fake tensors, and its constant.
         self.constants: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Leaves that require gradients (a module's parameters a closure holds), and their
+        # gradients before the call: the backward gives them fakes, put back after.
+        self.leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Tensors the call made for real: no user's memory under them, written for real.
+        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def active(self) -> bool:
+        """Whether this thread is inside the prediction."""
+        return any(m is self for m in _get_current_dispatch_mode_stack())
+
+    def restore_gradients(self) -> None:
+        for leaf, grad in self.leaves.items():
+            if leaf.grad is not grad:
+                leaf.grad = grad
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _DEVICE_QUERY:  # a fake tensor's device, asked at every operator
             return func(*args, **kwargs)
         tensors = operator_tensors(args, kwargs)
+        for t in tensors:
+            if not isinstance(t, FakeTensor) and t.requires_grad and t.is_leaf:
+                if t in self.stand_ins and torch.is_grad_enabled():
+                    raise ValueError(
+                        f"predict_memory: the call computes gradients through a tensor of an "
+                        f"argument (shape {tuple(t.shape)}) that it reaches another way (a "
+                        f"closure), which in a prediction is another leaf than the argument's "
+                        f"copy; reach it through the argument (model.weight of the model passed)"
+                    )
+                if t not in self.leaves:
+                    self.leaves[t] = t.grad
         if (func in _SET_STORAGE and isinstance(args[0], FakeTensor)
                 and args[1].device.type != "meta"):
             raise ValueError(
@@ -285,10 +314,17 @@ class _LikeTheDevice(TorchDispatchMode):
         if written or (self.written and any(t in self.written for t in tensors)):
             real_args, real_kwargs = args, kwargs
             args, kwargs = _replaced(args, self.written), _replaced(kwargs, self.written)
+            if written and (torch.Tag.inplace_view in func.tags or func in _RESIZES):
+                raise ValueError(
+                    f"predict_memory: the call changes the shape of a tensor it reaches outside "
+                    f"its arguments ({func}, shape {tuple(written[0].shape)}), which a prediction "
+                    f"cannot do without changing the user's tensor; pass it as an argument, or "
+                    f"change a copy of it"
+                )
             if written:
                 out = self._as_real(self.__torch_dispatch__(func, types, args, kwargs), written)
                 if func is _CHECK_AND_UNSCALE and real_args[1] in self.written:
-                    del self.written[real_args[1]]  # NOTE [ Real tensors in a prediction ], 5
+                    del self.written[real_args[1]]  # NOTE [ Real tensors in a prediction ], 6
                 return out
             if func.is_view and not any(isinstance(t, FakeTensor) for t in tensors):
                 # A view of a written tensor is a view of the user's, as in a real run (its
@@ -307,11 +343,11 @@ class _LikeTheDevice(TorchDispatchMode):
             # scalar ``torch.tensor(2.0)`` makes stays a real one to save or turn to numpy).
             with _disable_current_modes():
                 return func(*args, **kwargs)
-        if not all(fakes) and any(_is_cpu_scalar(t) for t in tensors):
+        if not all(fakes) and any(is_cpu_scalar(t) for t in tensors):
             # A real scalar (``torch.tensor(1.0)`` added to Adam's step counts) joins as a
             # constant, so that operators on constants alone still compute their values.
             for t in tensors:
-                if _is_cpu_scalar(t) and not isinstance(t, FakeTensor):
+                if is_cpu_scalar(t) and not isinstance(t, FakeTensor):
                     self._fake_of(t, self.constants)
             args, kwargs = _replaced(args, self.constants), _replaced(kwargs, self.constants)
             tensors = operator_tensors(args, kwargs)
@@ -372,7 +408,7 @@ class _LikeTheDevice(TorchDispatchMode):
         copy."""
         if real not in fakes:
             with _disable_current_modes():
-                fakes[real] = (_scalar_to_fake(real, self.mode) if _is_cpu_scalar(real)
+                fakes[real] = (scalar_to_fake(real, self.mode) if is_cpu_scalar(real)
                                else self.mode.from_tensor(real, static_shapes=True))
 
     def _as_real(self, value: Any, written: list[Tensor]) -> Any:
@@ -414,6 +450,18 @@ class _LikeTheDevice(TorchDispatchMode):
             self.mode.cache_enabled = cached
 
 
+def _stand_ins(args: tuple, kwargs: dict, memo: dict[int, Any]) -> WeakIdKeyDictionary:
+    """The argument modules' parameters and buffers, each with its fake: what stands for them
+    where the call reaches them some other way (a closure)."""
+    found = WeakIdKeyDictionary()
+    for owner in _owners_in(*args, **kwargs):
+        if isinstance(owner, nn.Module):
+            for t in (*owner.parameters(), *owner.buffers()):
+                if id(t) in memo:
+                    found[t] = memo[id(t)]
+    return found
+
+
 def _replaced(value: Any, fakes: WeakIdKeyDictionary) -> Any:
     """``value`` (an operator's arguments) with each real tensor in ``fakes`` replaced by its
     fake."""
@@ -424,75 +472,3 @@ def _replaced(value: Any, fakes: WeakIdKeyDictionary) -> Any:
     if isinstance(value, dict):
         return {k: _replaced(v, fakes) for k, v in value.items()}
     return value
-
-
-def _tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:
-    if tensor.is_meta and device.type != "meta":
-        # A meta input stands for one on the model's device (a batch too large to allocate).
-        fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor, device)
-        return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake
-    if _is_cpu_scalar(tensor):
-        return _scalar_to_fake(tensor, mode)
-    return mode.from_tensor(tensor, static_shapes=True)
-
-
-def _is_cpu_scalar(tensor: Tensor) -> bool:
-    return tensor.dim() == 0 and tensor.device.type == "cpu" and not isinstance(
-        tensor, nn.Parameter)
-
-
-def _scalar_to_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
-    """Scalars keep their value (optimizers read their step counts with ``.item()``), in a
-    copy: the fake mode computes on a constant for real, in place too (``step += 1``), and the
-    original is the user's."""
-    return mode.fake_tensor_converter.from_real_tensor(mode, tensor.clone(), make_constant=True)
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-
-
-def _optimizer_to_fake(
-    optimizer: torch.optim.Optimizer, mode: FakeTensorMode, memo: dict[int, Any]
-) -> Any:
-    """The same optimizer over the fake copies of its parameters, with its state.
-
-    A shallow copy rather than a new instance: constructors differ (AdamW's defaults hold a key
-    its constructor does not take), and some create state.
-    """
-    groups = []
-    for group in optimizer.param_groups:
-        params = []
-        for p in group["params"]:
-            if id(p) not in memo:
-                raise ValueError(
-                    "predict_memory: pass the model whose parameters the optimizer updates "
-                    "before the optimizer in the argument list"
-                )
-            params.append(memo[id(p)])
-        groups.append({**group, "params": params})
-    fake = copy.copy(optimizer)
-    for name, value in vars(optimizer).items():  # what __getstate__ leaves out (LBFGS's _params)
-        if name not in vars(fake) and name != "step":
-            setattr(fake, name, copy.deepcopy(value, memo))  # parameters: their fakes
-    fake.param_groups = groups
-    fake.state = collections.defaultdict(dict)
-    for p, state in optimizer.state.items():
-        fake.state[memo[id(p)]] = {
-            k: _tensor_to_fake(v, mode, v.device) if isinstance(v, Tensor) else v
-            for k, v in state.items()
-        }
-    if hasattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched"):
-        # A scheduler wrapped the real one's step to see it called (and warn otherwise); the
-        # copy's own, seen the same way.
-        fake.step = _step_seen_by_schedulers(weakref.ref(fake))
-    return fake
-
-
-def _step_seen_by_schedulers(optimizer: weakref.ref) -> Callable[..., Any]:
-    def step(*args: Any, **kwargs: Any) -> Any:
-        optimizer()._opt_called = True
-        return type(optimizer()).step(optimizer(), *args, **kwargs)
-
-    step._wrapped_by_lr_sched = True
-    return step

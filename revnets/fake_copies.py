@@ -1,0 +1,171 @@
+"""Fake copies of what a prediction is given, and the training state it reaches otherwise.
+
+:mod:`revnets.prediction` runs a call on fake tensors. Tensors, optimizers, learning-rate
+schedulers and GradScalers among its arguments are copied here over fake tensors, so the call
+steps the copies; optimizers and schedulers it reaches any other way (a closure) are kept as
+found (NOTE [ Real tensors in a prediction ] in revnets/prediction.py has the tensors' rules).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import gc
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+
+def is_cpu_scalar(tensor: Tensor) -> bool:
+    return tensor.dim() == 0 and tensor.device.type == "cpu" and not isinstance(
+        tensor, nn.Parameter)
+
+
+def scalar_to_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
+    """Scalars keep their value (optimizers read their step counts with ``.item()``), in a
+    copy: the fake mode computes on a constant for real, in place too (``step += 1``), and the
+    original is the user's."""
+    return mode.fake_tensor_converter.from_real_tensor(mode, tensor.clone(), make_constant=True)
+
+
+def tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:
+    if tensor.is_meta and device.type != "meta":
+        # A meta input stands for one on the model's device (a batch too large to allocate).
+        fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor, device)
+        return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake
+    if is_cpu_scalar(tensor):
+        return scalar_to_fake(tensor, mode)
+    return mode.from_tensor(tensor, static_shapes=True)
+
+
+def optimizer_to_fake(
+    optimizer: torch.optim.Optimizer, mode: FakeTensorMode, memo: dict[int, Any]
+) -> torch.optim.Optimizer:
+    """The same optimizer over the fake copies of its parameters, with its state.
+
+    A shallow copy rather than a new instance: constructors differ (AdamW's defaults hold a key
+    its constructor does not take), and some create state. Its attributes are the real one's
+    (hooks, a fused optimizer's ``_step_supports_amp_scaling``, a subclass's own), lists and
+    dicts copied with parameters mapped to their fakes (LBFGS's ``_params``).
+    """
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) not in memo:
+                raise ValueError(
+                    "predict_memory: pass the model whose parameters the optimizer updates "
+                    "before the optimizer in the argument list"
+                )
+            params.append(memo[id(p)])
+        groups.append({**group, "params": params})
+    fake = copy.copy(optimizer)
+    for name, value in vars(optimizer).items():
+        if name not in ("param_groups", "state", "step", "defaults"):
+            setattr(fake, name, _parameters_mapped(value, memo))
+    fake.param_groups = groups
+    fake.state = collections.defaultdict(dict)
+    for p, state in optimizer.state.items():
+        fake.state[memo[id(p)]] = {
+            k: tensor_to_fake(v, mode, v.device) if isinstance(v, Tensor) else v
+            for k, v in state.items()
+        }
+    if hasattr(vars(optimizer).get("step"), "_wrapped_by_lr_sched"):
+        # A scheduler wrapped the real one's step to see it called (and warn otherwise); the
+        # copy's own, seen the same way.
+        fake.step = _step_seen_by_schedulers(weakref.ref(fake))
+    return fake
+
+
+def _parameters_mapped(value: Any, memo: dict[int, Any]) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(memo.get(id(v), v) for v in value)
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # its type kept (an OrderedDict of hooks)
+        copied.update((k, memo.get(id(v), v)) for k, v in value.items())
+        return copied
+    return value
+
+
+def _step_seen_by_schedulers(optimizer: weakref.ref) -> Callable[..., Any]:
+    def step(*args: Any, **kwargs: Any) -> Any:
+        optimizer()._opt_called = True
+        return type(optimizer()).step(optimizer(), *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
+
+def scheduler_to_fake(scheduler: LRScheduler, memo: dict[int, Any]) -> LRScheduler:
+    if id(scheduler.optimizer) not in memo:
+        raise ValueError(
+            "predict_memory: pass the optimizer a learning-rate scheduler steps before the "
+            "scheduler in the argument list"
+        )
+    return copy.deepcopy(scheduler, memo)  # over the optimizer's copy, found in the memo
+
+
+def scaler_to_fake(
+    scaler: torch.amp.GradScaler, to_fake: Callable[[Any], Any]
+) -> torch.amp.GradScaler:
+    """Its scale is made on first use, and changed by every step: a copy, with its own."""
+    fake = copy.copy(scaler)
+    fake._scale, fake._growth_tracker = to_fake(scaler._scale), to_fake(scaler._growth_tracker)
+    fake._per_optimizer_states = copy.deepcopy(scaler._per_optimizer_states)
+    return fake
+
+
+@contextlib.contextmanager
+def kept_as_found(
+    optimizers: list[torch.optim.Optimizer], copies: set[int], predicting: Callable[[], bool]
+) -> Iterator[None]:
+    """The real ``optimizers`` (given as arguments, so copied) and the schedulers that step
+    them, as they were before the call, whatever a closure did to them (a scheduler stepped).
+    An optimizer step in the call other than one of the ``copies`` (ids) is refused: one a
+    closure holds would step the user's parameters and state, not the prediction's."""
+    schedulers = [s for o in optimizers for s in _schedulers_of(o)]
+    groups = [[dict(group) for group in o.param_groups] for o in optimizers]
+    # What they refer to stays itself; their own lists and numbers, as they are now.
+    memo: dict[int, Any] = {id(x): x for x in (*optimizers, *schedulers)}
+    attributes = [copy.deepcopy(vars(s), memo) for s in schedulers]
+
+    def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) not in copies and predicting():
+            raise ValueError(
+                f"predict_memory: the call steps a {type(optimizer).__name__} it reaches "
+                f"outside its arguments, which would update the real parameters and state, not "
+                f"the prediction's; pass the model and then the optimizer as arguments"
+            )
+
+    handle = register_optimizer_step_pre_hook(refuse)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for optimizer, found in zip(optimizers, groups):
+            for group, old in zip(optimizer.param_groups, found):
+                group.clear()
+                group.update(old)
+        for scheduler, found in zip(schedulers, attributes):
+            vars(scheduler).clear()
+            vars(scheduler).update(found)
+
+
+def _schedulers_of(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
+    """The learning-rate schedulers that hold ``optimizer`` (they are what refers to it)."""
+    found = []
+    for holder in gc.get_referrers(optimizer):
+        if isinstance(holder, LRScheduler):
+            found.append(holder)
+        elif type(holder) is dict and holder.get("optimizer") is optimizer:
+            # An instance's __dict__ (Python 3.10 reports the dict, not the instance).
+            found += [s for s in gc.get_referrers(holder)
+                      if isinstance(s, LRScheduler) and vars(s) is holder]
+    return found
