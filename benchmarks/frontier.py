@@ -195,22 +195,25 @@ def frontier(
     steps: dict[str, Callable[[], None]] = {"eager": step_of(model, x, y)}
     eager_peak = revnets.measure_memory(steps["eager"]).peak_bytes
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    plans, smallest = {}, None
+    budgets, smallest = {}, None
     for keep in KEEPS[::2] if quick else KEEPS:
         budget = int(state + keep * (eager_peak - state))
         try:
-            plans[f"keep {keep}"] = revnets.auto_checkpoint(
-                model, x, budget, loss_fn=lambda out: F.cross_entropy(out, y))
+            revnets.auto_checkpoint(model, x, budget, loss_fn=lambda out: F.cross_entropy(out, y))
+            budgets[f"keep {keep}"] = budget
         except PlanningError as refusal:
             smallest = refusal.smallest_budget
     if smallest is not None:  # the lowest revnets reaches: the budget a refusal names
-        plans["smallest"] = revnets.auto_checkpoint(model, x, smallest,
-                                                    loss_fn=lambda out: F.cross_entropy(out, y))
-    for label, planned in plans.items():
-        steps[f"revnets {label}"] = step_of(planned, x, y)
-        # A plan compiled as users compile models: its checkpoints become regions the compiled
-        # backward recomputes, and the rest is fused as under torch.compile.
-        steps[f"revnets + compile {label}"] = compiled(planned, 1.0, x, y)
+        budgets["smallest"] = smallest
+    for label, budget in budgets.items():
+        for under_compile in (False, True):
+            # A plan for a compiled model (``compiled=True``: its checkpoints' cheap steps are
+            # recomputed inside fused kernels, so it keeps products and recomputes the rest),
+            # compiled as users compile models.
+            planned = revnets.auto_checkpoint(model, x, budget, compiled=under_compile,
+                                              loss_fn=lambda out: F.cross_entropy(out, y))
+            steps[f"revnets + compile {label}" if under_compile else f"revnets {label}"] = (
+                compiled(planned, 1.0, x, y) if under_compile else step_of(planned, x, y))
     for selective in (False, True):
         wrapped = with_checkpointed_blocks(model, selective)
         if wrapped is not None:
@@ -288,8 +291,9 @@ def main(argv: list[str] | None = None) -> None:
         ) + "Time: median of "
         f"{args.repeats} interleaved steps over the eager step's. revnets: `auto_checkpoint` "
         "at budgets keeping the given share of the activation part of the eager peak, and at "
-        "the smallest budget a refusal names where one was refused; revnets + compile: those "
-        "plans under `torch.compile` (default budget); compile: "
+        "the smallest budget a refusal names where one was refused; revnets + compile: plans at "
+        "the same budgets made for a compiled model (`auto_checkpoint(..., compiled=True)`: "
+        "products kept, cheap steps recomputed) under `torch.compile` (default budget); compile: "
         "`torch.compile` under `torch._functorch.config.activation_memory_budget`; torch "
         "checkpoint: `torch.utils.checkpoint` around each repeated block, all recomputed or "
         "selectively (matmul, convolution and attention outputs kept).",

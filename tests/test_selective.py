@@ -135,3 +135,29 @@ def test_the_planner_keeps_products_where_recomputing_them_costs_more():
     loss(planned(x)).backward()
     loss(reference(x)).backward()
     assert max_grad_error(model, reference) <= 1e-5
+
+
+def test_a_plan_for_a_compiled_model_recomputes_no_product_where_keeping_them_fits():
+    """Under torch.compile a checkpoint's norms and activations are recomputed inside fused
+    kernels at next to no cost: ``compiled=True`` plans count what they recompute of products
+    alone, so where selective checkpoints meet the budget every checkpoint is selective (steps
+    counted, not timed: the same plan on every machine)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, bias=False),
+                                          nn.BatchNorm2d(16), nn.ReLU()) for _ in range(8)))
+    x = torch.randn(4, 16, 16, 16)
+    stored = revnets.predict_memory(lambda m: m(x).sum().backward(), model).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(state + 0.8 * (stored - state))
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False, compiled=True)
+    decisions = [str(part.decision) for part in planned.memory_plan.parts
+                 if str(part.decision).startswith("checkpoint")]
+    assert decisions and set(decisions) == {"checkpoint(selective=true)"}, planned.memory_plan
+    eager = revnets.auto_checkpoint(model, x, budget, measure_time=False)  # layers count alike
+    assert "checkpoint" in {str(part.decision) for part in eager.memory_plan.parts}
+    assert revnets.measure_memory(lambda m: m(x).sum().backward(), planned).peak_bytes <= budget
+    model.zero_grad(set_to_none=True)
+    reference = twin(model)
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    assert max_grad_error(model, reference) <= 1e-5

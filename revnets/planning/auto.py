@@ -90,6 +90,7 @@ def auto_checkpoint(
     loss_fn: LossFn = _default_loss,
     optimizer: torch.optim.Optimizer | None = None,
     measure_time: bool = True,
+    compiled: bool = False,
 ) -> nn.Module:
     """Return ``model`` set up to train within ``budget`` bytes, recomputing as little as
     possible; the plan it follows is its ``memory_plan`` (print it for a table of parts).
@@ -111,6 +112,12 @@ def auto_checkpoint(
     of their peaks picks the few that are predicted exactly, and only an exact prediction
     accepts a plan (NOTE [ Modelled search, exact acceptance ] in ``planning/search.py``).
 
+    ``compiled``: the model will train under ``torch.compile``, whose backward recomputes a
+    checkpoint's cheap steps (norms, activations, additions) inside its fused kernels at next to
+    no cost; plans are then ordered by what they recompute of matrix products, convolutions and
+    attention alone, so selective checkpoints come first. The budget keeps its meaning (the
+    eager step's exact peak): a compiled step's memory is the partitioner's to decide.
+
     An ``nn.Sequential`` comes back as a new ``nn.Sequential`` over the same layers; any other
     model as a :class:`PlannedModel` that trains with the plan and evaluates with the model
     itself (same weights, same outputs), or as itself when storing everything fits. Models that
@@ -120,7 +127,8 @@ def auto_checkpoint(
     """
     kept = ModelState(model)
     try:
-        return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer, measure_time)
+        return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer, measure_time,
+                                compiled)
     except BaseException:  # no plan, the user's loss function failing, an interrupt
         kept.restore()
         raise
@@ -133,6 +141,7 @@ def _auto_checkpoint(
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
     measure_time: bool,
+    compiled: bool = False,
 ) -> nn.Module:
     zoo = isinstance(model, SwitchableMemory)
     original = model.memory if zoo else None
@@ -151,7 +160,7 @@ def _auto_checkpoint(
                 f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
                 f"single-input steps ({error}); express it as an nn.Sequential of its stages"
             ) from error
-    planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time)
+    planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time, compiled)
     planned, plan = planner.fit(budget)
     if planned is chain:  # nothing checkpointed: the model itself, as predicted, runs the plan
         result = model
@@ -186,6 +195,7 @@ class _Planner:
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None,
         measure_time: bool,
+        compiled: bool = False,
     ) -> None:
         self.model, self.chain, self.example_input = model, chain, example_input
         self.loss_fn, self.optimizer = loss_fn, optimizer
@@ -211,6 +221,16 @@ class _Planner:
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=t.forward_seconds)
                                        for p, t in zip(profiles, times)]
+        if compiled:
+            # Under torch.compile a checkpoint's cheap steps are recomputed inside the backward's
+            # fused kernels, at next to no cost: only steps with matrix products, convolutions
+            # or attention (what a selective checkpoint keeps) cost their time. A reversible
+            # sequence runs eagerly, also compiled, and keeps its own.
+            for kind, profiles in self.profiles.items():
+                self.profiles[kind] = [
+                    replace(p, forward_seconds=_seconds(profiles, i)
+                            if i in self.sequences or p.selective_bytes else 0.0)
+                    for i, p in enumerate(profiles)]
         # What a step holds besides activations: the first guess of what an exact peak adds to
         # a modelled one.
         self.model_state = sum(
