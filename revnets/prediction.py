@@ -293,7 +293,8 @@ class _LikeTheDevice(TorchDispatchMode):
         tensors = operator_tensors(args, kwargs)
         for t in tensors:
             if not isinstance(t, FakeTensor) and t.requires_grad and t.is_leaf:
-                if t in self.stand_ins and torch.is_grad_enabled():
+                if (t in self.stand_ins and torch.is_grad_enabled()
+                        and func is not torch.ops.aten.detach.default):
                     raise ValueError(
                         f"predict_memory: the call computes gradients through a tensor of an "
                         f"argument (shape {tuple(t.shape)}) that it reaches another way (a "
