@@ -114,6 +114,7 @@ class Predictor:
         # id(real): (real, fake, the real one's layout when made): ``param.data = ...`` and
         # ``module.double()`` or ``.to(memory_format=...)`` change a tensor under the same object.
         self._made: dict[int, tuple[Tensor, Tensor, tuple]] = {}
+        self._hooks: list[Any] = []  # handles of the parameters' hooks, on their fakes
 
     def predict(
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
@@ -131,8 +132,8 @@ class Predictor:
             with (kept_as_found(optimizers, {id(memo[id(o)]) for o in optimizers},
                                 like.active),
                   _random_state_kept(device), mode, like):
-                return _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch,
-                                stand_ins=like.stand_ins)
+                report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch,
+                                  stand_ins=like.stand_ins)
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
             raise ValueError(
                 f"predict_memory: the call reads the value of a tensor ({error.func}: .item(), "
@@ -141,7 +142,18 @@ class Predictor:
                 f"reads out of the predicted call, or measure it with measure_memory"
             ) from error
         finally:
-            like.restore_gradients()
+            changed = like.restore()
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
+        if changed:
+            raise ValueError(
+                f"predict_memory: the call changed the gradients of {len(changed)} tensors of its "
+                f"arguments, reaching them another way (a closure: zero_grad on the model it "
+                f"was given, or a view made before the call); they are put back. Reach them "
+                f"through the arguments"
+            )
+        return report
 
     def _to_fake(self, obj: Any, memo: dict[int, Any], device: torch.device) -> Any:
         if id(obj) in memo:
@@ -164,6 +176,12 @@ class Predictor:
                 new.grad = None if old.grad is None else mode.from_tensor(
                     old.grad.detach(), static_shapes=True)
                 new.requires_grad_(old.requires_grad)
+                # Its hooks (a gradient freed once accumulated, an optimizer run in the
+                # backward), for this prediction.
+                self._hooks += [new.register_hook(hook)
+                                for hook in (old._backward_hooks or {}).values()]
+                self._hooks += [new.register_post_accumulate_grad_hook(hook) for hook in
+                                (getattr(old, "_post_accumulate_grad_hooks", None) or {}).values()]
         elif isinstance(obj, torch.optim.Optimizer):
             fake = optimizer_to_fake(obj, mode, memo)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
@@ -240,7 +258,10 @@ def _random_state_kept(device: torch.device) -> Iterator[None]:
 #    too). A write that changes a real tensor's shape (``unsqueeze_``, ``resize_``, ``set_``)
 #    would have to change the user's tensor: refused by name.
 # 5. A real leaf that requires gradients (a parameter of a module a closure holds) gets a fake
-#    gradient from the backward; its gradient from before is put back after the call.
+#    gradient from the backward; its gradient from before is put back after the call, and so is
+#    the data of every real tensor the call met (``p.data = ...`` is no operator). An argument's
+#    tensor reached through a closure stands for its copy; a gradient through it, or one changed
+#    on it, is refused.
 # 6. GradScaler's check for infinite gradients has no values to check; it is taken to find none
 #    (its ``found_inf`` is left as it was, 0), so that the scaler steps the optimizer.
 
@@ -271,20 +292,34 @@ class _LikeTheDevice(TorchDispatchMode):
         self.written: WeakIdKeyDictionary = WeakIdKeyDictionary(stand_ins)
         # A real scalar read along with fake tensors, and its constant.
         self.constants: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        # Leaves that require gradients (a module's parameters a closure holds), and their
-        # gradients before the call: the backward gives them fakes, put back after.
-        self.leaves: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        # Tensors the call made for real: no user's memory under them, written for real.
-        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Real tensors the call met (a closure's, and the arguments' own), with what is put
+        # back after it: an alias of their data (``p.data = ...`` replaces it) and their
+        # gradient (the backward gives a closure's parameters fakes; ``zero_grad`` drops them).
+        self.met: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for t in stand_ins:
+            self._meet(t)
 
     def active(self) -> bool:
         """Whether this thread is inside the prediction."""
         return any(m is self for m in _get_current_dispatch_mode_stack())
 
-    def restore_gradients(self) -> None:
-        for leaf, grad in self.leaves.items():
-            if leaf.grad is not grad:
-                leaf.grad = grad
+    def _meet(self, t: Tensor) -> None:
+        if t not in self.met:
+            with _disable_current_modes():
+                self.met[t] = (t.detach(), t.grad if t.is_leaf else None)
+
+    def restore(self) -> list[Tensor]:
+        """Put back the data and gradients of the real tensors the call met; return the
+        arguments' tensors whose gradients it changed (through a closure)."""
+        changed = []
+        for t, (data, grad) in list(self.met.items()):
+            if _layout(t) != _layout(data):
+                t.data = data
+            if t.is_leaf and t.grad is not grad:
+                t.grad = grad
+                if t in self.stand_ins:
+                    changed.append(t)
+        return changed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -292,17 +327,19 @@ class _LikeTheDevice(TorchDispatchMode):
             return func(*args, **kwargs)
         tensors = operator_tensors(args, kwargs)
         for t in tensors:
-            if not isinstance(t, FakeTensor) and t.requires_grad and t.is_leaf:
-                if (t in self.stand_ins and torch.is_grad_enabled()
+            if not isinstance(t, FakeTensor):
+                # A view's gradient goes to its base (a tied weight's ``.T`` made beforehand).
+                leaf = t if t.is_leaf or t._base is None else t._base
+                self._meet(t)
+                self._meet(leaf)
+                if (leaf.requires_grad and leaf in self.stand_ins and torch.is_grad_enabled()
                         and func is not torch.ops.aten.detach.default):
                     raise ValueError(
                         f"predict_memory: the call computes gradients through a tensor of an "
-                        f"argument (shape {tuple(t.shape)}) that it reaches another way (a "
+                        f"argument (shape {tuple(leaf.shape)}) that it reaches another way (a "
                         f"closure), which in a prediction is another leaf than the argument's "
                         f"copy; reach it through the argument (model.weight of the model passed)"
                     )
-                if t not in self.leaves:
-                    self.leaves[t] = t.grad
         if (func in _SET_STORAGE and isinstance(args[0], FakeTensor)
                 and args[1].device.type != "meta"):
             raise ValueError(
