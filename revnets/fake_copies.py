@@ -3,7 +3,8 @@
 :mod:`revnets.prediction` runs a call on fake tensors. Tensors, optimizers, learning-rate
 schedulers and GradScalers among its arguments are copied here over fake tensors, so the call
 steps the copies; optimizers and schedulers it reaches any other way (a closure) are kept as
-found (NOTE [ Real tensors in a prediction ] in revnets/prediction.py has the tensors' rules).
+found. The arguments' tensors stand in for the real ones where the call reaches those otherwise
+(NOTE [ Real tensors in a prediction ] in revnets/prediction.py has the tensors' rules).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from revnets.memory import _owners_in
 
 
 def is_cpu_scalar(tensor: Tensor) -> bool:
@@ -169,3 +173,27 @@ def _schedulers_of(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
             found += [s for s in gc.get_referrers(holder)
                       if isinstance(s, LRScheduler) and vars(s) is holder]
     return found
+
+
+def stand_ins_of(args: tuple, kwargs: dict, memo: dict[int, Any]) -> WeakIdKeyDictionary:
+    """The argument modules' parameters and buffers, each with its fake: what stands for them
+    where the call reaches them some other way (a closure)."""
+    found = WeakIdKeyDictionary()
+    for owner in _owners_in(*args, **kwargs):
+        if isinstance(owner, nn.Module):
+            for t in (*owner.parameters(), *owner.buffers()):
+                if id(t) in memo:
+                    found[t] = memo[id(t)]
+    return found
+
+
+def replaced(value: Any, fakes: WeakIdKeyDictionary) -> Any:
+    """``value`` (an operator's arguments) with each real tensor in ``fakes`` replaced by its
+    fake."""
+    if isinstance(value, Tensor):
+        return fakes.get(value, value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(replaced(v, fakes) for v in value)
+    if isinstance(value, dict):
+        return {k: replaced(v, fakes) for k, v in value.items()}
+    return value

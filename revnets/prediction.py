@@ -49,9 +49,11 @@ from revnets.fake_copies import (
     is_cpu_scalar,
     kept_as_found,
     optimizer_to_fake,
+    replaced,
     scalar_to_fake,
     scaler_to_fake,
     scheduler_to_fake,
+    stand_ins_of,
     tensor_to_fake,
 )
 from revnets.memory import (
@@ -127,7 +129,7 @@ class Predictor:
         mode = self.mode
         optimizers = [o for o in _owners_in(*args, **kwargs)
                       if isinstance(o, torch.optim.Optimizer)]
-        like = _LikeTheDevice(mode, device, _stand_ins(args, kwargs, memo))
+        like = _LikeTheDevice(mode, device, stand_ins_of(args, kwargs, memo))
         try:
             with (kept_as_found(optimizers, {id(memo[id(o)]) for o in optimizers},
                                 like.active),
@@ -351,7 +353,7 @@ class _LikeTheDevice(TorchDispatchMode):
         written = self._real_ones_written(func, args, kwargs) if func._schema.is_mutable else []
         if written or (self.written and any(t in self.written for t in tensors)):
             real_args, real_kwargs = args, kwargs
-            args, kwargs = _replaced(args, self.written), _replaced(kwargs, self.written)
+            args, kwargs = replaced(args, self.written), replaced(kwargs, self.written)
             if written and (torch.Tag.inplace_view in func.tags or func in _RESIZES):
                 raise ValueError(
                     f"predict_memory: the call changes the shape of a tensor it reaches outside "
@@ -387,7 +389,7 @@ class _LikeTheDevice(TorchDispatchMode):
             for t in tensors:
                 if is_cpu_scalar(t) and not isinstance(t, FakeTensor):
                     self._fake_of(t, self.constants)
-            args, kwargs = _replaced(args, self.constants), _replaced(kwargs, self.constants)
+            args, kwargs = replaced(args, self.constants), replaced(kwargs, self.constants)
             tensors = operator_tensors(args, kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags:
             generator = kwargs.get("generator")
@@ -486,27 +488,3 @@ class _LikeTheDevice(TorchDispatchMode):
             return func(*args, **kwargs)
         finally:
             self.mode.cache_enabled = cached
-
-
-def _stand_ins(args: tuple, kwargs: dict, memo: dict[int, Any]) -> WeakIdKeyDictionary:
-    """The argument modules' parameters and buffers, each with its fake: what stands for them
-    where the call reaches them some other way (a closure)."""
-    found = WeakIdKeyDictionary()
-    for owner in _owners_in(*args, **kwargs):
-        if isinstance(owner, nn.Module):
-            for t in (*owner.parameters(), *owner.buffers()):
-                if id(t) in memo:
-                    found[t] = memo[id(t)]
-    return found
-
-
-def _replaced(value: Any, fakes: WeakIdKeyDictionary) -> Any:
-    """``value`` (an operator's arguments) with each real tensor in ``fakes`` replaced by its
-    fake."""
-    if isinstance(value, Tensor):
-        return fakes.get(value, value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_replaced(v, fakes) for v in value)
-    if isinstance(value, dict):
-        return {k: _replaced(v, fakes) for k, v in value.items()}
-    return value
