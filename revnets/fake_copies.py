@@ -85,7 +85,12 @@ def optimizer_to_fake(
         # A scheduler wrapped the real one's step to see it called (and warn otherwise); the
         # copy's own, seen the same way.
         fake.step = _step_seen_by_schedulers(weakref.ref(fake))
+    _COPIES.add(fake)
     return fake
+
+
+# Every optimizer copy a prediction made (a prediction inside another steps its own).
+_COPIES: weakref.WeakSet = weakref.WeakSet()
 
 
 def _parameters_mapped(value: Any, memo: dict[int, Any]) -> Any:
@@ -128,12 +133,12 @@ def scaler_to_fake(
 
 @contextlib.contextmanager
 def kept_as_found(
-    optimizers: list[torch.optim.Optimizer], copies: set[int], predicting: Callable[[], bool]
+    optimizers: list[torch.optim.Optimizer], predicting: Callable[[], bool]
 ) -> Iterator[None]:
     """The real ``optimizers`` (given as arguments, so copied) and the schedulers that step
     them, as they were before the call, whatever a closure did to them (a scheduler stepped).
-    An optimizer step in the call other than one of the ``copies`` (ids) is refused: one a
-    closure holds would step the user's parameters and state, not the prediction's."""
+    An optimizer step in the call other than a prediction's copy is refused: one a closure
+    holds would step the user's parameters and state, not the prediction's."""
     schedulers = [s for o in optimizers for s in _schedulers_of(o)]
     groups = [[dict(group) for group in o.param_groups] for o in optimizers]
     # What they refer to stays itself; their own lists and numbers, as they are now.
@@ -141,7 +146,7 @@ def kept_as_found(
     attributes = [copy.deepcopy(vars(s), memo) for s in schedulers]
 
     def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) not in copies and predicting():
+        if optimizer not in _COPIES and predicting():
             raise ValueError(
                 f"predict_memory: the call steps a {type(optimizer).__name__} it reaches "
                 f"outside its arguments, which would update the real parameters and state, not "

@@ -131,8 +131,7 @@ class Predictor:
                       if isinstance(o, torch.optim.Optimizer)]
         like = _LikeTheDevice(mode, device, stand_ins_of(args, kwargs, memo))
         try:
-            with (kept_as_found(optimizers, {id(memo[id(o)]) for o in optimizers},
-                                like.active),
+            with (kept_as_found(optimizers, like.active),
                   _random_state_kept(device), mode, like):
                 report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch,
                                   stand_ins=like.stand_ins)

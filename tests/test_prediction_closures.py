@@ -201,7 +201,8 @@ def test_a_scheduler_a_closure_holds_is_put_back_with_its_optimizer(lr):
 
 def test_an_optimizer_a_closure_holds_is_refused_by_name():
     """It would step the real parameters, which got no gradient (before: predicted at a third
-    of the measurement), or fill the user's optimizer state (everything in the closure)."""
+    of the measurement), or fill the user's optimizer state (everything in the closure). A
+    prediction made inside a predicted step steps its own copy (before: refused)."""
     model, x = nn.Linear(64, 64), torch.randn(4, 64)
     optimizer = torch.optim.Adam(model.parameters())
 
@@ -213,6 +214,18 @@ def test_an_optimizer_a_closure_holds_is_refused_by_name():
         with pytest.raises(ValueError, match="steps a Adam it reaches outside its arguments"):
             predict_memory(call, *args)
         assert not optimizer.state and model.weight.grad is None
+
+    def nested(model, optimizer, x):  # a prediction inside a prediction steps its own copy
+        inner = predict_memory(stepped_alone, model, optimizer, x).peak_bytes
+        stepped_alone(model, optimizer, x)
+        return inner
+
+    def stepped_alone(model, optimizer, x):
+        model(x).sum().backward()
+        optimizer.step()
+
+    outer = predict_memory(nested, model, optimizer, x)
+    assert outer.result == predict_memory(stepped_alone, model, optimizer, x).peak_bytes
 
 
 def test_a_module_a_closure_holds_keeps_its_gradients():
