@@ -24,8 +24,6 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from revnets.memory import _owners_in
-
 
 def is_cpu_scalar(tensor: Tensor) -> bool:
     return tensor.dim() == 0 and tensor.device.type == "cpu" and not isinstance(
@@ -180,11 +178,11 @@ def _schedulers_of(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
     return found
 
 
-def stand_ins_of(args: tuple, kwargs: dict, memo: dict[int, Any]) -> WeakIdKeyDictionary:
+def stand_ins_of(owners: list[Any], memo: dict[int, Any]) -> WeakIdKeyDictionary:
     """The argument modules' parameters and buffers, each with its fake: what stands for them
     where the call reaches them some other way (a closure)."""
     found = WeakIdKeyDictionary()
-    for owner in _owners_in(*args, **kwargs):
+    for owner in owners:
         if isinstance(owner, nn.Module):
             for t in (*owner.parameters(), *owner.buffers()):
                 if id(t) in memo:

@@ -121,15 +121,15 @@ class Predictor:
     def predict(
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
     ) -> MemoryReport:
-        device = _device_of(_owners_in(*args, **kwargs), args, kwargs)
+        owners = _owners_in(*args, **kwargs)
+        device = _device_of(owners, args, kwargs)
         memo: dict[int, Any] = {key: fake for key, (real, fake, layout) in self._made.items()
                                 if _layout(real) == layout}
         fake_args = tuple(self._to_fake(a, memo, device) for a in args)
         fake_kwargs = {k: self._to_fake(v, memo, device) for k, v in kwargs.items()}
         mode = self.mode
-        optimizers = [o for o in _owners_in(*args, **kwargs)
-                      if isinstance(o, torch.optim.Optimizer)]
-        like = _LikeTheDevice(mode, device, stand_ins_of(args, kwargs, memo))
+        optimizers = [o for o in owners if isinstance(o, torch.optim.Optimizer)]
+        like = _LikeTheDevice(mode, device, stand_ins_of(owners, memo))
         try:
             with (kept_as_found(optimizers, like.active),
                   _random_state_kept(device), mode, like):
