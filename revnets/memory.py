@@ -31,6 +31,16 @@ __all__ = ["MemoryReport", "MemoryTracker", "measure_memory"]
 
 MiB = 2**20
 
+# NOTE [ Bytes the CUDA allocator counts ]
+# The caching allocator hands out blocks in multiples of 512 bytes (a 4-byte tensor takes 512),
+# and its peak statistic counts blocks. A storage the tracked call allocates on CUDA therefore
+# counts as its size rounded up to 512, measured or predicted, so that a prediction on fake CUDA
+# tensors adds up the way the allocator does. Storages alive at the start count as their size:
+# a measurement adds them to the allocator's rise during the call, which does not include them.
+# What remains beyond a prediction's reach is memory no tensor holds (cuDNN and cuBLAS
+# workspaces, a fused kernel's scratch) and a cached block reused whole for a smaller request.
+CUDA_BLOCK = 512
+
 PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, ACTIVATIONS = (
     "parameters",
     "gradients",
@@ -93,7 +103,7 @@ class MemoryReport:
 
 
 class _Storage:
-    __slots__ = ("nbytes", "allocated", "freed", "ref", "device", "module")
+    __slots__ = ("nbytes", "allocated", "freed", "ref", "device", "module", "found")
 
     def __init__(self, nbytes: int, allocated: int, ref: weakref.ref, device: torch.device):
         self.nbytes = nbytes
@@ -102,6 +112,9 @@ class _Storage:
         self.ref = ref
         self.device = device
         self.module: str | None = None  # the top-level module whose forward allocated it
+        # First met as an operator's input: made before the call (a tensor a closure holds) or
+        # outside the dispatcher. It counts from that first use.
+        self.found = False
 
 
 _DEVICE_QUERY = torch.ops.prim.device.default
@@ -132,8 +145,9 @@ class MemoryTracker(TorchDispatchMode):
         self.owners = owners
         self.inputs = list(inputs)
         self.device = _indexed(torch.device(device)) if device is not None else None
-        self._allocator_peak = 0
-        self.allocator_peak_at = 0  # the tick of the allocator's peak, on CUDA
+        # CUDA devices whose allocator peak is followed: (peak, the tick that reached it) each.
+        self.allocator_devices = [self.device] if self.device and self.device.type == "cuda" else []
+        self._allocator_peaks: dict[torch.device, tuple[int, int]] = {}
         self._clock = 0
         self._storages: dict[int, _Storage] = {}  # by id of the live storage object
         self._history: list[_Storage] = []
@@ -172,37 +186,48 @@ class MemoryTracker(TorchDispatchMode):
         for t in () if func in _LIFTS else operator_tensors(args, kwargs):
             # An unknown storage here was made outside the dispatcher (torch.get_rng_state,
             # from_numpy) or before tracking began; it counts from its first use.
-            self._see(t, allocated=self._clock)
+            self._see(t, allocated=self._clock, found=True)
         out = func(*args, **(kwargs or {}))
         for t in operator_tensors(out):
             self._see(t, allocated=self._clock)
-        if self.device is not None and self.device.type == "cuda":
+        for device in self.allocator_devices:
             # The allocator's peak only grows: the last operator that raised it is where the
             # step peaked, and that is the moment the categories are split at.
-            peak = torch.cuda.max_memory_allocated(self.device)
-            if peak > self._allocator_peak:
-                self._allocator_peak, self.allocator_peak_at = peak, self._clock
+            peak = torch.cuda.max_memory_allocated(device)
+            if peak > self._allocator_peaks.get(device, (0, 0))[0]:
+                self._allocator_peaks[device] = (peak, self._clock)
         return out
 
-    def _see(self, tensor: Tensor, allocated: int) -> _Storage | None:
+    def allocator_peak_tick(self, device: torch.device) -> int:
+        """The clock tick of the operator that raised ``device``'s allocator peak last."""
+        return self._allocator_peaks.get(device, (0, 0))[1]
+
+    def busiest_device(self) -> torch.device | None:
+        """The device whose storages peaked highest during tracking."""
+        devices = {r.device for r in self._history}
+        return max(devices, key=lambda d: _peak_of(r for r in self._history if r.device == d)[0],
+                   default=None)
+
+    def _see(self, tensor: Tensor, allocated: int, found: bool = False) -> _Storage | None:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
             return None
         key = id(storage)
         if key in self.stand_ins:
-            return self._see(self.stand_ins[key][1], allocated)
+            return self._see(self.stand_ins[key][1], allocated, found)
         record = self._storages.get(key)
-        nbytes = storage.nbytes()
-        if record is not None and record.nbytes == nbytes:
+        # A fake tensor's storage is a meta storage; the tensor names the device it stands for.
+        device = tensor.device if isinstance(tensor, FakeTensor) else storage.device
+        if record is not None and record.nbytes == _counted(storage, device, record.allocated):
             return record
         if record is not None:  # resized in place: the old allocation ends here
             record.freed = self._clock
+        nbytes = _counted(storage, device, allocated)
         if self.device is None:
             self.device = _indexed(tensor.device)
-        # A fake tensor's storage is a meta storage; the tensor names the device it stands for.
-        device = tensor.device if isinstance(tensor, FakeTensor) else storage.device
         record = _Storage(nbytes, allocated, None, device)  # type: ignore[arg-type]
+        record.found = found and key not in self._storages
         record.module = self.module
         record.ref = weakref.ref(storage, self._freed_callback(key, record))
         self._storages[key] = record
@@ -235,17 +260,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def peak(self, labels: Iterable[str] | None = None) -> tuple[int, int]:
         """(peak live bytes, the clock tick reaching it), counting only ``labels`` if given."""
-        events: dict[int, int] = {}
-        for r in self._records(labels):
-            events[2 * r.allocated] = events.get(2 * r.allocated, 0) + r.nbytes
-            if r.freed is not None:  # frees at tick t happen after tick t's allocations
-                events[2 * r.freed + 1] = events.get(2 * r.freed + 1, 0) - r.nbytes
-        live = peak = peak_at = 0
-        for t in sorted(events):
-            live += events[t]
-            if live > peak:
-                peak, peak_at = live, t // 2
-        return peak, peak_at
+        return _peak_of(self._records(labels))
 
     def bytes_at_start(self) -> int:
         """What the owners and inputs held when tracking began."""
@@ -280,6 +295,27 @@ class MemoryTracker(TorchDispatchMode):
             method="tensor-storage",
             result=result,
         )
+
+
+def _peak_of(records: Iterable[_Storage]) -> tuple[int, int]:
+    events: dict[int, int] = {}
+    for r in records:
+        events[2 * r.allocated] = events.get(2 * r.allocated, 0) + r.nbytes
+        if r.freed is not None:  # frees at tick t happen after tick t's allocations
+            events[2 * r.freed + 1] = events.get(2 * r.freed + 1, 0) - r.nbytes
+    live = peak = peak_at = 0
+    for t in sorted(events):
+        live += events[t]
+        if live > peak:
+            peak, peak_at = live, t // 2
+    return peak, peak_at
+
+
+def _counted(storage: torch.UntypedStorage, device: torch.device, allocated: int) -> int:
+    """The bytes a storage counts for (NOTE [ Bytes the CUDA allocator counts ])."""
+    if allocated and device.type == "cuda":
+        return -(-storage.nbytes() // CUDA_BLOCK) * CUDA_BLOCK
+    return storage.nbytes()
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -355,27 +391,46 @@ def _measure(
     ``stand_ins``: real tensors the call may reach (through a closure) and the fakes whose
     storage is theirs in the prediction."""
     owners = _owners_in(*args, **kwargs)
-    device = _indexed(_device_of(owners, args, kwargs))
-    allocator = device.type == "cuda" and not predicted
-    if allocator:
+    named = _device_of(owners, args, kwargs)
+    # A call whose arguments name no device (a closure) is counted on the device where its
+    # tensors peak highest; on CUDA that may be any of them, so each allocator is followed.
+    if named is not None:
+        named = _indexed(named)
+        watched = [named] if named.type == "cuda" and not predicted else []
+    else:
+        watched = [] if predicted or not torch.cuda.is_available() else [
+            torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    starts = {}
+    for device in watched:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
+        starts[device] = torch.cuda.memory_allocated(device)
     leaves, _ = tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-    tracker = MemoryTracker(*owners, inputs=tensors, device=str(device))
+    tracker = MemoryTracker(*owners, inputs=tensors, device=str(named) if named else None)
+    tracker.allocator_devices = watched
     if stand_ins:
         tracker.stand_ins = {id(storage): (storage, fake) for real, fake in stand_ins.items()
                              for storage in [real.untyped_storage()]}  # held: ids stay theirs
     with tracker, watch(tracker, owners) if watch else contextlib.nullcontext():
         result = fn(*args, **kwargs)
+    if named is None:
+        tracker.device = tracker.busiest_device() or torch.device("cpu")
+    device = tracker.device
     if predicted:
         return replace(tracker.report(result), method="fake-tensor-storage")
-    if not allocator:
+    if device not in starts:
         return tracker.report(result)
     torch.cuda.synchronize(device)
-    report = tracker.report(result, at=tracker.allocator_peak_at)
-    peak = torch.cuda.max_memory_allocated(device) - start + tracker.bytes_at_start()
+    at = tracker.allocator_peak_tick(device)
+    report = tracker.report(result, at=at)
+    # The allocator's rise leaves out what was allocated before the call: the arguments' tensors,
+    # and those a closure holds, which count from their first use as they do on CPU and in a
+    # prediction.
+    found = sum(r.nbytes for r in tracker._records()
+                if r.found and r.allocated <= at and (r.freed is None or r.freed >= at))
+    peak = (torch.cuda.max_memory_allocated(device) - starts[device] + tracker.bytes_at_start()
+            + found)
     rest = report.model_state_bytes + report.inputs
     return MemoryReport(
         peak_bytes=peak,
@@ -392,7 +447,7 @@ def _measure(
     )
 
 
-def _device_of(owners: list, args: tuple, kwargs: dict) -> torch.device:
+def _device_of(owners: list, args: tuple, kwargs: dict) -> torch.device | None:
     for owner in owners:
         if isinstance(owner, nn.Module):
             for t in (*owner.parameters(), *owner.buffers()):
@@ -401,4 +456,4 @@ def _device_of(owners: list, args: tuple, kwargs: dict) -> torch.device:
     for leaf in leaves:
         if isinstance(leaf, Tensor):
             return leaf.device
-    return torch.device("cpu")
+    return None

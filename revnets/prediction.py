@@ -74,6 +74,13 @@ _RESIZES = {getattr(op, overload) for op in (torch.ops.aten.resize_, torch.ops.a
             for overload in op.overloads()}
 _SET_STORAGE = (torch.ops.aten.set_.source_Storage,
                 torch.ops.aten.set_.source_Storage_storage_offset)
+# Kernels whose memory torch's fake kernels do not know, by the device they run on.
+_UNKNOWN_KERNELS = {
+    torch.ops.aten._cudnn_rnn.default: (
+        "cuDNN's RNN kernel (nn.LSTM, nn.GRU or nn.RNN on CUDA) keeps a reserve of "
+        "activations whose size torch's fake kernel does not know (it says 0)"
+    ),
+}
 
 
 def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
@@ -122,7 +129,8 @@ class Predictor:
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
     ) -> MemoryReport:
         owners = _owners_in(*args, **kwargs)
-        device = _device_of(owners, args, kwargs)
+        # A call that takes no tensors (a closure) makes fakes of its tensors on their devices.
+        device = _device_of(owners, args, kwargs) or torch.device("cpu")
         memo: dict[int, Any] = {key: fake for key, (real, fake, layout) in self._made.items()
                                 if _layout(real) == layout}
         fake_args = tuple(self._to_fake(a, memo, device) for a in args)
@@ -327,6 +335,11 @@ class _LikeTheDevice(TorchDispatchMode):
         if func is _DEVICE_QUERY:  # a fake tensor's device, asked at every operator
             return func(*args, **kwargs)
         tensors = operator_tensors(args, kwargs)
+        if func in _UNKNOWN_KERNELS:
+            raise ValueError(
+                f"predict_memory: {_UNKNOWN_KERNELS[func]}, so its memory cannot be predicted; "
+                f"measure the step with measure_memory instead"
+            )
         for t in tensors:
             if not isinstance(t, FakeTensor):
                 # A view's gradient goes to its base (a tied weight's ``.T`` made beforehand).
@@ -396,7 +409,8 @@ class _LikeTheDevice(TorchDispatchMode):
                 device = generator.device if generator is not None else self.device
                 torch.empty(1, device=device).uniform_(generator=generator)
             return func(*args, **kwargs)
-        if self.device.type == "cpu" and func in CPU_OUTPUTS and self._ours(
+        on_cpu = all(t.device.type == "cpu" for t in tensors)  # the kernel that would run
+        if on_cpu and func in CPU_OUTPUTS and self._ours(
             [t for t in tensors if isinstance(t, FakeTensor)]
         ):  # real tensors among them (statistics a closure holds) are read for their sizes
             return CPU_OUTPUTS[func](*args, **kwargs)
@@ -413,7 +427,7 @@ class _LikeTheDevice(TorchDispatchMode):
                     f"on values, which a prediction does not compute; measure the step with "
                     f"measure_memory, or use dense gradients"
                 )
-        if self.device.type == "cpu" and func in CPU_KERNELS:
+        if on_cpu and func in CPU_KERNELS:
             return CPU_KERNELS[func](out, args, kwargs)
         if not tensors and isinstance(out, FakeTensor) and out.dim() == 0 and out.is_cpu:
             # A scalar made from numbers (ASGD's ``mu = torch.ones(())``, a GradScaler's

@@ -29,6 +29,34 @@ def test_peak_of_known_allocations():
     assert report.result == 512 * KiB + 10
 
 
+def test_a_call_that_names_no_device_is_counted_where_its_tensors_are():
+    """A closure's step on a GPU was counted on the CPU, where it holds almost nothing; the meta
+    device stands in for the GPU here."""
+
+    def fn():
+        small = torch.empty(KiB, dtype=torch.uint8)
+        elsewhere = torch.empty(64 * KiB, dtype=torch.uint8, device="meta")
+        return small.numel() + elsewhere.numel()
+
+    report = measure_memory(fn)
+    assert report.device == "meta"
+    assert report.peak_bytes == 64 * KiB
+
+
+def test_storages_allocated_on_cuda_count_as_the_allocators_512_byte_blocks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # fake CUDA tensors: no GPU needed
+        start = torch.empty(3, device="cuda:0")  # alive before: counted as its 12 bytes
+        with MemoryTracker(inputs=[start], device="cuda:0") as tracker:
+            one = start + 1  # 12 bytes: one 512-byte block
+            torch.empty(1000, device="cuda:0")  # 4000 bytes: 4096, while ``one`` lives
+            del one
+            torch.empty(0, device="cuda:0")  # nothing allocated
+    assert tracker.bytes_at_start() == 12
+    assert tracker.report().peak_bytes == 12 + 512 + 4096
+
+
 def test_freed_memory_is_reused_in_the_count():
     def fn():
         for _ in range(10):
@@ -230,6 +258,38 @@ def test_cuda_categories_are_split_at_the_allocator_peak():
              + report.activations)
     assert parts == report.peak_bytes
     assert report.gradients > 0  # at the allocator's peak (in backward) gradients exist
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_closure_on_cuda_is_measured_on_the_allocator():
+    """It was counted on the CPU, where it holds nothing. Given no arguments, the closure's
+    model counts from its first use (as on CPU), its gradients freed at the start not at all."""
+    model, optimizer, x = _warm_cuda_step()
+    with_arguments = measure_memory(_train_step, model, optimizer, x)
+    closure = measure_memory(lambda: _train_step(model, optimizer, x))
+    assert closure.method == "cuda-allocator" and closure.device.startswith("cuda")
+    assert closure.peak_bytes == pytest.approx(with_arguments.peak_bytes, rel=0.1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prediction_on_cuda_is_within_five_percent_of_the_allocator():
+    """Fake CUDA tensors counted in the allocator's 512-byte blocks (NOTE [ Bytes the CUDA
+    allocator counts ]); cuDNN's and cuBLAS's workspaces are beyond a prediction's reach."""
+    model, optimizer, x = _warm_cuda_step()
+    measured = measure_memory(_train_step, model, optimizer, x).peak_bytes
+    predicted = predict_memory(_train_step, model, optimizer, x).peak_bytes
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prediction_refuses_cudnns_rnn_by_name():
+    lstm = nn.LSTM(8, 16).cuda()
+    x = torch.randn(5, 2, 8, device="cuda")
+    with pytest.raises(ValueError, match="cuDNN's RNN kernel"):
+        predict_memory(lambda m, x: m(x)[0].sum().backward(), lstm, x)
 
 
 @pytest.mark.cuda

@@ -37,7 +37,7 @@ from revnets.planning.nested import (
 from revnets.planning.planned import PlannedModel
 from revnets.planning.profile import (
     LayerProfile,
-    _device_type,
+    _device,
     _nbytes,
     on_meta,
     profile_chain,
@@ -214,7 +214,7 @@ class _Planner:
                     sequence.set_memory(decision)
                 self.profiles[type(decision)] = profile_chain(list(chain), meta_input)
         self.profiles.setdefault(Reconstruct, self.profiles[Store])
-        if measure_time and _device_type(example_input) != "meta":
+        if measure_time and _device(example_input).type != "meta":
             self._store_all()
             # Once: times only order the plans.
             times = profile_chain(list(chain), _timing_input(example_input), repeats=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -50,8 +51,8 @@ def _nbytes(output: Any) -> int:
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _device_type(value: Any) -> str:
-    return next(t for t in tree_flatten(value)[0] if isinstance(t, Tensor)).device.type
+def _device(value: Any) -> torch.device:
+    return next(t for t in tree_flatten(value)[0] if isinstance(t, Tensor)).device
 
 
 def profile_chain(
@@ -105,12 +106,21 @@ def on_meta(layers: Sequence[nn.Module]) -> Iterator[None]:
             slots[name] = tensor
 
 
+def _synchronized_clock(device: torch.device) -> float:
+    torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> list[LayerProfile]:
     # Parameters and buffers (BatchNorm's running statistics) are model state, not activations.
     params = {
         id(t.untyped_storage()) for layer in layers for t in (*layer.parameters(), *layer.buffers())
     }
-    timed = _device_type(example_input) != "meta"
+    device = _device(example_input)
+    timed = device.type != "meta"
+    # A GPU runs kernels after their launch returns: a layer's time is up to the last one's end.
+    now = (functools.partial(_synchronized_clock, device) if device.type == "cuda"
+           else time.perf_counter)
     leaf = tree_map(_as_leaf, example_input)
     profiles = []
     # Kept outputs by their storage, and the layer that keeps each: a later layer that writes any
@@ -140,7 +150,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
         for _ in range(repeats if timed else 1):
             saved.clear()
             x = _writable(layer, leaf) if copies else leaf
-            start = time.perf_counter()
+            start = now()
             try:
                 # Untimed runs also see which outputs a selective checkpoint would keep.
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
@@ -155,12 +165,12 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 saved.clear()
                 x = _writable(layer, leaf, everything=True)
                 kept = _SelectiveOutputs()
-                start = time.perf_counter()
+                start = now()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
                     contextlib.nullcontext() if timed else kept
                 ):
                     y = layer(x)
-            seconds = min(seconds, time.perf_counter() - start)
+            seconds = min(seconds, now() - start)
         ends = _storage_ids(x) | _storage_ids(y)
         intermediate = sum(nbytes for key, nbytes in saved.items() if key not in ends)
         inplace = bool(getattr(layer, "inplace", False))
