@@ -164,9 +164,13 @@ def _budgeted(fraction: float, graph: torch.fx.GraphModule, inputs: list) -> Cal
         return compile_fx(graph, inputs)
 
 
-def cases(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor]]]:
+def cases(quick: bool, scale: int = 1) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor]]]:
+    """The three models at CPU-sized batches, each times ``scale`` (a GPU needs larger ones to
+    be busy rather than waiting on kernel launches)."""
+
     def gpt() -> tuple[nn.Module, Tensor, Tensor]:
         layers, width, length, batch = (2, 64, 32, 2) if quick else (6, 384, 256, 4)
+        batch *= scale
         model = GPT(4096, width, layers, 6 if not quick else 4, length)
         tokens = torch.randint(0, 4096, (batch, length))
         return model, tokens, torch.randint(0, 4096, (batch * length,))
@@ -175,11 +179,13 @@ def cases(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor
         # Sizes where activations, not the gradients of the weights, make the peak.
         model = torchvision.models.resnet18() if quick else torchvision.models.resnet50()
         size, batch = (32, 2) if quick else (128, 8)
+        batch *= scale
         return model, torch.randn(batch, 3, size, size), torch.randint(0, 1000, (batch,))
 
     def vit() -> tuple[nn.Module, Tensor, Tensor]:
         name = "deit_tiny_patch16_224" if quick else "vit_small_patch16_224"
         size, batch = (32, 2) if quick else (224, 8)
+        batch *= scale
         model = timm.create_model(name, img_size=size, num_classes=10)
         return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
 
@@ -187,16 +193,23 @@ def cases(quick: bool) -> dict[str, Callable[[], tuple[nn.Module, Tensor, Tensor
 
 
 def frontier(
-    name: str, build: Callable, repeats: int, quick: bool, device: torch.device
+    name: str,
+    build: Callable,
+    repeats: int,
+    device: torch.device,
+    keeps: tuple[float, ...] = KEEPS,
+    fractions: tuple[float, ...] = FRACTIONS,
 ) -> list[dict]:
     torch.manual_seed(0)
     model, x, y = (part.to(device) for part in build())
     model.train()
     steps: dict[str, Callable[[], None]] = {"eager": step_of(model, x, y)}
+    steps["eager"]()  # on a GPU, cuBLAS's and cuDNN's handles and workspaces are made once
+    model.zero_grad(set_to_none=True)
     eager_peak = revnets.measure_memory(steps["eager"]).peak_bytes
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     budgets, smallest = {}, None
-    for keep in KEEPS[::2] if quick else KEEPS:
+    for keep in keeps:
         budget = int(state + keep * (eager_peak - state))
         try:
             revnets.auto_checkpoint(model, x, budget, loss_fn=lambda out: F.cross_entropy(out, y))
@@ -219,7 +232,7 @@ def frontier(
         if wrapped is not None:
             steps["torch checkpoint " + ("SAC (matmuls kept)" if selective else "per block")] = \
                 step_of(wrapped, x, y)
-    for fraction in (1.0, *(FRACTIONS[::2] if quick else FRACTIONS)):
+    for fraction in (1.0, *fractions):
         steps[f"compile budget {fraction}"] = compiled(model, fraction, x, y)
     peaks = {}
     for key, step in steps.items():
@@ -230,6 +243,10 @@ def frontier(
     eager = statistics.median(times["eager"])
     return [{"model": name, "method": key, "peak_mib": round(peaks[key] / MiB, 2),
              "time_ratio": round(statistics.median(times[key]) / eager, 3)} for key in steps]
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in text.split(","))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -262,15 +279,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--keeps", type=_floats, default=None,
+                        help="revnets' budgets, as shares of the activation part kept "
+                             f"(default: {','.join(map(str, KEEPS))}; every other with --quick)")
+    parser.add_argument("--fractions", type=_floats, default=None,
+                        help="torch.compile's activation_memory_budget values besides 1.0 "
+                             f"(default: {','.join(map(str, FRACTIONS))}; every other with "
+                             "--quick)")
+    parser.add_argument("--batch-scale", type=int, default=1,
+                        help="each model's batch times this (default: %(default)s)")
     args = parser.parse_args(argv)
+    keeps = args.keeps or (KEEPS[::2] if args.quick else KEEPS)
+    fractions = args.fractions or (FRACTIONS[::2] if args.quick else FRACTIONS)
     device = torch.device(args.device)
     rows = []
-    for name, build in cases(args.quick).items():
+    for name, build in cases(args.quick, args.batch_scale).items():
         if args.only in name:
-            for row in frontier(name, build, args.repeats, args.quick, device):
+            for row in frontier(name, build, args.repeats, device, keeps, fractions):
                 print("  ", row, flush=True)
                 rows.append(row)
     stem = results_stem("frontier", device.type) + ("-quick" if args.quick else "") + (
+        f"-batch{args.batch_scale}x" if args.batch_scale != 1 else "") + (
         f"-{args.only}" if args.only else "")
     write_csv(args.results / f"{stem}.csv", rows)
     plot(rows, args.results / f"{stem}.png")

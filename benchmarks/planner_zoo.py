@@ -183,14 +183,16 @@ def plan(
     return planned, time.perf_counter() - start, None
 
 
-def run_case(case: Case, repeats: int) -> list[dict]:
+def run_case(case: Case, repeats: int, device: torch.device = torch.device("cpu")) -> list[dict]:
     torch.manual_seed(0)
-    model = case.build().train()
-    x, y = case.inputs()
+    model = case.build().train().to(device)
+    x, y = (t.to(device) for t in case.inputs())
     loss = ((lambda out: F.cross_entropy(out, y)) if case.loss == "cross_entropy"
             else (lambda out: out.float().sum()))
     if not case.measured:
         x = x.to("meta")  # the labels stay real: the prediction makes them fake on first use
+    elif device.type == "cuda":  # cuBLAS and cuDNN make their handles and workspaces once
+        train_step(model, x, loss)
     measure = functools.partial(
         revnets.measure_memory if case.measured else revnets.predict_memory, train_step)
     unplanned = measure(model, x, loss).peak_bytes
@@ -228,6 +230,8 @@ def run_case(case: Case, repeats: int) -> list[dict]:
         row.update({
             "cut_reached_pct": round(100 * (unplanned - peak) / (unplanned - state), 1),
             "measured_mib": round(peak / MiB, 2) if case.measured else "-",
+            "predicted_mib": round(predicted / MiB, 2),
+            "measured_minus_predicted_b": peak - predicted if case.measured else "-",
             "measured_eq_predicted": peak == predicted if case.measured else "-",
             "overhead_pct": round(100 * overhead, 1) if case.measured else "-",
             "verdict": ("refused, named budget plans" if "refused_named_mib" in row
@@ -239,7 +243,8 @@ def run_case(case: Case, repeats: int) -> list[dict]:
 
 
 FIELDS = ["model", "input", "cut_asked_pct", "budget_mib", "refused_named_mib", "cut_reached_pct",
-          "planning_s", "step_ms", "planning_steps", "measured_mib", "measured_eq_predicted",
+          "planning_s", "step_ms", "planning_steps", "measured_mib", "predicted_mib",
+          "measured_minus_predicted_b", "measured_eq_predicted",
           "overhead_pct", "verdict"]
 
 
@@ -250,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip", default=None, help="leave out models whose name contains this")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps for the overhead")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where tables go")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     args = parser.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     rows = []
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         ):
             continue
         start = time.perf_counter()
-        for row in run_case(case, args.repeats):
+        for row in run_case(case, args.repeats, torch.device(args.device)):
             print("  ", row, flush=True)
             rows.append(row)
         print(f"{case.name}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -268,31 +274,32 @@ def main(argv: list[str] | None = None) -> None:
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
     suffix = "-" + args.only.replace(",", "+") if args.only else ""
-    stem = results_stem("planner_zoo") + suffix
+    stem = results_stem("planner_zoo", torch.device(args.device).type) + suffix
     write_csv(args.results / f"{stem}.csv", [{f: r.get(f, "") for f in FIELDS} for r in rows])
     lines = [
         "# auto_checkpoint on models it was not tuned to",
         "",
-        provenance("planner_zoo.py" + (f" --only {args.only}" if args.only else "")),
+        provenance(" ".join(["planner_zoo.py", *sys.argv[1:]]), args.device),
         "",
         "Budget: the measured peak of one unplanned training step (cross-entropy on random "
         "labels the loss closes over) with its activation part (above "
         "parameters and gradients) cut by the share asked. Planning: wall-clock seconds of "
         "`auto_checkpoint` (forward times measured included). Measured: `measure_memory` of the "
-        "planned step; predicted: the plan's `peak_bytes`. A refusal is followed by a request "
-        "for the budget it names, which must plan. RevNet-992 (stored, unplanned) at batch 128 "
-        "needs more memory than "
-        "this machine has: it is planned on a meta input standing for a CPU one (no forward "
-        "times measured), its budget's base predicted, its plan's peak not measured. Overhead: "
+        "planned step (on CUDA: the caching allocator's peak, after one warm-up step that "
+        "makes cuBLAS's and cuDNN's handles); predicted: the plan's `peak_bytes`. A refusal "
+        "is followed by a request for the budget it names, which must plan. RevNet-992 "
+        "(stored, unplanned) at batch 128 needs more memory than this machine has: it is "
+        "planned on a meta input standing for a CPU one (no forward times measured), its "
+        "budget's base predicted, its plan's peak not measured. Overhead: "
         f"median of {args.repeats} interleaved steps, planned over unplanned; step: the "
         "unplanned step's median in the same run, and planning in those steps (the machine's "
         "speed moves from hour to hour, the ratio much less). Timing columns are "
         "from whatever machine ran this; the memory columns are deterministic.",
         "",
         "| model | input | cut asked | budget (MiB) | refused, named (MiB) | cut reached | "
-        "planning (s) | step (ms) | planning (steps) | measured (MiB) | measured == predicted | "
-        "overhead | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "planning (s) | step (ms) | planning (steps) | measured (MiB) | predicted (MiB) | "
+        "measured - predicted (B) | measured == predicted | overhead | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(f, "-")) for f in FIELDS) + " |")
