@@ -315,3 +315,28 @@ def test_trainer_compiles_once_for_training_and_evaluation(tmp_path, fresh_dynam
 
     result = train(config(*SMALL, "trainer.compile=true", "trainer.eval_every=2"), tmp_path)
     assert result["step"] == 4 and torch.isfinite(torch.tensor(result["val_loss"]))
+
+
+def test_a_planned_vit_compiles_into_one_graph(fresh_dynamo):
+    """A ViT's ``torch.cat([cls_token, x])`` reads a list from the traced graph: handed on as
+    torch.fx's immutable_list, dynamo broke the graph inside every checkpointed segment and
+    recompiled ``Checkpointed.forward`` per segment, up to the recompile limit."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, num_classes=10)
+    x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    loss = lambda out: F.cross_entropy(out, target)  # noqa: E731
+    try:
+        planned = revnets.auto_checkpoint(model, x, 0, loss_fn=loss, measure_time=False,
+                                          compiled=True)
+    except revnets.planning.PlanningError as refusal:  # the smallest plan: most segments
+        planned = revnets.auto_checkpoint(model, x, refusal.smallest_budget, loss_fn=loss,
+                                          measure_time=False, compiled=True)
+    assert str(planned.memory_plan).count("checkpoint") >= 1
+    loss(torch.compile(planned, backend="aot_eager")(x)).backward()
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1
+    compiled_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss(model(x)).backward()
+    for compiled_grad, p in zip(compiled_grads, model.parameters()):
+        torch.testing.assert_close(compiled_grad, p.grad, rtol=1e-4, atol=1e-5)

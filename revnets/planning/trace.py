@@ -119,7 +119,9 @@ def _resolve(value: Any, env: dict[str, Any], step: nn.Module) -> Any:
         return getattr(step, value.name)
     if isinstance(value, _Ref):
         return env[value.name]
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, list):  # a plain list, not fx's immutable_list: dynamo traces lists
+        return [_resolve(v, env, step) for v in value]
+    if isinstance(value, tuple):
         return type(value)(_resolve(v, env, step) for v in value)
     if isinstance(value, dict):
         return {k: _resolve(v, env, step) for k, v in value.items()}
