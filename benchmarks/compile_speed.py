@@ -89,7 +89,8 @@ def gradient_error(compiled: nn.Module, eager: nn.Module) -> float:
 
 
 def measure(
-    name: str, plan: str, batch: int, repeats: int, transforms: str = "eager", device: str = "cpu"
+    name: str, plan: str, batch: int, repeats: int, transforms: str = "eager", device: str = "cpu",
+    size: int | None = None,
 ) -> dict | None:
     model = build(name, plan, device)
     if model is None:
@@ -102,7 +103,8 @@ def measure(
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model)
-    size = INPUT.get(name, 32)
+    if size is None or any(name.startswith(prefix) for prefix in KWARGS):
+        size = INPUT.get(name, 32)
     x = torch.randn(batch, 3, size, size, device=device)
     target = torch.randint(0, 10, (batch,), device=device)
 
@@ -167,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
                         "default) or compiled where they allow it (NOTE [ Compiled transforms ])")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--out", default=None, help="results file stem (default: timm-style)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="image side for the CNNs (default: 64 for the ImageNet ones, else "
+                        "32); the Rev-ViTs keep their 32x32 configuration")
     args = parser.parse_args(argv)
     zoo = revnets_models()
     models = zoo if args.models == "all" else args.models.split(",")
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     command = " ".join(["compile_speed.py", *(sys.argv[1:] if argv is None else argv)])
     for name in models:
         for plan in plans:
-            row = measure(name, plan, args.batch, args.repeats, args.transforms, args.device)
+            row = measure(name, plan, args.batch, args.repeats, args.transforms, args.device,
+                          args.size)
             if row is not None:
                 print({k: v for k, v in row.items() if k != "break_reasons"}, flush=True)
                 rows.append(row)

@@ -37,6 +37,8 @@ MiB = 2**20
 # counts as its size rounded up to 512, measured or predicted, so that a prediction on fake CUDA
 # tensors adds up the way the allocator does. Storages alive at the start count as their size:
 # a measurement adds them to the allocator's rise during the call, which does not include them.
+# A tensor a closure holds, first met during the call, counts as a block from then on, measured
+# (added to the rise likewise) and predicted (its fake is made there).
 # What remains beyond a prediction's reach is memory no tensor holds (cuDNN and cuBLAS
 # workspaces, a fused kernel's scratch) and a cached block reused whole for a smaller request.
 CUDA_BLOCK = 512
