@@ -17,6 +17,7 @@ import timm
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -317,13 +318,31 @@ def test_trainer_compiles_once_for_training_and_evaluation(tmp_path, fresh_dynam
     assert result["step"] == 4 and torch.isfinite(torch.tensor(result["val_loss"]))
 
 
-def test_a_planned_vit_compiles_into_one_graph(fresh_dynamo):
-    """A ViT's ``torch.cat([cls_token, x])`` reads a list from the traced graph: handed on as
-    torch.fx's immutable_list, dynamo broke the graph inside every checkpointed segment and
-    recompiled ``Checkpointed.forward`` per segment, up to the recompile limit."""
+PLANNED = {
+    # name: (model, input): a ViT's ``torch.cat([cls_token, x])``, a window transformer, dense
+    # concatenations, squeeze-excitation, a GPT-like stack
+    "vit": (lambda: timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4,
+                                      num_classes=10), (2, 3, 32, 32)),
+    "swin": (lambda: timm.create_model("swin_tiny_patch4_window7_224", img_size=64,
+                                       window_size=4, num_classes=10), (1, 3, 64, 64)),
+    "densenet": (lambda: torchvision.models.densenet121(num_classes=10), (2, 3, 64, 64)),
+    "efficientnet": (lambda: timm.create_model("efficientnet_b0", num_classes=10),
+                     (2, 3, 64, 64)),
+}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "vit" else pytest.param(n, marks=pytest.mark.slow) for n in PLANNED]
+)
+def test_a_planned_model_compiles_into_one_graph(name, fresh_dynamo):
+    """A planned model's traced steps are plain code to dynamo. A ViT's ``torch.cat([cls_token,
+    x])`` read its list as torch.fx's immutable_list: dynamo broke the graph inside every
+    checkpointed segment and recompiled ``Checkpointed.forward`` per segment, up to the
+    recompile limit."""
+    build, shape = PLANNED[name]
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, num_classes=10)
-    x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    model = build()
+    x, target = torch.randn(shape), torch.arange(shape[0]) % 10
     loss = lambda out: F.cross_entropy(out, target)  # noqa: E731
     try:
         planned = revnets.auto_checkpoint(model, x, 0, loss_fn=loss, measure_time=False,
