@@ -147,8 +147,9 @@ class MemoryTracker(TorchDispatchMode):
         self.owners = owners
         self.inputs = list(inputs)
         self.device = _indexed(torch.device(device)) if device is not None else None
-        # CUDA devices whose allocator peak is followed: (peak, the tick that reached it) each.
-        self.allocator_devices = [self.device] if self.device and self.device.type == "cuda" else []
+        # CUDA devices whose allocator peak is followed, (peak, the tick that reached it) each;
+        # None: the tracker's own device if it is CUDA (named, or found at the first tensor).
+        self.allocator_devices: list[torch.device] | None = None
         self._allocator_peaks: dict[torch.device, tuple[int, int]] = {}
         self._clock = 0
         self._storages: dict[int, _Storage] = {}  # by id of the live storage object
@@ -192,7 +193,11 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in operator_tensors(out):
             self._see(t, allocated=self._clock)
-        for device in self.allocator_devices:
+        devices = self.allocator_devices
+        if devices is None:
+            cuda = self.device is not None and self.device.type == "cuda"
+            devices = [self.device] if cuda else []
+        for device in devices:
             # The allocator's peak only grows: the last operator that raised it is where the
             # step peaked, and that is the moment the categories are split at.
             peak = torch.cuda.max_memory_allocated(device)
@@ -204,11 +209,20 @@ class MemoryTracker(TorchDispatchMode):
         """The clock tick of the operator that raised ``device``'s allocator peak last."""
         return self._allocator_peaks.get(device, (0, 0))[1]
 
+    @property
+    def allocator_peak_at(self) -> int:
+        """The clock tick of the allocator's peak on the tracker's device, on CUDA."""
+        return self.allocator_peak_tick(self.device) if self.device is not None else 0
+
     def busiest_device(self) -> torch.device | None:
-        """The device whose storages peaked highest during tracking."""
-        devices = {r.device for r in self._history}
-        return max(devices, key=lambda d: _peak_of(r for r in self._history if r.device == d)[0],
-                   default=None)
+        """The device where the tracked call's own allocations peaked highest: tensors it only
+        read (a data set it slices) do not decide, nor does the meta device where a real one
+        was used."""
+        made = [r for r in self._history if not r.found and r.allocated]
+        devices = {r.device for r in made}
+        real = {d for d in devices if d.type != "meta"}
+        return max(real or devices, default=None,
+                   key=lambda d: _peak_of(r for r in made if r.device == d)[0])
 
     def _see(self, tensor: Tensor, allocated: int, found: bool = False) -> _Storage | None:
         try:
@@ -394,14 +408,14 @@ def _measure(
     storage is theirs in the prediction."""
     owners = _owners_in(*args, **kwargs)
     named = _device_of(owners, args, kwargs)
-    # A call whose arguments name no device (a closure) is counted on the device where its
-    # tensors peak highest; on CUDA that may be any of them, so each allocator is followed.
+    # A call whose arguments name no device (a closure) is counted on the device where its own
+    # allocations peak highest; if CUDA is in use, the current device's allocator is followed.
     if named is not None:
         named = _indexed(named)
         watched = [named] if named.type == "cuda" and not predicted else []
     else:
-        watched = [] if predicted or not torch.cuda.is_available() else [
-            torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        watched = [] if predicted or not torch.cuda.is_initialized() else [
+            torch.device("cuda", torch.cuda.current_device())]
     starts = {}
     for device in watched:
         torch.cuda.synchronize(device)
@@ -428,9 +442,8 @@ def _measure(
     report = tracker.report(result, at=at)
     # The allocator's rise leaves out what was allocated before the call: the arguments' tensors,
     # and those a closure holds, which count from their first use as they do on CPU and in a
-    # prediction.
-    found = sum(r.nbytes for r in tracker._records()
-                if r.found and r.allocated <= at and (r.freed is None or r.freed >= at))
+    # prediction; one freed before the peak lowered the rise by its size.
+    found = sum(r.nbytes for r in tracker._records() if r.found and r.allocated <= at)
     peak = (torch.cuda.max_memory_allocated(device) - starts[device] + tracker.bytes_at_start()
             + found)
     rest = report.model_state_bytes + report.inputs

@@ -30,17 +30,35 @@ def test_peak_of_known_allocations():
 
 
 def test_a_call_that_names_no_device_is_counted_where_its_tensors_are():
-    """A closure's step on a GPU was counted on the CPU, where it holds almost nothing; the meta
-    device stands in for the GPU here."""
+    """A closure's step on a GPU was counted on the CPU, where it holds almost nothing. Fake CUDA
+    tensors stand in for the GPU's here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     def fn():
         small = torch.empty(KiB, dtype=torch.uint8)
-        elsewhere = torch.empty(64 * KiB, dtype=torch.uint8, device="meta")
-        return small.numel() + elsewhere.numel()
+        on_the_gpu = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda:0")
+        return small.numel() + on_the_gpu.numel()
 
-    report = measure_memory(fn)
-    assert report.device == "meta"
+    with FakeTensorMode():
+        report = measure_memory(fn)
+    assert report.device == "cuda:0"
     assert report.peak_bytes == 64 * KiB
+
+
+def test_a_closure_is_counted_where_it_computes_not_where_its_data_or_meta_tensors_are():
+    """Tensors it only reads (a data set it slices) do not decide its device, nor do larger
+    meta tensors (shapes a planner keeps) where it computes on a real device."""
+    data = torch.randn(1000, 64)  # 256 KiB, read only
+    shapes = torch.empty(MiB, device="meta")
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def step():
+        shapes * 2
+        (data[:8] @ w).relu().sum().backward()
+
+    report = measure_memory(step)
+    assert report.device == "cpu"
+    assert data.nbytes <= report.peak_bytes < shapes.untyped_storage().nbytes()
 
 
 def test_storages_allocated_on_cuda_count_as_the_allocators_512_byte_blocks():
