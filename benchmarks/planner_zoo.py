@@ -279,7 +279,10 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     lines = [
         "# auto_checkpoint on models it was not tuned to",
         "",
-        provenance(" ".join(["planner_zoo.py", *sys.argv[1:]]), args.device),
+        provenance(" ".join(["planner_zoo.py", *(f"--{k} {v}" for k, v in vars(args).items()
+                                                 if v and v != RESULTS and k != "repeats"
+                                                 and not (k == "device" and v == "cpu"))]),
+                   args.device),
         "",
         "Budget: the measured peak of one unplanned training step (cross-entropy on random "
         "labels the loss closes over) with its activation part (above "
