@@ -56,7 +56,8 @@ class TorchCheckpointPerBlock(nn.Module):
 
 
 REVNETS_STORED = "revnets, last block stored"
-OURS = ("none", "revnets", REVNETS_STORED, "torch checkpoint")
+REVNETS_CHECKPOINT = "revnets checkpoint"
+OURS = ("none", "revnets", REVNETS_STORED, "torch checkpoint", REVNETS_CHECKPOINT)
 
 
 def wrap(library: str, pairs: list[tuple[nn.Module, nn.Module]]) -> nn.Module:
@@ -69,6 +70,9 @@ def wrap(library: str, pairs: list[tuple[nn.Module, nn.Module]]) -> nn.Module:
         return revnets.ReversibleSequence(blocks, revnets.Reconstruct(store_last_blocks=stored))
     if library == "torch checkpoint":
         return TorchCheckpointPerBlock([revnets.ReversibleBlock(f, g) for f, g in pairs])
+    if library == REVNETS_CHECKPOINT:  # the same, with revnets' replaying checkpoint
+        return nn.Sequential(*(revnets.Checkpointed(revnets.ReversibleBlock(f, g))
+                               for f, g in pairs))
     if library == "memcnn":
         import memcnn
 
