@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from revnets.replay.watch import operator_tensors
@@ -408,13 +408,16 @@ def _measure(
     storage is theirs in the prediction."""
     owners = _owners_in(*args, **kwargs)
     named = _device_of(owners, args, kwargs)
+    # Fake tensors (a prediction, or a call inside the caller's FakeTensorMode) allocate nothing.
+    allocator = not predicted and not any(
+        isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
     # A call whose arguments name no device (a closure) is counted on the device where its own
     # allocations peak highest; if CUDA is in use, the current device's allocator is followed.
     if named is not None:
         named = _indexed(named)
-        watched = [named] if named.type == "cuda" and not predicted else []
+        watched = [named] if named.type == "cuda" and allocator else []
     else:
-        watched = [] if predicted or not torch.cuda.is_initialized() else [
+        watched = [] if not allocator or not torch.cuda.is_initialized() else [
             torch.device("cuda", torch.cuda.current_device())]
     starts = {}
     for device in watched:
