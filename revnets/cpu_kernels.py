@@ -1,8 +1,10 @@
-"""Outputs of the CPU's kernels where their meta kernels allocate otherwise.
+"""Outputs of the CPU's kernels where their meta kernels allocate otherwise, and the kernels
+whose memory no fake kernel knows.
 
 A prediction (:mod:`revnets.prediction`) runs each operator's meta kernel on fake tensors; for
 the operators below, the CPU kernel's outputs differ in dtype, size or number, or the meta
 kernel is a slow decomposition. Each maps an operator to its outputs as the CPU allocates them.
+A prediction refuses the operators in ``UNKNOWN_KERNELS`` by name.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from torch import Tensor
 from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["CPU_KERNELS", "CPU_OUTPUTS"]
+__all__ = ["CPU_KERNELS", "CPU_OUTPUTS", "UNKNOWN_KERNELS"]
+
+# Kernels whose memory torch's fake kernels do not know, with what a refusal says of them.
+UNKNOWN_KERNELS = {
+    torch.ops.aten._cudnn_rnn.default: (
+        "cuDNN's RNN kernel (nn.LSTM, nn.GRU or nn.RNN on CUDA) keeps a reserve of "
+        "activations whose size torch's fake kernel does not know (it says 0)"
+    ),
+}
 
 
 # NOTE [ CPU kernels that allocate unlike their meta kernels ]

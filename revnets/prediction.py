@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS
+from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
 from revnets.fake_copies import (
     is_cpu_scalar,
     kept_as_found,
@@ -74,13 +74,6 @@ _RESIZES = {getattr(op, overload) for op in (torch.ops.aten.resize_, torch.ops.a
             for overload in op.overloads()}
 _SET_STORAGE = (torch.ops.aten.set_.source_Storage,
                 torch.ops.aten.set_.source_Storage_storage_offset)
-# Kernels whose memory torch's fake kernels do not know, by the device they run on.
-_UNKNOWN_KERNELS = {
-    torch.ops.aten._cudnn_rnn.default: (
-        "cuDNN's RNN kernel (nn.LSTM, nn.GRU or nn.RNN on CUDA) keeps a reserve of "
-        "activations whose size torch's fake kernel does not know (it says 0)"
-    ),
-}
 
 
 def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
@@ -335,9 +328,9 @@ class _LikeTheDevice(TorchDispatchMode):
         if func is _DEVICE_QUERY:  # a fake tensor's device, asked at every operator
             return func(*args, **kwargs)
         tensors = operator_tensors(args, kwargs)
-        if func in _UNKNOWN_KERNELS:
+        if func in UNKNOWN_KERNELS:
             raise ValueError(
-                f"predict_memory: {_UNKNOWN_KERNELS[func]}, so its memory cannot be predicted; "
+                f"predict_memory: {UNKNOWN_KERNELS[func]}, so its memory cannot be predicted; "
                 f"measure the step with measure_memory instead"
             )
         for t in tensors:
