@@ -13,6 +13,7 @@ outputs of each layer need recomputing.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import random
 from typing import Any
@@ -21,6 +22,8 @@ import torch.fx
 from torch import nn
 
 from revnets.invertible import Invertible
+from revnets.replay.known import KnownWalk, known_composite
+from revnets.replay.known_calls import call_kind
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["GraphStep", "NotAChainError", "as_graph_chain"]
@@ -31,6 +34,7 @@ class NotAChainError(ValueError):
     compute)."""
 
 
+@known_composite("target")
 class GraphStep(nn.Module):
     """One node of a traced graph: takes the live values before it, returns those after it.
 
@@ -64,6 +68,8 @@ class GraphStep(nn.Module):
         self.mutates_from: int | None = None
         self.mutated: str | None = None  # the name of the value it overwrites
         self.inplace = False
+        self.writes_in_place = _writes_in_place(node, root)
+        self._call_kind: Any = False  # not looked up yet (call_kind gives a kind or None)
 
     def _reference(self, node: torch.fx.Node, root: nn.Module) -> Any:
         if node.op != "get_attr":
@@ -95,6 +101,28 @@ class GraphStep(nn.Module):
         if self.outputs is None:
             return _resolve(self.result, env, self)
         return tuple(env[name] for name in self.outputs)
+
+    def walk_known(self, walk: KnownWalk) -> bool:
+        """Whether this step calls only known code (NOTE [ Known layers ], NOTE [ Known calls ]),
+        following which of the graph's values are memory the walked run made."""
+        if self._buffers:
+            return False  # read directly, a buffer might be statistics a norm updates
+        first = self.args[0] if self.args else None
+        into_fresh = type(first) is _Ref and first.name in walk.fresh_values
+        if self.op == "call_module":
+            walk.fresh = into_fresh
+            if not walk.module(self.module):
+                return False
+            fresh = walk.fresh
+        else:
+            if self._call_kind is False:  # the target and its constant arguments never change
+                self._call_kind = call_kind(self.op, self.target, self.args, self.kwargs)
+            fresh = walk.call(self._call_kind, self.writes_in_place, into_fresh)
+            if fresh is None:
+                return False
+        if fresh:
+            walk.fresh_values.add(self.label)
+        return True
 
     def extra_repr(self) -> str:
         target = self.target if isinstance(self.target, str) else self.target.__name__
@@ -135,23 +163,36 @@ _INPLACE_OPERATORS = {
 }
 
 
-def _mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | None:
-    """The input a node overwrites in place, if any (by the conventions torch code follows)."""
+def _writes_in_place(node: torch.fx.Node, root: nn.Module) -> bool:
+    """Whether a node overwrites its first argument (by the conventions torch code follows)."""
     if node.op == "call_module":
-        inplace = bool(getattr(root.get_submodule(node.target), "inplace", False))
-    elif node.op == "call_function":
+        return bool(getattr(root.get_submodule(node.target), "inplace", False))
+    if node.op == "call_function":
         name = getattr(node.target, "__name__", "")
-        inplace = (
+        return (
             node.target in _INPLACE_OPERATORS
-            or bool(node.kwargs.get("inplace", False))
+            or _inplace_argument(node.target, node.args, node.kwargs)
             or (name.endswith("_") and not name.startswith("_"))
         )
-    elif node.op == "call_method":
-        inplace = str(node.target).endswith("_") or bool(node.kwargs.get("inplace", False))
-    else:
-        inplace = False
+    if node.op == "call_method":
+        return str(node.target).endswith("_") or bool(node.kwargs.get("inplace", False))
+    return False
+
+
+def _inplace_argument(target: Any, args: tuple, kwargs: dict) -> bool:
+    # F.relu(x, True) says it positionally.
+    try:
+        bound = inspect.signature(target).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return bool(kwargs.get("inplace", False))
+    return bool(bound.arguments.get("inplace", False))
+
+
+def _mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | None:
+    """The input a node overwrites in place, if any."""
     first = node.args[0] if node.args else None
-    return first if inplace and isinstance(first, torch.fx.Node) else None
+    writes = _writes_in_place(node, root)
+    return first if writes and isinstance(first, torch.fx.Node) else None
 
 
 class _Tracer(torch.fx.Tracer):

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from revnets.replay.known_calls import CallKind
 from revnets.replay.state import _CPU_STATE_BYTES, _default_generator
 
-__all__ = ["KnownRun", "known_run"]
+__all__ = ["KnownRun", "KnownWalk", "known_code", "known_composite", "known_run"]
 
 # NOTE [ Known layers ]
 # The watch (watch.py) sees every operator a run calls, because user code can draw from any
@@ -25,11 +26,15 @@ __all__ = ["KnownRun", "known_run"]
 # torch.nn.functional and the torch functions and Tensor methods they call, none patched) writes
 # only into memory its run created and into batch norm's statistics, and draws only from its
 # device's default generator. A transform made only of such layers, nested in plain
-# nn.Sequential, is recorded without the watch: the recording keeps the device generator's state
-# if a layer that draws is in training mode, and nothing else, which is what the watch would
-# find. Three cases still need the watch and fall back to it:
+# nn.Sequential or in revnets' own composites (a ReversibleBlock with one of revnets' couplings,
+# the steps of a traced graph calling known layers, functions and methods: NOTE [ Known calls ]
+# in known_calls.py), is recorded without the watch: the recording keeps the device generator's
+# state if a layer that draws is in training mode, and nothing else, which is what the watch
+# would find. A composite shows KnownWalk every call its forward makes (``walk_known``), and its
+# class is checked as made like torch's. Three cases still need the watch and fall back to it:
 #   - a layer that writes into its input (``inplace=True``) with nothing before it in the chain
-#     that made fresh memory: it would write into the caller's tensor;
+#     that made fresh memory (in a traced graph: a value no known step of the run made): it
+#     would write into the caller's tensor;
 #   - any hook, global or on a layer, since hooks are user code;
 #   - a norm given running statistics it does not track (InstanceNorm still updates them), and
 #     norms in training and in eval mode together (one might read statistics the other updates).
@@ -40,7 +45,7 @@ __all__ = ["KnownRun", "known_run"]
 # Layers whose output is always fresh memory.
 _FRESH = frozenset({
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.Linear, nn.Bilinear,
+    nn.Linear, nn.Bilinear, nn.Embedding,
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
     nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
@@ -163,31 +168,6 @@ def _as_made(namespaces: Iterable[_AsMade], verified: set[Any] | None) -> bool:
     return True
 
 
-def _layers_in_order(
-    roots: Sequence[nn.Module], verified: set[Any] | None = None
-) -> list[nn.Module] | None:
-    """The layers in the order a forward runs them, or None if something is not known."""
-    order: list[nn.Module] = []
-    kinds: set[type] = {nn.Sequential}
-    stack = list(reversed(roots))
-    while stack:
-        m = stack.pop()
-        if (
-            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-            or m._backward_pre_hooks or any(map(callable, vars(m).values()))
-        ):
-            return None  # hooks, or a forward or helper method set on the instance
-        kind = type(m)
-        if kind is nn.Sequential:
-            stack += [c for c in reversed(m._modules.values()) if c is not None]
-        elif kind in _KNOWN and not m._modules and _states_as_made(m):
-            order.append(m)
-            kinds.add(kind)
-        else:
-            return None
-    return order if _as_made(_made(frozenset(kinds)), verified) else None
-
-
 @functools.cache
 def _made(kinds: frozenset[type]) -> frozenset[_AsMade]:
     """The class namespaces that layers of ``kinds`` run code from."""
@@ -199,11 +179,13 @@ def _keeps_statistics(m: nn.Module) -> bool:
 
 
 def _states_as_made(m: nn.Module) -> bool:
+    """Whether a known layer's settings keep it within NOTE [ Known layers ]."""
     # A norm given running statistics it does not track (track_running_stats turned off after
     # construction) still updates them in some kernels (instance norm): the watch sees it.
     if isinstance(m, nn.modules.batchnorm._NormBase):
         return (m.running_mean is not None) == m.track_running_stats
-    return True
+    # An embedding with max_norm renormalises the rows it reads in place, in its weight.
+    return type(m) is not nn.Embedding or m.max_norm is None
 
 
 def known_run(
@@ -216,27 +198,101 @@ def known_run(
     namespaces already found as torch made them in this chain of recordings (RecordingChain)."""
     if device is None or _user_code_everywhere(verified):
         return None
-    order = _layers_in_order(roots, verified)
-    if order is None:
+    walk = KnownWalk()
+    if not walk.modules(roots) or not _as_made(_made(frozenset(walk.kinds)), verified):
         return None
-    statistics = {m.training for m in order if _keeps_statistics(m)}
+    statistics = {m.training for m in walk.layers if _keeps_statistics(m)}
     if len(statistics) > 1:
         return None  # an eval-mode norm might read what a training one updates
-    fresh, draws = False, False
-    for m in order:
+    return KnownRun(device if walk.draws and keep_random else None, walk.draws)
+
+
+class KnownWalk:
+    """The calls a forward makes, in order, while every one is known (NOTE [ Known layers ]).
+
+    ``layers``: the known layers it calls; ``kinds``: the classes whose code runs; ``draws``:
+    whether one may draw random numbers. ``fresh``: whether the value the next layer of a chain
+    receives is memory the run made (a layer that writes into its input is known only then);
+    ``fresh_values``: the same for the named values of a traced graph (known composites'
+    ``walk_known`` keep them).
+    """
+
+    def __init__(self) -> None:
+        self.layers: list[nn.Module] = []
+        self.kinds: set[type] = {nn.Sequential}
+        self.draws = False
+        self.fresh = False
+        self.fresh_values: set[str] = set()
+
+    def modules(self, modules: Iterable[nn.Module]) -> bool:
+        return all(self.module(m) for m in modules)
+
+    def module(self, m: nn.Module) -> bool:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
         kind = type(m)
+        code = _COMPOSITES.get(kind)
+        attributes = vars(m)
+        if any(callable(v) for k, v in attributes.items() if code is None or k not in code):
+            return False  # a forward or helper method set on the instance
+        if code is not None:
+            self.kinds.add(kind)
+            return m.walk_known(self)
+        if kind is nn.Sequential:
+            return self.modules(c for c in m._modules.values() if c is not None)
+        if kind not in _KNOWN or m._modules or not _states_as_made(m):
+            return False
         # Known layers keep these flags as plain attributes (no getattr: a miss raises inside
-        # nn.Module.__getattr__, which costs more than the rest of this loop).
-        d = vars(m)
-        inplace = d.get("inplace", False)
-        if inplace and not fresh:
-            return None  # it would write into the caller's tensor
+        # nn.Module.__getattr__, which costs more than the rest of the walk).
+        inplace = attributes.get("inplace", False)
+        if inplace and not self.fresh:
+            return False  # it would write into the caller's tensor
         if kind in _DRAWING:
-            draws = draws or (m.training and d.get("p", 1.0) != 0)
-            fresh = fresh or (m.training and not inplace and d.get("p", 1.0) != 0)
+            drawing = m.training and attributes.get("p", 1.0) != 0
+            self.draws = self.draws or drawing
+            self.fresh = self.fresh or (drawing and not inplace)
         elif kind in _FRESH or (kind in _ACTIVATIONS and not inplace):
-            fresh = True
-    return KnownRun(device if draws and keep_random else None, draws)
+            self.fresh = True
+        self.layers.append(m)
+        self.kinds.add(kind)
+        return True
+
+    def call(self, kind: CallKind | None, writes: bool, into_fresh: bool) -> bool | None:
+        """A torch function or Tensor method of ``kind`` (known_calls.py; None: not known),
+        writing into its first argument or not, whose first argument is memory the run made or
+        not: whether its result is memory the run made, or None if the call is not known."""
+        if kind is None or (writes and not into_fresh):
+            return None
+        self.draws = self.draws or kind.draws
+        return into_fresh or kind.fresh
+
+
+# Classes of revnets' own whose forward calls only what the walk is shown (their ``walk_known``),
+# with the instance attributes allowed to hold code (a traced step's target function).
+_COMPOSITES: dict[type, frozenset[str]] = {}
+
+
+def known_code(cls: type) -> type:
+    """Register a class of revnets' own whose methods a known run may call (a coupling): like
+    torch's layer classes, its code must stay as revnets made it."""
+    for c in cls.__mro__:
+        if c is not object and c not in _CLASSES:
+            _CLASSES[c] = _AsMade(c)
+    _MRO[cls] = frozenset(_CLASSES[c] for c in cls.__mro__ if c is not object)
+    return cls
+
+
+def known_composite(*code_attributes: str) -> Any:
+    """Class decorator: a module of revnets' own (a reversible block, a traced graph's step)
+    whose ``walk_known(walk)`` shows the walk every call its forward makes, in order, and returns
+    whether all of them are known (NOTE [ Known layers ])."""
+
+    def register(cls: type) -> type:
+        known_code(cls)
+        _COMPOSITES[cls] = frozenset(code_attributes)
+        return cls
+
+    return register
 
 
 class KnownRun:

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from revnets.reversible.coupling import Coupling, make_coupling
+from revnets.replay.known import KnownWalk, known_composite
+from revnets.reversible.coupling import KNOWN_COUPLINGS, Coupling, make_coupling
 
 __all__ = ["ReversibleBlock", "split_halves"]
 
@@ -28,7 +29,7 @@ def split_halves(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return x1, x2
 
 
-
+@known_composite()
 class ReversibleBlock(nn.Module):
     """One reversible residual unit: ``y1 = combine(x1, f(x2))``, ``y2 = combine(x2, g(y1))``.
 
@@ -123,6 +124,18 @@ class ReversibleBlock(nn.Module):
                 "(wrap it in revnets.Checkpointed to save its memory)"
             )
         return h
+
+    def walk_known(self, walk: KnownWalk) -> bool:
+        """Whether a call runs only known code (NOTE [ Known layers ]): f on a view of the
+        input, then g on the coupling's fresh output."""
+        coupling = self.coupling
+        if type(coupling) not in KNOWN_COUPLINGS or any(map(callable, vars(coupling).values())):
+            return False
+        walk.kinds.add(type(coupling))
+        if not walk.module(self.f):
+            return False
+        walk.fresh = True
+        return walk.module(self.g)
 
     @staticmethod
     def _modified_input_error(name: str, fn: nn.Module) -> RuntimeError:

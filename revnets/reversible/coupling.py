@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from revnets.replay.known import known_code
 from revnets.reversible import grid
 
 __all__ = [
-    "AdditiveCoupling", "AffineCoupling", "Coupling", "ExactAdditiveCoupling", "make_coupling",
+    "KNOWN_COUPLINGS", "AdditiveCoupling", "AffineCoupling", "Coupling", "ExactAdditiveCoupling",
+    "make_coupling",
 ]
 
 
@@ -135,6 +137,14 @@ class AffineCoupling(Coupling):
 
     def __repr__(self) -> str:
         return f"AffineCoupling(dim={self.dim}, max_log_scale={self.max_log_scale})"
+
+
+# Couplings whose code is revnets' own, running torch operators that draw nothing and write
+# only into memory they made: a block using one is known where its f and g are
+# (NOTE [ Known layers ]).
+KNOWN_COUPLINGS = frozenset(
+    known_code(c) for c in (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling)
+)
 
 
 def make_coupling(coupling: str | Coupling, split_dim: int) -> Coupling:

@@ -1,0 +1,138 @@
+"""torch functions and Tensor methods whose effects are known, for the steps of a traced graph
+recorded without the watch (NOTE [ Known layers ], NOTE [ Known calls ])."""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CallKind", "call_kind"]
+
+# NOTE [ Known calls ]
+# A traced graph's step (revnets.planning.trace.GraphStep) calls a torch.nn layer, a function or
+# a Tensor method. A function is known by identity: the graph holds the function object torch
+# made (a patch made after tracing does not reach it, one made before is another object). It
+# is known only if it is one of torch's compiled functions, an operator, or a function of
+# torch.nn.functional, whose namespace the known-layers check already compares with what torch
+# made. A method is known by name, looked up on torch.Tensor, whose namespace is compared too.
+# What a known call does, besides computing its result:
+#   - ``fresh``: it returns memory it allocated; otherwise it may return its first argument or
+#     a view of it (a reshape, a dropout in eval mode), which is memory the run made only if
+#     that argument was;
+#   - ``draws``: it may draw from its input device's default generator (dropout, attention with
+#     dropout), and only from it: a ``generator=`` or ``device=`` argument makes it unknown;
+#   - a write into its first argument (an in-place method, ``inplace=True``, ``+=``), known only
+#     where that argument is memory the run made (KnownWalk.call), as for in-place layers.
+# Nothing here reads or writes module state: a step reading a buffer directly is not known.
+
+
+@dataclass(frozen=True)
+class CallKind:
+    fresh: bool
+    draws: bool = False
+
+
+FRESH, PASSING = CallKind(True), CallKind(False)
+DRAWING, DRAWING_FRESH = CallKind(False, draws=True), CallKind(True, draws=True)
+
+
+def _builtins(namespace: Any, names: str) -> list[Any]:
+    # torch's compiled functions only: one written in Python looks up names that no check covers.
+    found = [getattr(namespace, n) for n in names.split()]
+    return [f for f in found if isinstance(f, types.BuiltinFunctionType)]
+
+
+_FUNCTIONS: dict[Any, CallKind] = {
+    **dict.fromkeys(_builtins(torch, """
+        add sub mul div true_divide matmul mm bmm baddbmm addmm einsum cat concat stack softmax
+        log_softmax sigmoid tanh relu exp log sqrt rsqrt pow abs neg mean sum cumsum amax amin
+        maximum minimum clamp where masked_fill erf sin cos outer layer_norm group_norm
+        arange zeros ones full zeros_like ones_like full_like empty empty_like roll flip
+        repeat_interleave tril triu"""), FRESH),
+    **dict.fromkeys(_builtins(torch, """
+        flatten reshape transpose permute chunk unbind squeeze unsqueeze narrow select
+        movedim swapaxes t"""), PASSING),
+    **dict.fromkeys(_builtins(torch, "dropout"), DRAWING),
+    **dict.fromkeys(_builtins(torch, "bernoulli rand_like randn_like"), DRAWING_FRESH),
+    **dict.fromkeys([
+        operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+        operator.mod, operator.pow, operator.neg, operator.matmul,
+        operator.iadd, operator.isub, operator.imul, operator.itruediv,
+        F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu,
+        F.hardtanh, F.hardswish, F.hardsigmoid, F.softplus, F.sigmoid, F.tanh, F.softmax,
+        F.log_softmax, F.layer_norm, F.group_norm, F.rms_norm, F.normalize, F.linear,
+        F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+        F.conv_transpose3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.max_pool1d,
+        F.max_pool2d, F.max_pool3d, F.embedding, F.glu, F.one_hot,
+    ], FRESH),
+    **dict.fromkeys([
+        operator.getitem, getattr, F.pad, F.interpolate, F.adaptive_avg_pool1d,
+        F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
+        F.adaptive_max_pool2d, F.adaptive_max_pool3d, F.pixel_shuffle, F.pixel_unshuffle,
+    ], PASSING),
+    **dict.fromkeys([
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+        F.feature_alpha_dropout,
+    ], DRAWING),
+    F.scaled_dot_product_attention: DRAWING_FRESH,
+}
+_METHODS: dict[str, CallKind] = {
+    **dict.fromkeys("""
+        add sub mul div matmul mm bmm softmax log_softmax sigmoid tanh relu exp log sqrt rsqrt
+        pow abs neg mean sum cumsum amax amin clamp masked_fill clone repeat flip roll var std
+        norm erf sin cos tril triu __add__ __sub__ __mul__ __truediv__ __matmul__ __neg__
+        __radd__ __rsub__ __rmul__""".split(), FRESH),
+    **dict.fromkeys("""
+        view reshape flatten unflatten permute transpose contiguous size dim chunk split unbind
+        unsqueeze squeeze expand expand_as view_as reshape_as t narrow select movedim
+        float double half bfloat16 to type_as __getitem__""".split(), PASSING),
+}
+# In-place methods whose out-of-place form is known, and those that only fill their argument.
+_WRITING_METHODS = frozenset({
+    *(f"{name}_" for name, kind in _METHODS.items() if kind.fresh and not name.startswith("__")),
+    "zero_", "fill_", "copy_", "masked_fill_", "clamp_",
+})
+
+
+def call_kind(op: str, target: Any, args: tuple, kwargs: dict) -> CallKind | None:
+    """What a graph's ``call_function`` or ``call_method`` does (NOTE [ Known calls ]), or None
+    when it is not known. Arguments that are values of the graph stand for anything."""
+    if "generator" in kwargs:
+        return None  # a generator of the caller's, which only the watch finds
+    if op == "call_method":
+        return _METHODS.get(target) or (PASSING if target in _WRITING_METHODS else None)
+    try:
+        kind = _FUNCTIONS.get(target)
+    except TypeError:  # an unhashable callable
+        return None
+    if kind is None or not kind.draws:
+        return kind
+    if "device" in kwargs:
+        return None  # it would draw from another device's generator
+    return kind if _may_draw(target, args, kwargs) else CallKind(kind.fresh)
+
+
+def _may_draw(target: Any, args: tuple, kwargs: dict) -> bool:
+    """False only where the arguments say it does not draw (training off, a rate of 0);
+    attention returns fresh memory either way, a dropout in eval mode its input."""
+    try:
+        bound = inspect.signature(target).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return True
+    bound.apply_defaults()
+    found = bound.arguments
+    if "dropout_p" in found:
+        return _constant(found["dropout_p"]) != 0
+    flag = found.get("training", found.get("train", True))
+    return _constant(flag) is not False and _constant(found.get("p", 1.0)) != 0
+
+
+def _constant(value: Any) -> Any:
+    # A graph value (a Ref) is not a bool or a number: it may be anything.
+    return value if isinstance(value, (bool, int, float)) else True

@@ -1,0 +1,188 @@
+"""revnets' own composites of known layers are recorded without the dispatcher's watch (NOTE [ Known
+layers ], NOTE [ Known calls ]): a ReversibleBlock with one of revnets' couplings and the steps of a
+traced graph calling torch.nn layers, torch functions and Tensor methods. Each case trains exactly
+like the same modules under ordinary autograd (float64, 1e-10, batch norm statistics equal), or is
+shown to take the watched path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import revnets
+from revnets.planning import as_graph_chain
+from revnets.replay.known import known_run
+
+from conftest import max_grad_error, rel_error, twin
+
+CPU = torch.device("cpu")
+WIDTH = 6
+
+
+def unit(first_inplace=False):
+    return nn.Sequential(
+        nn.ReLU(inplace=True) if first_inplace else nn.Identity(),
+        nn.Linear(WIDTH, WIDTH, bias=False), nn.BatchNorm1d(WIDTH), nn.ReLU(inplace=True),
+        nn.Dropout(0.3), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+    )
+
+
+class MyCoupling(revnets.AdditiveCoupling):
+    pass
+
+
+class Functional(nn.Module):
+    """Functions and methods torch made, with dropout, batch norm and in-place writes into
+    memory the forward made."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, 2 * WIDTH)
+        self.norm = nn.BatchNorm1d(WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = self.a(x)
+        u, v = h.chunk(2, dim=-1)
+        u = F.relu(self.norm(u), True)  # in place, positionally, into the norm's output
+        h = u * torch.sigmoid(v)
+        h = F.dropout(h, 0.25, self.training)
+        h = h.transpose(0, 1).contiguous().transpose(0, 1)
+        h += x  # in place into memory the forward made
+        return self.b(h).tanh()
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.a(x)
+
+
+class ReadsABuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("scale", torch.ones(WIDTH))
+
+    def forward(self, x):
+        return self.a(x) * self.scale
+
+
+class DrawsFromItsGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.generator = torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        return self.a(x) + torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+
+
+def chain(model):
+    return as_graph_chain(model)
+
+
+def twice_as_wide():
+    return nn.Sequential(unit(), nn.Linear(WIDTH, 2 * WIDTH))
+
+
+KNOWN_BLOCKS = {
+    "additive": lambda: revnets.ReversibleBlock(unit(), unit(), split_dim=-1),
+    "affine": lambda: revnets.ReversibleBlock(
+        twice_as_wide(), twice_as_wide(), "affine", split_dim=-1
+    ),
+    "exact": lambda: revnets.ReversibleBlock(
+        unit(), unit(), revnets.ExactAdditiveCoupling(), split_dim=-1
+    ),
+}
+
+
+@pytest.mark.parametrize("make", KNOWN_BLOCKS.values(), ids=KNOWN_BLOCKS.keys())
+def test_a_reversible_block_of_known_layers_is_recorded_without_the_watch(make):
+    assert known_run([make()], CPU, keep_random=True) is not None
+
+
+WATCHED_BLOCKS = {
+    # f would write into a view of the caller's tensor
+    "f_writes_its_input": lambda: revnets.ReversibleBlock(unit(first_inplace=True), unit()),
+    "coupling_of_ones_own": lambda: revnets.ReversibleBlock(unit(), unit(), MyCoupling()),
+    "hook_on_the_block": lambda: _hooked(revnets.ReversibleBlock(unit(), unit())),
+    "method_on_the_instance": lambda: _with_method(revnets.ReversibleBlock(unit(), unit())),
+    "user_f": lambda: revnets.ReversibleBlock(WritesItsInput(), unit()),
+}
+
+
+def _hooked(m):
+    m.register_forward_hook(lambda *args: None)
+    return m
+
+
+def _with_method(m):
+    m.merge = lambda a, b: torch.cat((a, b), dim=-1)
+    return m
+
+
+@pytest.mark.parametrize("make", WATCHED_BLOCKS.values(), ids=WATCHED_BLOCKS.keys())
+def test_a_block_with_anything_else_is_watched(make):
+    assert known_run([make()], CPU, keep_random=True) is None
+
+
+def test_the_steps_of_a_traced_graph_of_known_calls_are_recorded_without_the_watch():
+    assert known_run([chain(Functional())], CPU, keep_random=True) is not None
+
+
+@pytest.mark.parametrize("make", [WritesItsInput, ReadsABuffer, DrawsFromItsGenerator],
+                         ids=["writes_its_input", "reads_a_buffer", "own_generator"])
+def test_graph_steps_calling_anything_else_are_watched(make):
+    assert known_run([chain(make())], CPU, keep_random=True) is None
+
+
+def test_a_positional_inplace_flag_marks_the_step_that_writes():
+    steps = list(chain(Functional()))
+    relu = next(s for s in steps if s.target is F.relu)
+    assert relu.writes_in_place
+    assert relu.mutated is not None and steps[relu.mutates_from].label == relu.mutated
+
+
+def trains_like_ordinary_autograd(make, steps=3):
+    torch.manual_seed(0)
+    model = make().double()
+    reference = twin(model)
+    x = torch.randn(8, model_width(model), dtype=torch.float64)
+    x, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for seed in range(steps):
+        for m, xi in ((model, x), (reference, x_reference)):
+            torch.manual_seed(seed)
+            m(xi).square().sum().backward()
+    assert rel_error(x.grad, x_reference.grad) <= 1e-10
+    assert max_grad_error(model, reference) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), reference.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+def model_width(model):
+    return 2 * WIDTH if any(isinstance(m, revnets.ReversibleBlock) for m in model.modules()) \
+        else WIDTH
+
+
+def test_checkpointed_reversible_blocks_train_like_ordinary_autograd():
+    # Dropout and batch norm inside f and g: the replay draws the same masks and updates the
+    # statistics once.
+    def make():
+        return nn.Sequential(*(
+            revnets.Checkpointed(revnets.ReversibleBlock(unit(), unit(), split_dim=-1))
+            for _ in range(3)
+        ))
+
+    trains_like_ordinary_autograd(make)
+
+
+def test_checkpointed_graph_steps_train_like_ordinary_autograd():
+    def make():
+        return revnets.checkpoint_segments(chain(nn.Sequential(Functional(), Functional())), 3)
+
+    trains_like_ordinary_autograd(make)
