@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from revnets.plan import Checkpoint, Store
@@ -79,7 +80,8 @@ def checkpoint(
             module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
             **({"context_fn": _selective_contexts} if selective else {}), **kwargs,
         )
-    device = next((t.device for t in args if isinstance(t, Tensor)), None)
+    # The first tensor's device, also inside the tuple a traced graph's steps hand on.
+    device = next((t.device for t in tree_leaves(args) if isinstance(t, Tensor)), None)
     replay = _Replay(module, preserve_rng_state, device, selective)
     return torch.utils.checkpoint.checkpoint(
         module,

@@ -46,7 +46,7 @@ class Functional(nn.Module):
         u, v = h.chunk(2, dim=-1)
         u = F.relu(self.norm(u), True)  # in place, positionally, into the norm's output
         h = u * torch.sigmoid(v)
-        h = F.dropout(h, 0.25, self.training)
+        h = F.dropout(h, 0.25)  # drawing in both modes: a trace must not read self.training
         h = h.transpose(0, 1).contiguous().transpose(0, 1)
         h += x  # in place into memory the forward made
         return self.b(h).tanh()
@@ -95,9 +95,6 @@ KNOWN_BLOCKS = {
     "affine": lambda: revnets.ReversibleBlock(
         twice_as_wide(), twice_as_wide(), "affine", split_dim=-1
     ),
-    "exact": lambda: revnets.ReversibleBlock(
-        unit(), unit(), revnets.ExactAdditiveCoupling(), split_dim=-1
-    ),
 }
 
 
@@ -110,6 +107,10 @@ WATCHED_BLOCKS = {
     # f would write into a view of the caller's tensor
     "f_writes_its_input": lambda: revnets.ReversibleBlock(unit(first_inplace=True), unit()),
     "coupling_of_ones_own": lambda: revnets.ReversibleBlock(unit(), unit(), MyCoupling()),
+    # its grid code reads values
+    "exact_coupling": lambda: revnets.ReversibleBlock(
+        unit(), unit(), revnets.ExactAdditiveCoupling()
+    ),
     "hook_on_the_block": lambda: _hooked(revnets.ReversibleBlock(unit(), unit())),
     "method_on_the_instance": lambda: _with_method(revnets.ReversibleBlock(unit(), unit())),
     "user_f": lambda: revnets.ReversibleBlock(WritesItsInput(), unit()),
@@ -135,10 +136,113 @@ def test_the_steps_of_a_traced_graph_of_known_calls_are_recorded_without_the_wat
     assert known_run([chain(Functional())], CPU, keep_random=True) is not None
 
 
-@pytest.mark.parametrize("make", [WritesItsInput, ReadsABuffer, DrawsFromItsGenerator],
-                         ids=["writes_its_input", "reads_a_buffer", "own_generator"])
+class WritesAWeightThroughOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        w = self.a.weight.data
+        torch.mul(w, 0.5, out=w)
+        return self.a(x)
+
+
+class RenormalisesItsEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, WIDTH))
+
+    def forward(self, x):
+        return F.embedding(x.long().clamp(0, 9), self.table, max_norm=1.0)
+
+
+class MovesToAnotherDevice(nn.Module):
+    def forward(self, x):
+        return F.dropout(x.to("meta"), 0.5)
+
+
+@pytest.mark.parametrize("make", [
+    WritesItsInput, ReadsABuffer, DrawsFromItsGenerator, WritesAWeightThroughOut,
+    RenormalisesItsEmbedding, MovesToAnotherDevice,
+], ids=["writes_its_input", "reads_a_buffer", "own_generator", "out_argument",
+        "embedding_max_norm", "moves_device"])
 def test_graph_steps_calling_anything_else_are_watched(make):
     assert known_run([chain(make())], CPU, keep_random=True) is None
+
+
+class ReturnsAViewOfItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        self.a(x)  # fresh memory, which the returned view is not
+        return x.view(-1)
+
+
+class WritesAView(nn.Module):
+    def forward(self, x):
+        v = x.view(-1)
+        v.mul_(2)
+        return v
+
+
+class NamesAFreshValueView(nn.Module):
+    """A graph whose value ``view`` is fresh, beside one whose ``view`` is the caller's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        self.a(x).view(-1)
+        return x.view(-1)
+
+
+def test_a_layer_after_graph_steps_that_return_the_callers_memory_is_watched():
+    steps = nn.Sequential(*chain(ReturnsAViewOfItsInput()), nn.ReLU(inplace=True))
+    assert known_run([steps], CPU, keep_random=True) is None
+
+
+def test_values_of_two_graphs_with_the_same_names_are_told_apart():
+    fresh_view = chain(NamesAFreshValueView())
+    writes = chain(WritesAView())
+    assert any(s.label == "view" for s in fresh_view) and any(s.label == "view" for s in writes)
+    assert known_run([nn.Sequential(*fresh_view, *writes)], CPU, keep_random=True) is None
+
+
+def test_torch_functions_a_coupling_calls_are_checked_as_made(monkeypatch):
+    block = KNOWN_BLOCKS["affine"]()
+    assert known_run([block], CPU, keep_random=True) is not None
+    monkeypatch.setattr(torch, "exp", lambda t: torch.special.exp2(t))
+    assert known_run([block], CPU, keep_random=True) is None
+
+
+def test_a_patched_dropout_kernel_entry_sends_dropout_layers_to_the_watch():
+    layers = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5))
+    assert known_run([layers], CPU, keep_random=True) is not None
+    torch._VF.dropout = lambda x, p, train: x  # F.dropout calls torch._VF.dropout
+    try:
+        assert known_run([layers], CPU, keep_random=True) is None
+    finally:
+        del torch._VF.dropout  # back to the entry torch made (found through the module)
+    assert known_run([layers], CPU, keep_random=True) is not None
+
+
+def test_every_checkpointed_segment_of_a_traced_graph_is_recorded_without_the_watch(monkeypatch):
+    # Segments after the first receive a tuple of values: the device is found inside it.
+    import revnets.replay
+
+    verdicts = []
+
+    def spy(roots, device, keep_random, verified=None):
+        verdicts.append(known_run(roots, device, keep_random, verified) is not None)
+        return known_run(roots, device, keep_random, verified)
+
+    monkeypatch.setattr(revnets.replay, "known_run", spy)
+    model = revnets.checkpoint_segments(chain(nn.Sequential(Functional(), Functional())), 3)
+    model(torch.randn(4, WIDTH)).sum().backward()
+    assert verdicts == [True, True]
 
 
 def test_a_positional_inplace_flag_marks_the_step_that_writes():

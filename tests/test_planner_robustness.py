@@ -85,6 +85,47 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return nn.functional.dropout(torch.relu(self.linear(x)), 0.5, self.training)
+
+
+class ModeInItsOwnForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(x) * (0.5 if self.training else 1.0)
+
+
+@pytest.mark.parametrize("traced_in", ["train", "eval"])
+def test_a_module_whose_traced_code_depends_on_its_mode_is_kept_whole(traced_in):
+    # A trace would freeze self.training: the chain must follow the mode it runs in.
+    torch.manual_seed(0)
+    model = nn.Sequential(FunctionalDropout(), nn.Linear(16, 16), FunctionalDropout())
+    getattr(model, traced_in)()
+    chain = as_graph_chain(model)
+    assert [s.label for s in chain if s.op == "call_module"] == ["_0", "_1", "_2"]
+    x = torch.randn(8, 16)
+    for mode in ("train", "eval"):
+        getattr(chain, mode)()
+        getattr(model, mode)()
+        torch.manual_seed(1)
+        out = chain(x)
+        torch.manual_seed(1)
+        assert torch.equal(out, model(x)), mode
+
+
+def test_a_model_whose_own_forward_depends_on_its_mode_is_refused_by_name():
+    with pytest.raises(revnets.planning.NotAChainError, match="self.training"):
+        as_graph_chain(ModeInItsOwnForward())
+
+
 def test_untraceable_and_randomly_drawing_modules_are_kept_whole():
     model = Net()
     state = random.getstate()

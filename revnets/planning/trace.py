@@ -13,9 +13,11 @@ outputs of each layer need recomputing.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch.fx
@@ -50,8 +52,10 @@ class GraphStep(nn.Module):
         inputs: list[str],
         outputs: list[str] | None,
         result: Any = None,
+        graph: object | None = None,
     ) -> None:
         super().__init__()
+        self.graph = graph  # shared by the steps of one traced graph
         self.op, self.target, self.label = node.op, node.target, node.name
 
         def reference(n: torch.fx.Node) -> Any:
@@ -108,7 +112,8 @@ class GraphStep(nn.Module):
         if self._buffers:
             return False  # read directly, a buffer might be statistics a norm updates
         first = self.args[0] if self.args else None
-        into_fresh = type(first) is _Ref and first.name in walk.fresh_values
+        # Values are named per graph: chains of two graphs may share names.
+        into_fresh = type(first) is _Ref and (self.graph, first.name) in walk.fresh_values
         if self.op == "call_module":
             walk.fresh = into_fresh
             if not walk.module(self.module):
@@ -121,12 +126,19 @@ class GraphStep(nn.Module):
             if fresh is None:
                 return False
         if fresh:
-            walk.fresh_values.add(self.label)
+            walk.fresh_values.add((self.graph, self.label))
+        walk.fresh = False  # what follows a step in a chain gets a tuple of values, or its result
         return True
 
     def extra_repr(self) -> str:
         target = self.target if isinstance(self.target, str) else self.target.__name__
         return f"{self.label}: {self.op} {target}"
+
+
+class _GraphKey:
+    """Names the graph a step's values belong to (copied once with a copied chain)."""
+
+    __slots__ = ()
 
 
 class _Ref:
@@ -253,9 +265,11 @@ class _KeepWhole(Exception):
 
 def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
-    trace, or that draws from Python's ``random`` (a layer dropped at random), stays whole,
-    called as a module by its step (a coarser chain); the model's own forward must trace.
-    Returns the graph and the modules kept whole."""
+    trace, that draws from Python's ``random`` (a layer dropped at random), or whose traced code
+    depends on ``training`` (``F.dropout(x, p, self.training)``, ``if self.training: ...``)
+    stays whole, called as a module by its step (a coarser chain), which reads its mode when it
+    runs; the model's own forward must trace, and not depend on its mode. Returns the graph and
+    the modules kept whole."""
     whole: frozenset[str] = frozenset()
     state = random.getstate()
     try:
@@ -273,9 +287,56 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
                     "submodule (kept whole and replayed by checkpoints) or with torch's "
                     "generators"
                 )
-            return graph, whole
+            # A trace freezes each mode it reads: the same trace in the other modes shows where.
+            with _modes_flipped(model):
+                flipped = _Tracer(whole).trace(model)
+            depends = _code_by_module(graph, model) ^ _code_by_module(flipped, model)
+            if not depends:
+                return graph, whole
+            if "" in {name for name, _ in depends}:
+                raise NotAChainError(
+                    f"as_graph_chain: the forward of {type(model).__name__} depends on "
+                    "self.training, which a trace would freeze. Move that code into a submodule "
+                    "(kept whole, reading its mode when it runs)"
+                )
+            whole = whole | {name for name, _ in depends}
     finally:
         random.setstate(state)  # tracing ran the user's draws: they never happened
+
+
+@contextlib.contextmanager
+def _modes_flipped(model: nn.Module) -> Iterator[None]:
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
+    try:
+        for m, mode in zip(modules, modes):
+            m.training = not mode
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.training = mode
+
+
+def _code_by_module(graph: torch.fx.Graph, model: nn.Module) -> set[tuple[str, str]]:
+    """Each traced module's code as its nodes (operation, target, arguments), by the innermost
+    module it ran in ("" for the model's own forward); a whole module's call belongs to its
+    caller. Values are named by position and attributes by the object they hold, since a trace
+    numbers the constants it stores on the model afresh."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    code: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        stack = list(node.meta.get("nn_module_stack") or {})
+        if node.op == "call_module" and stack:
+            stack = stack[:-1]  # the module called, not one whose code ran
+        target = node.target
+        if node.op == "get_attr":
+            owner, _, name = target.rpartition(".")
+            target = id(getattr(model.get_submodule(owner), name, None))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{position[n]}")
+        code.setdefault(stack[-1] if stack else "", []).append(
+            f"{node.op} {target} {args} {kwargs}"
+        )
+    return {(name, "\n".join(entries)) for name, entries in code.items()}
 
 
 def as_graph_chain(model: nn.Module) -> nn.Sequential:
@@ -314,12 +375,14 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
 
     steps: list[nn.Module] = []
     live = [placeholders[0].name]
+    graph_key = _GraphKey()
     for i, node in enumerate(compute):
         produced = [node.name] if last_use.get(node.name, -1) > i else []
         after = [name for name in live if last_use.get(name, -1) > i] + produced
         is_last = i == len(compute) - 1
         step = GraphStep(
-            node, model, list(live), None if is_last else after, output.args[0] if is_last else None
+            node, model, list(live), None if is_last else after,
+            output.args[0] if is_last else None, graph_key,
         )
         step.args, step.kwargs = _substitute((step.args, step.kwargs), defaults)
         mutated = _mutated_argument(node, model)

@@ -140,10 +140,11 @@ _MRO = {
 _RUN = _names_run_by(
     [*vars(F).values(), *(f for c in _CLASSES for f in vars(c).values())]
 )
-_LIBRARY = (
+_LIBRARY = [
     _AsMade(F, frozenset(vars(F))), _AsMade(torch, _RUN), _AsMade(torch._C._nn, _RUN),
     _AsMade(torch.Tensor),  # TensorBase, a C type, cannot be patched
-)
+    _AsMade(torch._VF),  # what F.dropout and others call: a patch adds an entry
+]
 
 
 def _user_code_everywhere(verified: set[Any] | None = None) -> bool:
@@ -275,10 +276,15 @@ _COMPOSITES: dict[type, frozenset[str]] = {}
 def known_code(cls: type) -> type:
     """Register a class of revnets' own whose methods a known run may call (a coupling): like
     torch's layer classes, its code must stay as revnets made it."""
-    for c in cls.__mro__:
-        if c is not object and c not in _CLASSES:
+    mro = [c for c in cls.__mro__ if c is not object]
+    for c in mro:
+        if c not in _CLASSES:
             _CLASSES[c] = _AsMade(c)
-    _MRO[cls] = frozenset(_CLASSES[c] for c in cls.__mro__ if c is not object)
+    _MRO[cls] = frozenset(_CLASSES[c] for c in mro)
+    # The torch functions its code calls by name (torch.exp in a coupling) are checked too.
+    names = _names_run_by(f for c in mro for f in vars(c).values()) - _RUN
+    if names & vars(torch).keys():
+        _LIBRARY.append(_AsMade(torch, names))
     return cls
 
 

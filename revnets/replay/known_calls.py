@@ -26,9 +26,11 @@ __all__ = ["CallKind", "call_kind"]
 #     a view of it (a reshape, a dropout in eval mode), which is memory the run made only if
 #     that argument was;
 #   - ``draws``: it may draw from its input device's default generator (dropout, attention with
-#     dropout), and only from it: a ``generator=`` or ``device=`` argument makes it unknown;
+#     dropout), and only from it: a ``generator=`` or ``device=`` argument makes any call
+#     unknown, and nothing known moves a tensor to another device;
 #   - a write into its first argument (an in-place method, ``inplace=True``, ``+=``), known only
-#     where that argument is memory the run made (KnownWalk.call), as for in-place layers.
+#     where that argument is memory the run made (KnownWalk.call), as for in-place layers; a
+#     write anywhere else (``out=``, an embedding's ``max_norm``) makes the call unknown.
 # Nothing here reads or writes module state: a step reading a buffer directly is not known.
 
 
@@ -91,7 +93,7 @@ _METHODS: dict[str, CallKind] = {
     **dict.fromkeys("""
         view reshape flatten unflatten permute transpose contiguous size dim chunk split unbind
         unsqueeze squeeze expand expand_as view_as reshape_as t narrow select movedim
-        float double half bfloat16 to type_as __getitem__""".split(), PASSING),
+        float double half bfloat16 __getitem__""".split(), PASSING),
 }
 # In-place methods whose out-of-place form is known, and those that only fill their argument.
 _WRITING_METHODS = frozenset({
@@ -103,30 +105,43 @@ _WRITING_METHODS = frozenset({
 def call_kind(op: str, target: Any, args: tuple, kwargs: dict) -> CallKind | None:
     """What a graph's ``call_function`` or ``call_method`` does (NOTE [ Known calls ]), or None
     when it is not known. Arguments that are values of the graph stand for anything."""
-    if "generator" in kwargs:
-        return None  # a generator of the caller's, which only the watch finds
+    if not _UNKNOWN_ARGUMENTS.isdisjoint(kwargs):
+        return None
     if op == "call_method":
         return _METHODS.get(target) or (PASSING if target in _WRITING_METHODS else None)
     try:
         kind = _FUNCTIONS.get(target)
     except TypeError:  # an unhashable callable
         return None
+    if target is F.embedding and _bound(target, args, kwargs).get("max_norm", 0) is not None:
+        return None  # it renormalises the weight's rows in place
     if kind is None or not kind.draws:
         return kind
-    if "device" in kwargs:
-        return None  # it would draw from another device's generator
     return kind if _may_draw(target, args, kwargs) else CallKind(kind.fresh)
+
+
+# Arguments that make any call unknown: a generator of the caller's (only the watch finds it), a
+# device (a tensor made or moved there: a later draw uses that device's generator), an ``out``
+# tensor written into.
+_UNKNOWN_ARGUMENTS = frozenset({"generator", "device", "out"})
+
+
+def _bound(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name, defaults included; {} where the signature is unknown."""
+    try:
+        bound = inspect.signature(target).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    bound.apply_defaults()
+    return bound.arguments
 
 
 def _may_draw(target: Any, args: tuple, kwargs: dict) -> bool:
     """False only where the arguments say it does not draw (training off, a rate of 0);
     attention returns fresh memory either way, a dropout in eval mode its input."""
-    try:
-        bound = inspect.signature(target).bind(*args, **kwargs)
-    except (TypeError, ValueError):
+    found = _bound(target, args, kwargs)
+    if not found:
         return True
-    bound.apply_defaults()
-    found = bound.arguments
     if "dropout_p" in found:
         return _constant(found["dropout_p"]) != 0
     flag = found.get("training", found.get("train", True))

@@ -141,10 +141,8 @@ class AffineCoupling(Coupling):
 
 # Couplings whose code is revnets' own, running torch operators that draw nothing and write
 # only into memory they made: a block using one is known where its f and g are
-# (NOTE [ Known layers ]).
-KNOWN_COUPLINGS = frozenset(
-    known_code(c) for c in (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling)
-)
+# (NOTE [ Known layers ]). The exact coupling's grid code reads values and is left to the watch.
+KNOWN_COUPLINGS = frozenset(known_code(c) for c in (AdditiveCoupling, AffineCoupling))
 
 
 def make_coupling(coupling: str | Coupling, split_dim: int) -> Coupling:
