@@ -223,7 +223,7 @@ class KnownWalk:
         self.kinds: set[type] = {nn.Sequential}
         self.draws = False
         self.fresh = False
-        self.fresh_values: set[str] = set()
+        self.fresh_values: set[tuple[object, str]] = set()  # (graph, value name)
 
     def modules(self, modules: Iterable[nn.Module]) -> bool:
         return all(self.module(m) for m in modules)
