@@ -82,10 +82,6 @@ class DrawsFromItsGenerator(nn.Module):
         return self.a(x) + torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
 
 
-def chain(model):
-    return as_graph_chain(model)
-
-
 def twice_as_wide():
     return nn.Sequential(unit(), nn.Linear(WIDTH, 2 * WIDTH))
 
@@ -133,7 +129,7 @@ def test_a_block_with_anything_else_is_watched(make):
 
 
 def test_the_steps_of_a_traced_graph_of_known_calls_are_recorded_without_the_watch():
-    assert known_run([chain(Functional())], CPU, keep_random=True) is not None
+    assert known_run([as_graph_chain(Functional())], CPU, keep_random=True) is not None
 
 
 class WritesAWeightThroughOut(nn.Module):
@@ -167,7 +163,7 @@ class MovesToAnotherDevice(nn.Module):
 ], ids=["writes_its_input", "reads_a_buffer", "own_generator", "out_argument",
         "embedding_max_norm", "moves_device"])
 def test_graph_steps_calling_anything_else_are_watched(make):
-    assert known_run([chain(make())], CPU, keep_random=True) is None
+    assert known_run([as_graph_chain(make())], CPU, keep_random=True) is None
 
 
 class ReturnsAViewOfItsInput(nn.Module):
@@ -200,13 +196,13 @@ class NamesAFreshValueView(nn.Module):
 
 
 def test_a_layer_after_graph_steps_that_return_the_callers_memory_is_watched():
-    steps = nn.Sequential(*chain(ReturnsAViewOfItsInput()), nn.ReLU(inplace=True))
+    steps = nn.Sequential(*as_graph_chain(ReturnsAViewOfItsInput()), nn.ReLU(inplace=True))
     assert known_run([steps], CPU, keep_random=True) is None
 
 
 def test_values_of_two_graphs_with_the_same_names_are_told_apart():
-    fresh_view = chain(NamesAFreshValueView())
-    writes = chain(WritesAView())
+    fresh_view = as_graph_chain(NamesAFreshValueView())
+    writes = as_graph_chain(WritesAView())
     assert any(s.label == "view" for s in fresh_view) and any(s.label == "view" for s in writes)
     assert known_run([nn.Sequential(*fresh_view, *writes)], CPU, keep_random=True) is None
 
@@ -229,6 +225,10 @@ def test_a_patched_dropout_kernel_entry_sends_dropout_layers_to_the_watch():
     assert known_run([layers], CPU, keep_random=True) is not None
 
 
+def checkpointed_functionals():
+    return revnets.checkpoint_segments(as_graph_chain(nn.Sequential(Functional(), Functional())), 3)
+
+
 def test_every_checkpointed_segment_of_a_traced_graph_is_recorded_without_the_watch(monkeypatch):
     # Segments after the first receive a tuple of values: the device is found inside it.
     import revnets.replay
@@ -236,27 +236,28 @@ def test_every_checkpointed_segment_of_a_traced_graph_is_recorded_without_the_wa
     verdicts = []
 
     def spy(roots, device, keep_random, verified=None):
-        verdicts.append(known_run(roots, device, keep_random, verified) is not None)
-        return known_run(roots, device, keep_random, verified)
+        verdict = known_run(roots, device, keep_random, verified)
+        verdicts.append(verdict is not None)
+        return verdict
 
     monkeypatch.setattr(revnets.replay, "known_run", spy)
-    model = revnets.checkpoint_segments(chain(nn.Sequential(Functional(), Functional())), 3)
+    model = checkpointed_functionals()
     model(torch.randn(4, WIDTH)).sum().backward()
     assert verdicts == [True, True]
 
 
 def test_a_positional_inplace_flag_marks_the_step_that_writes():
-    steps = list(chain(Functional()))
+    steps = list(as_graph_chain(Functional()))
     relu = next(s for s in steps if s.target is F.relu)
     assert relu.writes_in_place
     assert relu.mutated is not None and steps[relu.mutates_from].label == relu.mutated
 
 
-def trains_like_ordinary_autograd(make, steps=3):
+def trains_like_ordinary_autograd(make, width, steps=3):
     torch.manual_seed(0)
     model = make().double()
     reference = twin(model)
-    x = torch.randn(8, model_width(model), dtype=torch.float64)
+    x = torch.randn(8, width, dtype=torch.float64)
     x, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
     for seed in range(steps):
         for m, xi in ((model, x), (reference, x_reference)):
@@ -268,11 +269,6 @@ def trains_like_ordinary_autograd(make, steps=3):
         assert torch.equal(a, b), name
 
 
-def model_width(model):
-    return 2 * WIDTH if any(isinstance(m, revnets.ReversibleBlock) for m in model.modules()) \
-        else WIDTH
-
-
 def test_checkpointed_reversible_blocks_train_like_ordinary_autograd():
     # Dropout and batch norm inside f and g: the replay draws the same masks and updates the
     # statistics once.
@@ -282,11 +278,8 @@ def test_checkpointed_reversible_blocks_train_like_ordinary_autograd():
             for _ in range(3)
         ))
 
-    trains_like_ordinary_autograd(make)
+    trains_like_ordinary_autograd(make, width=2 * WIDTH)
 
 
 def test_checkpointed_graph_steps_train_like_ordinary_autograd():
-    def make():
-        return revnets.checkpoint_segments(chain(nn.Sequential(Functional(), Functional())), 3)
-
-    trains_like_ordinary_autograd(make)
+    trains_like_ordinary_autograd(checkpointed_functionals, width=WIDTH)

@@ -14,7 +14,6 @@ outputs of each layer need recomputing.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import operator
 import random
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from torch import nn
 
 from revnets.invertible import Invertible
 from revnets.replay.known import KnownWalk, known_composite
-from revnets.replay.known_calls import call_kind
+from revnets.replay.known_calls import bound_arguments, call_kind
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["GraphStep", "NotAChainError", "as_graph_chain"]
@@ -193,11 +192,8 @@ def _writes_in_place(node: torch.fx.Node, root: nn.Module) -> bool:
 
 def _inplace_argument(target: Any, args: tuple, kwargs: dict) -> bool:
     # F.relu(x, True) says it positionally.
-    try:
-        bound = inspect.signature(target).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return bool(kwargs.get("inplace", False))
-    return bool(bound.arguments.get("inplace", False))
+    found = bound_arguments(target, args, kwargs) or kwargs
+    return bool(found.get("inplace", False))
 
 
 def _mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | None:

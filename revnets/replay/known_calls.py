@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CallKind", "call_kind"]
+__all__ = ["CallKind", "bound_arguments", "call_kind"]
 
 # NOTE [ Known calls ]
 # A traced graph's step (revnets.planning.trace.GraphStep) calls a torch.nn layer, a function or
@@ -113,8 +113,9 @@ def call_kind(op: str, target: Any, args: tuple, kwargs: dict) -> CallKind | Non
         kind = _FUNCTIONS.get(target)
     except TypeError:  # an unhashable callable
         return None
-    if target is F.embedding and _bound(target, args, kwargs).get("max_norm", 0) is not None:
-        return None  # it renormalises the weight's rows in place
+    if target is F.embedding:
+        if bound_arguments(target, args, kwargs).get("max_norm", 0) is not None:
+            return None  # it renormalises the weight's rows in place
     if kind is None or not kind.draws:
         return kind
     return kind if _may_draw(target, args, kwargs) else CallKind(kind.fresh)
@@ -126,7 +127,7 @@ def call_kind(op: str, target: Any, args: tuple, kwargs: dict) -> CallKind | Non
 _UNKNOWN_ARGUMENTS = frozenset({"generator", "device", "out"})
 
 
-def _bound(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def bound_arguments(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by name, defaults included; {} where the signature is unknown."""
     try:
         bound = inspect.signature(target).bind(*args, **kwargs)
@@ -139,7 +140,7 @@ def _bound(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 def _may_draw(target: Any, args: tuple, kwargs: dict) -> bool:
     """False only where the arguments say it does not draw (training off, a rate of 0);
     attention returns fresh memory either way, a dropout in eval mode its input."""
-    found = _bound(target, args, kwargs)
+    found = bound_arguments(target, args, kwargs)
     if not found:
         return True
     if "dropout_p" in found:
