@@ -1,7 +1,9 @@
 """torch.compile on the zoo: the compiled training step against the eager one, per model and plan.
 
 For every zoo model (timm-registered by revnets) and every memory plan that fits it, one eager and
-one compiled (``torch.compile(model)``, inductor) copy of the same weights:
+one compiled (``revnets.compile_model(model)``: ``torch.compile`` with inductor, the model's layout
+kept on CPU, NOTE [ Layout under torch.compile ]; ``--compiler torch`` for plain
+``torch.compile``) copy of the same weights:
 
 1. gradients: one training step on the same batch; the compiled gradients' largest difference
    from eager's, relative to the largest eager gradient of the same parameter (float32 compile
@@ -36,7 +38,7 @@ from timm_model_tests import revnets_models
 from torch import nn
 from torch._dynamo.utils import counters
 
-import revnets  # noqa: F401  (registers the zoo with timm)
+import revnets  # registers the zoo with timm
 from revnets import ReversibleSequence
 from revnets.plan import PRESETS
 
@@ -90,7 +92,7 @@ def gradient_error(compiled: nn.Module, eager: nn.Module) -> float:
 
 def measure(
     name: str, plan: str, batch: int, repeats: int, transforms: str = "eager", device: str = "cpu",
-    size: int | None = None,
+    size: int | None = None, compiler: str = "revnets",
 ) -> dict | None:
     model = build(name, plan, device)
     if model is None:
@@ -102,7 +104,7 @@ def measure(
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model)
+    compiled = revnets.compile_model(model) if compiler == "revnets" else torch.compile(model)
     if size is None or any(name.startswith(prefix) for prefix in KWARGS):
         size = INPUT.get(name, 32)
     x = torch.randn(batch, 3, size, size, device=device)
@@ -142,6 +144,7 @@ def measure(
     return {
         "model": name,
         "plan": plan,
+        "compiler": compiler,
         "batch": batch,
         "input": size,
         "grad_rel_error": float(f"{error:.2e}"),
@@ -167,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transforms", choices=("eager", "compiled"), default="eager",
                         help="f and g inside the reversible engine: eager (the library's "
                         "default) or compiled where they allow it (NOTE [ Compiled transforms ])")
+    parser.add_argument("--compiler", choices=("revnets", "torch"), default="revnets",
+                        help="revnets.compile_model (the trainer's) or plain torch.compile")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--out", default=None, help="results file stem (default: timm-style)")
     parser.add_argument("--size", type=int, default=None,
@@ -186,12 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
     rows: list[dict] = []
-    stem = args.out or results_stem("compile_speed", torch.device(args.device).type)
+    stem = args.out or results_stem("compile_speed", torch.device(args.device).type) + (
+        "-torch-compile" if args.compiler == "torch" else "")
     command = " ".join(["compile_speed.py", *(sys.argv[1:] if argv is None else argv)])
     for name in models:
         for plan in plans:
             row = measure(name, plan, args.batch, args.repeats, args.transforms, args.device,
-                          args.size)
+                          args.size, args.compiler)
             if row is not None:
                 print({k: v for k, v in row.items() if k != "break_reasons"}, flush=True)
                 rows.append(row)
@@ -207,7 +213,11 @@ def write_results(stem: str, rows: list[dict], command: str, device: str) -> Non
         "",
         provenance(command, device),
         "",
-        "ratio: median compiled step / median eager step (below 1: compiling pays); paired: "
+        ("compiled: `revnets.compile_model` (torch.compile, inductor, the model's layout kept "
+         "on CPU: NOTE [ Layout under torch.compile ] in revnets/compiling.py). "
+         if rows[0].get("compiler", "revnets") == "revnets" else
+         "compiled: plain `torch.compile` (inductor's defaults). ")
+        + "ratio: median compiled step / median eager step (below 1: compiling pays); paired: "
         "min / median / max of the per-round ratios. grad error: max |compiled - eager| / "
         "max |eager| over each parameter's gradient (at least 1e-4 of the model's largest), "
         "worst parameter; the same for compiled and for eager against a float64 eager run. "

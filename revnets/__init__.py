@@ -2,6 +2,7 @@
 
 from revnets import models  # registers the zoo with timm
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
+from revnets.compiling import compile_model, compile_options
 from revnets.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
 from revnets.memory import MemoryReport, MemoryTracker, measure_memory
 from revnets.models import ResidualNet
@@ -56,6 +57,8 @@ __all__ = [
     "check_reconstruction",
     "checkpoint",
     "checkpoint_segments",
+    "compile_model",
+    "compile_options",
     "is_recomputing",
     "measure_memory",
     "models",

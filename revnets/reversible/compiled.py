@@ -14,6 +14,7 @@ import torch
 import torch._dynamo
 from torch import Tensor, nn
 
+from revnets.compiling import compile_options
 from revnets.replay import Recording
 
 __all__ = ["DEFAULT_BACKEND", "TransformCompiler", "compiled_call"]
@@ -85,8 +86,11 @@ class TransformCompiler:
         structure = self._structure.get(module)
         if structure is None:
             structure = self._structure[module] = repr(module)
+        # Inductor keeps f's and g's layout as the model's (NOTE [ Layout under torch.compile ]).
+        options = compile_options(module) if backend == "inductor" else {}
         key = (
-            backend, structure, tuple(half.shape), half.stride(), half.dtype, half.device,
+            backend, tuple(options.items()), structure, tuple(half.shape), half.stride(),
+            half.dtype, half.device,
             torch.is_grad_enabled(),
             tuple((tuple(c.shape), c.stride(), c.dtype, c.requires_grad) for c in context),
         )
@@ -94,7 +98,8 @@ class TransformCompiler:
         if function is _MISSING:
             code = _TEMPLATE.replace(co_name=f"revnets_transform_{len(self._functions)}")
             function = torch.compile(
-                types.FunctionType(code, globals()), backend=backend, dynamic=False
+                types.FunctionType(code, globals()), backend=backend, dynamic=False,
+                **({"options": options} if options else {}),
             )
             self._functions[key] = function
         if function is None:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import revnets  # noqa: F401  (registers the zoo with timm)
+from revnets.compiling import compile_model
 from revnets.timeline import cuda_allocator_history, record_timeline
 from revnets.training.data import build_loaders
 from revnets.training.distributed import (
@@ -138,7 +139,7 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=ids)
         if cfg.trainer.compile:
-            self.net = torch.compile(self.net)
+            self.net = compile_model(self.net)  # NOTE [ Layout under torch.compile ]
         self.step_times: list[float] = []
         self.throughput = Throughput()
         self.progress: Progress | None = None

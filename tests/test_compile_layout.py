@@ -1,0 +1,73 @@
+"""revnets.compile_model keeps a CPU model's memory layout in compiled code (NOTE [ Layout under
+torch.compile ] in revnets/compiling.py): inductor's own CPU choice converts every convolution
+weight to channels_last in every step, and each weight gradient back."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import revnets
+
+
+def conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+    )
+
+
+def test_layout_is_kept_for_a_contiguous_cpu_model_and_left_to_inductor_otherwise():
+    contiguous = conv_net()
+    assert revnets.compile_options(contiguous) == {"layout_optimization": False}
+    # Converted by the user: inductor's channels_last converts nothing, so its choice stands.
+    assert revnets.compile_options(
+        copy.deepcopy(contiguous).to(memory_format=torch.channels_last)) == {}
+    assert revnets.compile_options(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) == {}  # no kernel
+    pointwise = nn.Conv2d(8, 8, 1)  # a 1x1 kernel is laid out alike both ways: it decides nothing
+    assert revnets.compile_options(pointwise) == {}
+    assert revnets.compile_options(nn.Sequential(pointwise, nn.Conv3d(8, 8, 3))) == {
+        "layout_optimization": False}
+
+
+def test_mode_is_handed_to_inductor_as_its_options_and_the_callers_options_win(monkeypatch):
+    """torch.compile takes ``mode`` or ``options``, not both: the mode becomes its options."""
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: seen.update(kwargs) or model)
+    revnets.compile_model(conv_net(), mode="max-autotune-no-cudagraphs",
+                          options={"coordinate_descent_tuning": False})
+    assert seen == {"options": {"max_autotune": True, "coordinate_descent_tuning": False,
+                                "layout_optimization": False}}
+    seen.clear()
+    revnets.compile_model(conv_net(), backend="aot_eager")  # not inductor: nothing added
+    assert seen == {"backend": "aot_eager"}
+
+
+def _conversions_in_a_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    for _ in range(2):  # compiled and warm
+        net.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        net.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+
+def test_compiled_step_converts_no_weight_and_gives_eagers_gradients():
+    """Inductor's default converts both convolution weights in every step; compile_model's
+    step converts nothing and gives eager's gradients."""
+    eager = conv_net()
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 3])
+    torch._dynamo.reset()
+    assert _conversions_in_a_step(torch.compile(copy.deepcopy(eager)), x, y) == 2
+    kept = copy.deepcopy(eager)
+    assert _conversions_in_a_step(revnets.compile_model(kept), x, y) == 0
+    eager.zero_grad(set_to_none=True)
+    F.cross_entropy(eager(x), y).backward()
+    for p, q in zip(kept.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
