@@ -15,12 +15,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.utils.checkpoint
-from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from revnets.plan import Checkpoint, Store
 from revnets.replay import Recording
+from revnets.replay.known_calls import plain_device
 
 __all__ = [
     "SELECTIVE_OPS",
@@ -80,8 +80,9 @@ def checkpoint(
             module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
             **({"context_fn": _selective_contexts} if selective else {}), **kwargs,
         )
-    # The first tensor's device, also inside the tuple a traced graph's steps hand on.
-    device = next((t.device for t in tree_leaves(args) if isinstance(t, Tensor)), None)
+    # The first tensor's device, also inside the tuple a traced graph's steps hand on; None
+    # where an input is not a plain value (NOTE [ Known calls ]): the run is then watched.
+    device = plain_device(args)
     replay = _Replay(module, preserve_rng_state, device, selective)
     return torch.utils.checkpoint.checkpoint(
         module,

@@ -4,6 +4,8 @@ traced graph calling torch.nn layers, torch functions and Tensor methods. Each c
 like the same modules under ordinary autograd (float64, 1e-10, batch norm statistics equal), or is
 shown to take the watched path."""
 
+import enum
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -283,3 +285,76 @@ def test_checkpointed_reversible_blocks_train_like_ordinary_autograd():
 
 def test_checkpointed_graph_steps_train_like_ordinary_autograd():
     trains_like_ordinary_autograd(checkpointed_functionals, width=WIDTH)
+
+
+class Noisy:
+    """A result type of the user's own: its ``mul`` draws from a generator it holds."""
+
+    def __init__(self, t, generator):
+        self.t, self.generator = t, generator
+
+    def mul(self, k):
+        return self.t * k + torch.randn(self.t.shape, generator=self.generator, dtype=self.t.dtype)
+
+
+class MakesNoisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        return Noisy(x, self.generator)
+
+
+class CallsAMethodOfItsOwnType(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.make, self.b = nn.Linear(WIDTH, WIDTH), MakesNoisy(), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        noisy = self.make(self.a(x))
+        # ``mul`` and ``tanh``: names of Tensor methods; ``x`` is handed on beside ``noisy``
+        return self.b(noisy.mul(2).tanh()) + x
+
+
+def test_a_method_called_on_a_value_of_the_users_own_type_is_watched():
+    """The second segment starts from a ``Noisy``, whose ``mul`` a traced step calls by name:
+    its draw from the user's generator is replayed only by the watch (NOTE [ Known calls ])."""
+
+    def make():
+        steps = list(as_graph_chain(CallsAMethodOfItsOwnType()))
+        cut = next(i for i, s in enumerate(steps) if s.target == "mul")
+        return nn.Sequential(revnets.Checkpointed(nn.Sequential(*steps[:cut])),
+                             revnets.Checkpointed(nn.Sequential(*steps[cut:])))
+
+    trains_like_ordinary_autograd(make, width=WIDTH)
+
+
+class Scale(enum.Enum):
+    """A constant torch.fx keeps in the graph as it is, with a method of the user's own."""
+
+    HALF = 0.5
+
+    def __rmul__(self, other):  # what ``x * Scale.HALF`` calls
+        return other * self.value
+
+
+class MultipliesByAConstantOfItsOwn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.a(x) * Scale.HALF
+
+
+class OwnParameter(nn.Parameter):
+    pass
+
+
+def test_constants_and_parameters_of_the_users_own_types_are_watched():
+    assert known_run([as_graph_chain(MultipliesByAConstantOfItsOwn())], CPU, True) is None
+    layer = nn.Linear(WIDTH, WIDTH)
+    assert known_run([layer], CPU, keep_random=True) is not None
+    layer.weight = OwnParameter(layer.weight.detach())
+    assert known_run([layer], CPU, keep_random=True) is None

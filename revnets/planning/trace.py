@@ -24,7 +24,7 @@ from torch import nn
 
 from revnets.invertible import Invertible
 from revnets.replay.known import KnownWalk, known_composite
-from revnets.replay.known_calls import bound_arguments, call_kind
+from revnets.replay.known_calls import bound_arguments, call_kind, plain, plain_parameters
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["GraphStep", "NotAChainError", "as_graph_chain"]
@@ -73,6 +73,7 @@ class GraphStep(nn.Module):
         self.inplace = False
         self.writes_in_place = _writes_in_place(node, root)
         self._call_kind: Any = False  # not looked up yet (call_kind gives a kind or None)
+        self._known_arguments: bool | None = None  # whether its constants are plain values
 
     def _reference(self, node: torch.fx.Node, root: nn.Module) -> Any:
         if node.op != "get_attr":
@@ -110,6 +111,10 @@ class GraphStep(nn.Module):
         following which of the graph's values are memory the walked run made."""
         if self._buffers:
             return False  # read directly, a buffer might be statistics a norm updates
+        if self._known_arguments is None:  # constants never change (NOTE [ Known calls ])
+            self._known_arguments = plain((self.args, self.kwargs), also=_Ref)
+        if not self._known_arguments or not plain_parameters(self):
+            return False
         first = self.args[0] if self.args else None
         # Values are named per graph: chains of two graphs may share names.
         into_fresh = type(first) is _Ref and (self.graph, first.name) in walk.fresh_values

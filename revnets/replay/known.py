@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from revnets.replay.known_calls import CallKind
+from revnets.replay.known_calls import CallKind, plain_parameters
 from revnets.replay.state import _CPU_STATE_BYTES, _default_generator
 
 __all__ = ["KnownRun", "KnownWalk", "known_code", "known_composite", "known_run"]
@@ -241,7 +241,7 @@ class KnownWalk:
             return m.walk_known(self)
         if kind is nn.Sequential:
             return self.modules(c for c in m._modules.values() if c is not None)
-        if kind not in _KNOWN or m._modules or not _states_as_made(m):
+        if kind not in _KNOWN or m._modules or not _states_as_made(m) or not plain_parameters(m):
             return False
         # Known layers keep these flags as plain attributes (no getattr: a miss raises inside
         # nn.Module.__getattr__, which costs more than the rest of the walk).

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.immutable_collections
 import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["CallKind", "bound_arguments", "call_kind"]
+__all__ = ["CallKind", "bound_arguments", "call_kind", "plain", "plain_device", "plain_parameters"]
 
 # NOTE [ Known calls ]
 # A traced graph's step (revnets.planning.trace.GraphStep) calls a torch.nn layer, a function or
@@ -32,6 +36,14 @@ __all__ = ["CallKind", "bound_arguments", "call_kind"]
 #     where that argument is memory the run made (KnownWalk.call), as for in-place layers; a
 #     write anywhere else (``out=``, an embedding's ``max_norm``) makes the call unknown.
 # Nothing here reads or writes module state: a step reading a buffer directly is not known.
+# Values: a method is looked up by name on whatever its receiver is, and an operator calls its
+# operands' own methods, so a known call's arguments must be plain values (``plain``: tensors
+# of torch's own types (a prediction's fake tensors too), Python's scalars and strings, torch's dtypes, devices and sizes, and
+# tuples, lists, dicts and slices of them), never an object whose methods are user code (a
+# module returning a result type of its own with ``mul`` or ``__add__``). A known run's inputs
+# are checked when it starts (``plain_device``: the watch runs where one is not plain), the
+# constants a traced step holds when it is first walked, and its parameters on each walk; known
+# calls and layers map plain values to plain values, so every value in between is plain too.
 
 
 @dataclass(frozen=True)
@@ -152,3 +164,45 @@ def _may_draw(target: Any, args: tuple, kwargs: dict) -> bool:
 def _constant(value: Any) -> Any:
     # A graph value (a Ref) is not a bool or a number: it may be anything.
     return value if isinstance(value, (bool, int, float)) else True
+
+
+_TENSORS = frozenset({Tensor, nn.Parameter, FakeTensor})
+_PLAIN = _TENSORS | frozenset({
+    int, float, bool, complex, str, type(None), type(...), torch.dtype,
+    torch.device, torch.Size, torch.memory_format, torch.layout,
+})
+_SEQUENCES = frozenset({
+    tuple, list, torch.fx.immutable_collections.immutable_list,
+})
+
+
+def plain(value: Any, also: type | tuple[type, ...] = ()) -> bool:
+    """Whether ``value`` is a plain value (NOTE [ Known calls ]); ``also``: types that count as
+    plain here (a traced graph's references to its values, checked where they are made)."""
+    kind = type(value)
+    if kind in _PLAIN or isinstance(value, also):
+        return True
+    if kind in _SEQUENCES or kind.__module__ == "torch.return_types":
+        return all(plain(v, also) for v in value)
+    if kind is dict or kind is torch.fx.immutable_collections.immutable_dict:
+        return all(plain(v, also) for v in value.values())
+    if kind is slice:
+        return all(plain(v, also) for v in (value.start, value.stop, value.step))
+    return False
+
+
+def plain_device(args: Any) -> torch.device | None:
+    """The device of the first tensor in ``args`` where every value in them is plain (NOTE
+    [ Known calls ]), for a recording that may run without the watch; None otherwise."""
+    if not plain(args):  # not tree_leaves alone: it would open a user's registered container
+        return None
+    return next((t.device for t in tree_leaves(args) if isinstance(t, Tensor)), None)
+
+
+def plain_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters and buffers are of torch's own tensor types (NOTE
+    [ Known calls ]; a prediction's fakes among them): a subclass's methods are user code."""
+    return all(
+        type(t) in _TENSORS
+        for t in (*module._parameters.values(), *module._buffers.values()) if t is not None
+    )

@@ -29,6 +29,7 @@ from revnets.replay import (
     has_forward_hooks,
     submodules,
 )
+from revnets.replay.known_calls import plain
 from revnets.reversible.block import ReversibleBlock
 from revnets.reversible.compiled import compilable, compiled_call
 from revnets.reversible.coupling import (
@@ -326,7 +327,8 @@ class CouplingStep(_CouplingBackward):
         self.layouts[name] = Layout.of(half)
         recording = self.runs[name] = Recording(
             [getattr(self.block, name)], run.preserve_rng, chain=run.chain,
-            device=run.device,
+            # Context that is not plain is watched (NOTE [ Known calls ]).
+            device=run.device if not context or plain(context) else None,
         )
         with recording:
             backend = run.compile_transforms
