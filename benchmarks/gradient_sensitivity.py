@@ -68,12 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plans", default="none,checkpoint")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", default=None, help="results file stem (default: timm-style)")
     args = parser.parse_args(argv)
     rows = [row for name in args.models.split(",") for plan in args.plans.split(",")
             if (row := measure(name, plan, args.batch)) is not None]
     for row in rows:
         print(row, flush=True)
-    stem = results_stem("gradient_sensitivity")
+    stem = args.out or results_stem("gradient_sensitivity")
     write_csv(args.results / f"{stem}.csv", rows)
     command = " ".join(["gradient_sensitivity.py", *(sys.argv[1:] if argv is None else argv)])
     write_markdown(args.results / f"{stem}.md", [
