@@ -38,12 +38,13 @@ __all__ = ["CallKind", "bound_arguments", "call_kind", "plain", "plain_device", 
 # Nothing here reads or writes module state: a step reading a buffer directly is not known.
 # Values: a method is looked up by name on whatever its receiver is, and an operator calls its
 # operands' own methods, so a known call's arguments must be plain values (``plain``: tensors
-# of torch's own types (a prediction's fake tensors too), Python's scalars and strings, torch's dtypes, devices and sizes, and
-# tuples, lists, dicts and slices of them), never an object whose methods are user code (a
-# module returning a result type of its own with ``mul`` or ``__add__``). A known run's inputs
-# are checked when it starts (``plain_device``: the watch runs where one is not plain), the
-# constants a traced step holds when it is first walked, and its parameters on each walk; known
-# calls and layers map plain values to plain values, so every value in between is plain too.
+# of torch's own types, a prediction's fake tensors among them, Python's scalars and strings,
+# torch's dtypes, devices and sizes, and tuples, lists, dicts and slices of them), never an
+# object whose methods are user code (a module returning a result type of its own with ``mul``
+# or ``__add__``). A known run's inputs are checked when it starts (``plain_device``: the watch
+# runs where one is not plain), the constants a traced step holds when it is first walked, and
+# its parameters on each walk; known calls and layers map plain values to plain values, so
+# every value in between is plain too.
 
 
 @dataclass(frozen=True)
