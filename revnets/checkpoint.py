@@ -82,7 +82,7 @@ def checkpoint(
         )
     # The first tensor's device, also inside the tuple a traced graph's steps hand on; None
     # where an input is not a plain value (NOTE [ Known calls ]): the run is then watched.
-    device = plain_device(args)
+    device = plain_device((args, kwargs))
     replay = _Replay(module, preserve_rng_state, device, selective)
     return torch.utils.checkpoint.checkpoint(
         module,

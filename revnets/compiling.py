@@ -3,6 +3,7 @@ costs more than it saves (NOTE [ Layout under torch.compile ])."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,37 +33,39 @@ __all__ = ["compile_model", "compile_options"]
 _LAYOUT_KEPT = {"layout_optimization": False}
 
 
-def compile_options(module: nn.Module) -> dict[str, Any]:
+def compile_options(module: Callable[..., Any]) -> dict[str, Any]:
     """The inductor options revnets adds when compiling ``module`` (NOTE [ Layout under
     torch.compile ]): ``layout_optimization`` off for a module on the CPU whose convolution
-    weights are not all channels_last; none otherwise."""
+    weights are not all channels_last (a kernel laid out alike both ways decides nothing; where
+    none decides, the layout is kept too); none otherwise (a function: none)."""
+    if not isinstance(module, nn.Module):
+        return {}
     kernels = [p for p in module.parameters() if p.dim() in (4, 5)]
     if not kernels or any(p.device.type != "cpu" for p in kernels):
         return {}
-    if all(_channels_last(p) for p in kernels):
+    # A kernel laid out alike both ways (1x1, one input channel, depthwise) decides nothing.
+    deciding = [p for p in kernels if not (p.is_contiguous() and _channels_last(p))]
+    if deciding and all(_channels_last(p) for p in deciding):
         return {}
     return dict(_LAYOUT_KEPT)
 
 
 def _channels_last(weight: torch.Tensor) -> bool:
     layout = torch.channels_last if weight.dim() == 4 else torch.channels_last_3d
-    # A 1x1 kernel is laid out alike both ways: it decides nothing.
-    return weight.is_contiguous(memory_format=layout) and (
-        not weight.is_contiguous() or weight.shape[2:].numel() == 1
-    )
+    return weight.is_contiguous(memory_format=layout)
 
 
-def compile_model(model: nn.Module, **kwargs: Any) -> nn.Module:
+def compile_model(model: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """``torch.compile(model, **kwargs)`` with :func:`compile_options` added to inductor's
     options (the default backend): a CPU model keeps its memory layout in compiled code
-    (NOTE [ Layout under torch.compile ]). ``mode`` is given to inductor as its options (both
-    cannot be passed to torch.compile); options the caller gives win. Any other backend gets
-    ``kwargs`` unchanged."""
-    backend = kwargs.get("backend", "inductor")
-    options = compile_options(model)
-    if backend != "inductor" or not options:
+    (NOTE [ Layout under torch.compile ]). ``mode`` and ``options`` may be given together:
+    the mode is handed to inductor as its options (torch.compile takes one or the other), and
+    the options given win. Any other backend gets ``kwargs`` unchanged."""
+    if kwargs.get("backend", "inductor") != "inductor":
         return torch.compile(model, **kwargs)
-    mode = kwargs.pop("mode", None)
-    of_mode = torch._inductor.list_mode_options(mode) if mode else {}
-    kwargs["options"] = {**of_mode, **options, **(kwargs.get("options") or {})}
+    added, given = compile_options(model), kwargs.pop("options", None) or {}
+    if added or given:
+        mode = kwargs.pop("mode", None)
+        of_mode = torch._inductor.list_mode_options(mode) if mode else {}
+        kwargs["options"] = {**of_mode, **added, **given}
     return torch.compile(model, **kwargs)

@@ -29,10 +29,14 @@ def test_layout_is_kept_for_a_contiguous_cpu_model_and_left_to_inductor_otherwis
     assert revnets.compile_options(
         copy.deepcopy(contiguous).to(memory_format=torch.channels_last)) == {}
     assert revnets.compile_options(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) == {}  # no kernel
-    pointwise = nn.Conv2d(8, 8, 1)  # a 1x1 kernel is laid out alike both ways: it decides nothing
-    assert revnets.compile_options(pointwise) == {}
-    assert revnets.compile_options(nn.Sequential(pointwise, nn.Conv3d(8, 8, 3))) == {
+    # 1x1, one-input-channel and depthwise kernels are laid out alike both ways: they decide
+    # nothing, beside kernels that do.
+    alike = [nn.Conv2d(8, 8, 1), nn.Conv2d(1, 8, 3), nn.Conv2d(8, 8, 3, groups=8)]
+    converted = nn.Sequential(*alike, nn.Conv2d(8, 16, 3)).to(memory_format=torch.channels_last)
+    assert revnets.compile_options(converted) == {}
+    assert revnets.compile_options(nn.Sequential(*alike, nn.Conv3d(8, 8, 3))) == {
         "layout_optimization": False}
+    assert revnets.compile_options(lambda x: x.sin()) == {}  # a function: nothing to read
 
 
 def test_mode_is_handed_to_inductor_as_its_options_and_the_callers_options_win(monkeypatch):
@@ -43,6 +47,10 @@ def test_mode_is_handed_to_inductor_as_its_options_and_the_callers_options_win(m
                           options={"coordinate_descent_tuning": False})
     assert seen == {"options": {"max_autotune": True, "coordinate_descent_tuning": False,
                                 "layout_optimization": False}}
+    seen.clear()  # mode and options together, on a model whose layout adds nothing
+    revnets.compile_model(nn.Linear(3, 3), mode="max-autotune-no-cudagraphs",
+                          options={"coordinate_descent_tuning": False})
+    assert seen == {"options": {"max_autotune": True, "coordinate_descent_tuning": False}}
     seen.clear()
     revnets.compile_model(conv_net(), backend="aot_eager")  # not inductor: nothing added
     assert seen == {"backend": "aot_eager"}

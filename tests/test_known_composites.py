@@ -358,3 +358,44 @@ def test_constants_and_parameters_of_the_users_own_types_are_watched():
     assert known_run([layer], CPU, keep_random=True) is not None
     layer.weight = OwnParameter(layer.weight.detach())
     assert known_run([layer], CPU, keep_random=True) is None
+
+
+class DrawsOnBilinear(torch.Tensor):
+    """A tensor subclass whose ``__torch_function__`` draws from a generator of its own."""
+
+    generator = torch.Generator().manual_seed(1)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func is F.bilinear:
+            out = out * (1 + torch.rand(out.shape, generator=cls.generator, dtype=out.dtype))
+        return out
+
+
+def test_a_keyword_input_of_a_checkpointed_layer_is_checked_as_plain():
+    """``input2=`` reaches nn.Bilinear, a known layer, by keyword: a subclass there is user
+    code, so the run is watched and its draw replayed (the gradient of ordinary autograd)."""
+    torch.manual_seed(0)
+    layer = nn.Bilinear(4, 3, 5).double()
+    checkpointed, reference = revnets.Checkpointed(layer), twin(layer)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    other = torch.randn(2, 3, dtype=torch.float64).as_subclass(DrawsOnBilinear)
+    for m in (checkpointed, reference):
+        DrawsOnBilinear.generator.manual_seed(1)
+        m(x, input2=other).square().sum().backward()
+    assert max_grad_error(layer, reference) <= 1e-10
+
+
+class Observes(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_torch_function_mode_sends_known_layers_to_the_watch_and_a_default_device_does_not():
+    layers = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5))
+    with Observes():
+        assert known_run([layers], CPU, keep_random=True) is None
+    with torch.device("cpu"):
+        assert known_run([layers], CPU, keep_random=True) is not None

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 from revnets.replay.known_calls import CallKind, plain_parameters
 from revnets.replay.state import _CPU_STATE_BYTES, _default_generator
@@ -35,7 +37,8 @@ __all__ = ["KnownRun", "KnownWalk", "known_code", "known_composite", "known_run"
 #   - a layer that writes into its input (``inplace=True``) with nothing before it in the chain
 #     that made fresh memory (in a traced graph: a value no known step of the run made): it
 #     would write into the caller's tensor;
-#   - any hook, global or on a layer, since hooks are user code;
+#   - any hook, global or on a layer, and any TorchFunctionMode but torch's default device,
+#     since they run user code;
 #   - a norm given running statistics it does not track (InstanceNorm still updates them), and
 #     norms in training and in eval mode together (one might read statistics the other updates).
 # Everything else about the recording (module state by slot, scalars, the checks before a
@@ -148,12 +151,19 @@ _LIBRARY = [
 
 
 def _user_code_everywhere(verified: set[Any] | None = None) -> bool:
-    """Whether global hooks or a patched torch namespace run user code in every layer."""
+    """Whether global hooks, a TorchFunctionMode (other than torch's default device) or a
+    patched torch namespace run user code in every layer."""
     module = nn.modules.module
     return bool(
         module._global_forward_hooks or module._global_forward_pre_hooks
         or module._global_backward_hooks or module._global_backward_pre_hooks
-    ) or not _as_made(_LIBRARY, verified)
+    ) or _function_modes() or not _as_made(_LIBRARY, verified)
+
+
+def _function_modes() -> bool:
+    if not torch._C._len_torch_function_stack():
+        return False
+    return any(type(mode) is not DeviceContext for mode in _get_current_function_mode_stack())
 
 
 def _as_made(namespaces: Iterable[_AsMade], verified: set[Any] | None) -> bool:
