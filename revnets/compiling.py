@@ -18,12 +18,13 @@ __all__ = ["compile_model", "compile_options"]
 # "For cpu backend and mkldnn enabled, we always use channels_last"; on a GPU it decides from the
 # convolutions' shapes). A model stored as nn.Conv2d makes it, contiguous (NCHW), then pays in
 # every step for converting each weight to channels_last in the forward and each weight
-# gradient back in its accumulation, and runs its convolutions in the layout that this CPU's
-# kernels handle more slowly for wide channels on small maps. Measured on this project's 2-core
-# CPU (benchmarks/compile_speed.py, results/compile_speed-cpu-*-zoo-imagenet*.md, docs/compile.md),
-# compiled / eager training step at 64x64, batch 4: revnet104 1.22x with inductor's default and
-# 0.90x with the layout kept, preact_resnet101 1.14x and 0.92x; under the checkpoint plan 0.91x
-# and 0.77x, 0.89x and 0.68x. The narrow CIFAR models change little.
+# gradient back in its accumulation (one copy per convolution and step; a profile by hand
+# also found the convolutions themselves slower in channels_last at these shapes on this CPU).
+# Measured on this project's 2-core CPU (benchmarks/compile_speed.py,
+# results/compile_speed-cpu-*-zoo-imagenet*.md, docs/compile.md), compiled / eager training
+# step at 64x64, batch 4: revnet104 1.22x with inductor's default and 0.90x with the layout
+# kept, preact_resnet101 1.14x and 0.92x; under the checkpoint plan 0.91x and 0.77x, 0.89x and
+# 0.68x. The narrow CIFAR models change little.
 # So revnets compiles a CPU model whose convolution weights are not all channels_last with
 # ``layout_optimization`` off: compiled code runs in the layout the model and its input have,
 # as eager code does. A user who wants channels_last converts the model and the input
