@@ -207,3 +207,131 @@ def test_any_failure_leaves_the_model_as_it_was():
         revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.3), loss_fn=loss_fn,
                                 measure_time=False)
     assert [s.memory for s in sequences] == before
+
+
+# -- modules a trace goes through (NOTE [ Traced modules run as their graph ]) ------------------
+
+
+class Residual(nn.Module):
+    """A block with submodules, which the planner's trace goes through unless it must not."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Counting(Residual):
+    """Assigns attributes in its forward: a counter and the features it last saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.seen = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.last = x.detach()
+        self.seen.append(x.shape)
+        return super().forward(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, block=Residual, n: int = 6):
+        super().__init__()
+        self.blocks = nn.Sequential(*(block() for _ in range(n)))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def planned_stack(model, x, keep=0.9):
+    planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, keep),
+                                      measure_time=False)
+    assert isinstance(planned, revnets.planning.PlannedModel)
+    return planned
+
+
+def test_hooks_on_a_module_the_trace_would_go_through_fire_in_planned_steps():
+    # Traced through, the block's hooks ran once, on proxies, while planning, and never again.
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(1024, 32)
+    plain = copy.deepcopy(model)
+    calls = {"planned": [], "plain": []}
+    for name, net in (("planned", model), ("plain", plain)):
+        net.blocks[2].register_forward_hook(lambda m, a, out, c=calls[name]: c.append(1))
+        net.blocks[3].register_forward_hook(lambda m, a, out: 2 * out)  # changes the output
+    planned = planned_stack(model, x)
+    called = {s.label for s in as_graph_chain(model) if s.op == "call_module"}
+    assert {"blocks_2", "blocks_3"} <= called and "blocks_1" not in called  # kept whole
+    calls["planned"].clear()
+    train_step(planned, x)
+    train_step(plain, x)
+    assert len(calls["planned"]) == len(calls["plain"]) == 1
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_module_assigning_attributes_is_kept_whole_and_left_as_it_was():
+    # Traced through, the block kept a torch.fx Proxy as ``last`` and never counted again.
+    torch.manual_seed(0)
+    model, x = Stack(Counting), torch.randn(1024, 32)
+    plain = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.95)
+    for block in model.blocks:  # planning runs the model: what it assigned are real values
+        assert type(block.last) is torch.Tensor
+        assert all(type(shape) is torch.Size for shape in block.seen)
+    counted = [b.calls for b in model.blocks]
+    train_step(planned, x)
+    train_step(plain, x)
+    assert [b.calls - c for b, c in zip(model.blocks, counted)] == [1] * 6  # once, as a step does
+    for b, c in zip(model.blocks, plain.blocks):
+        assert torch.equal(b.last, c.last)
+
+
+def test_a_cache_filled_by_a_forward_in_the_other_mode_is_left_empty():
+    # levit's attention fills a dict of biases in eval mode; the trace in the other mode (which
+    # finds code depending on it) left a Proxy there, read by every later evaluation.
+    model = timm.create_model("levit_128s", num_classes=10)
+    as_graph_chain(model)
+    caches = [m.attention_bias_cache for m in model.modules() if hasattr(m, "attention_bias_cache")]
+    assert caches and all(cache == {} for cache in caches)
+    model.eval()
+    assert model(torch.randn(1, 3, 224, 224)).shape == (1, 10)
+
+
+def test_a_model_assigning_attributes_in_its_own_forward_is_refused_by_name():
+    class KeepsItsFeatures(Stack):
+        def forward(self, x):
+            self.features = self.blocks(x)
+            return self.head(self.features)
+
+    model = KeepsItsFeatures()
+    with pytest.raises(revnets.planning.NotAChainError, match=r"KeepsItsFeatures\.features"):
+        as_graph_chain(model)
+    assert "features" not in vars(model)
+
+
+@pytest.mark.parametrize("where", ["traced block", "model itself", "global"])
+def test_a_hook_a_planned_step_would_not_run_is_refused_by_name(where):
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(1024, 32)
+    planned = planned_stack(model, x)
+    hook = lambda *args: None  # noqa: E731
+    handle, match = {
+        "traced block": lambda: (model.blocks[1].register_forward_hook(hook), r"blocks\.1"),
+        "model itself": lambda: (model.register_forward_pre_hook(hook), "the model itself"),
+        "global": lambda: (nn.modules.module.register_module_forward_hook(hook), "global"),
+    }[where]()
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            train_step(planned, x)
+        planned.eval()
+        with torch.no_grad():
+            planned(x)  # evaluation runs the model itself, hooks and all
+    finally:
+        handle.remove()
+    planned.train()
+    train_step(planned, x)

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from revnets.plan import MemoryPlan
+from revnets.planning.trace import GraphStep
+from revnets.planning.traced import refuse_hooks
 
 __all__ = ["PlannedModel"]
 
@@ -18,7 +20,8 @@ class PlannedModel(nn.Module):
     Training steps (training mode, grad enabled) run the plan: the chain of graph nodes with
     checkpointed segments. Everything else (evaluation, inference) runs the model itself, since
     a trace may have frozen ``self.training`` checks of the mode it was traced in. Save and load
-    weights through ``.model``, whose state_dict keys are the original ones.
+    weights through ``.model``, whose state_dict keys are the original ones. A training step
+    refuses hooks that would not run in it (NOTE [ Traced modules run as their graph ]).
     """
 
     memory_plan: MemoryPlan
@@ -27,6 +30,13 @@ class PlannedModel(nn.Module):
         super().__init__()
         self.plan = plan
         self._model = (model,)  # not registered again: its modules are the plan's
+        called = {
+            id(m) for step in plan.modules() if isinstance(step, GraphStep)
+            and step.op == "call_module" for m in step.module.modules()
+        }
+        # The modules the plan runs as their traced graph (the model itself among them).
+        self._traced = tuple((n, m) for n, m in model.named_modules() if id(m) not in called)
+        refuse_hooks(self._traced)
 
     @property
     def model(self) -> nn.Module:
@@ -43,5 +53,6 @@ class PlannedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.training and torch.is_grad_enabled():
+            refuse_hooks(self._traced)
             return self.plan(*args, **kwargs)
         return self.model(*args, **kwargs)

@@ -23,6 +23,7 @@ import torch.fx
 from torch import nn
 
 from revnets.invertible import Invertible
+from revnets.planning.traced import Attributes, hooked
 from revnets.replay.known import KnownWalk, known_composite
 from revnets.replay.known_calls import bound_arguments, call_kind, plain, plain_parameters
 from revnets.reversible import ReversibleSequence
@@ -218,13 +219,14 @@ class _Tracer(torch.fx.Tracer):
       or store), which a trace through the engine would freeze;
     - any module with ``planning_unit = True`` (the zoo's residual units): the planner cuts
       between such units, not inside them, which keeps a 1000-layer chain short;
-    - the modules named in ``whole``: those found untraceable, or drawing from Python's
-      ``random``, by an earlier trace (see :func:`_trace`).
+    - every module with hooks, and the modules named in ``whole``: those found untraceable,
+      drawing from Python's ``random`` or assigning attributes by an earlier trace (see
+      :func:`_trace`; NOTE [ Traced modules run as their graph ] in traced.py).
     """
 
-    def __init__(self, whole: frozenset[str] = frozenset()) -> None:
+    def __init__(self, whole: frozenset[str], attributes: Attributes, locate: bool) -> None:
         super().__init__()
-        self.whole = whole
+        self.whole, self.attributes, self.locate = whole, attributes, locate
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         if qualified_name in self.whole:
@@ -235,9 +237,15 @@ class _Tracer(torch.fx.Tracer):
         mode_dependent = isinstance(
             m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
         )
-        whole = isinstance(m, (ReversibleSequence, Invertible))
+        whole = isinstance(m, (ReversibleSequence, Invertible)) or hooked(m)
         whole = whole or getattr(m, "planning_unit", False)
         return primitive or mode_dependent or whole or super().is_leaf_module(m, qualified_name)
+
+    def get_fresh_qualname(self, prefix: str) -> str:
+        # The name of a constant torch.fx stores on the model for its graph to read.
+        name = super().get_fresh_qualname(prefix)
+        self.attributes.tracer_names.add(name)
+        return name
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         name = self.path_of_module(m)
@@ -253,6 +261,9 @@ class _Tracer(torch.fx.Tracer):
         if random.getstate() != drawn:
             # A branch drawn now would be frozen into the graph: the module must run as itself.
             raise _KeepWhole(name, "draws from Python's random module")
+        assigned = self.attributes.changed() if self.locate else None
+        if assigned is not None:  # done once, on proxies, and never again
+            raise _KeepWhole(name, f"assigns {assigned} in its forward")
         return out
 
 
@@ -266,31 +277,49 @@ class _KeepWhole(Exception):
 
 def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
-    trace, that draws from Python's ``random`` (a layer dropped at random), or whose traced code
-    depends on ``training`` (``F.dropout(x, p, self.training)``, ``if self.training: ...``)
+    trace, that draws from Python's ``random`` (a layer dropped at random), assigns attributes
+    (NOTE [ Traced modules run as their graph ] in traced.py), or whose traced code depends on
+    ``training`` (``F.dropout(x, p, self.training)``, ``if self.training: ...``)
     stays whole, called as a module by its step (a coarser chain), which reads its mode when it
     runs; the model's own forward must trace, and not depend on its mode. Returns the graph and
     the modules kept whole."""
     whole: frozenset[str] = frozenset()
+    locate = False  # check attributes after each module's trace, to find the one assigning
     state = random.getstate()
+    attributes = Attributes(model.modules())
     try:
         while True:
             drawn = random.getstate()
             try:
-                graph = _Tracer(whole).trace(model)
+                graph = _Tracer(whole, attributes, locate).trace(model)
+                drew = random.getstate() != drawn
+                assigned = attributes.changed()
+                # A trace freezes each mode it reads: the same trace in the other modes shows
+                # where.
+                with _modes_flipped(model):
+                    flipped = _Tracer(whole, attributes, locate).trace(model)
+                assigned = assigned or attributes.changed()
             except _KeepWhole as found:
-                whole = whole | {found.name}
+                attributes.restore()
+                whole, locate = whole | {found.name}, False
                 continue
-            if random.getstate() != drawn:
+            if assigned is not None:
+                attributes.restore()
+                if not locate:
+                    locate = True
+                    continue
+                raise NotAChainError(
+                    f"as_graph_chain: the forward of {type(model).__name__} assigns {assigned}, "
+                    "which a planned step, running its traced graph, would never do again. "
+                    "Assign it inside a submodule (kept whole) or return it from the forward"
+                )
+            if drew:
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} draws from Python's "
                     "random module; a trace would freeze the branch it drew. Draw inside a "
                     "submodule (kept whole and replayed by checkpoints) or with torch's "
                     "generators"
                 )
-            # A trace freezes each mode it reads: the same trace in the other modes shows where.
-            with _modes_flipped(model):
-                flipped = _Tracer(whole).trace(model)
             depends = _code_by_module(graph, model) ^ _code_by_module(flipped, model)
             if not depends:
                 return graph, whole
@@ -303,6 +332,7 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
             whole = whole | {name for name, _ in depends}
     finally:
         random.setstate(state)  # tracing ran the user's draws: they never happened
+        attributes.restore()
 
 
 @contextlib.contextmanager
