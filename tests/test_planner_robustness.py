@@ -281,7 +281,7 @@ def test_a_module_assigning_attributes_is_kept_whole_and_left_as_it_was():
     plain = copy.deepcopy(model)
     planned = planned_stack(model, x, keep=0.95)
     for block in model.blocks:  # planning runs the model: what it assigned are real values
-        assert type(block.last) is torch.Tensor
+        assert type(block.last) is torch.Tensor and block.last.device.type == "cpu"
         assert all(type(shape) is torch.Size for shape in block.seen)
     counted = [b.calls for b in model.blocks]
     train_step(planned, x)
@@ -335,3 +335,104 @@ def test_a_hook_a_planned_step_would_not_run_is_refused_by_name(where):
         handle.remove()
     planned.train()
     train_step(planned, x)
+
+
+class HoldsState(Residual):
+    """Changes state it holds in ways other than assigning its own attributes: a buffer counted
+    up and a moving average (updated in place), a plain object's field, a list in a dict."""
+
+    class Stats:
+        count = 0
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("average", torch.zeros(32, dtype=torch.float64))
+        self.stats, self.store = self.Stats(), {"features": []}
+
+    def forward(self, x):
+        self.steps += 1
+        self.average.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        self.stats.count += 1
+        self.store["features"].append(x.shape)
+        return super().forward(x + self.average)
+
+
+def test_state_a_module_holds_is_left_as_it_was_by_the_trace_and_updated_once_per_step():
+    # Traced through, the buffers were updated by the trace itself and never again (the moving
+    # average's update half frozen into the graph: other gradients), and the plain object and
+    # the list kept Proxies.
+    torch.manual_seed(0)
+    model, x = Stack(HoldsState).double(), torch.randn(1024, 32, dtype=torch.float64)
+    as_graph_chain(model)
+    block = model.blocks[0]
+    assert block.steps.item() == 0 and block.stats.count == 0 and block.store["features"] == []
+    assert torch.equal(block.average, torch.zeros(32, dtype=torch.float64))
+    plain = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.95)
+    for net in (model, plain):  # what planning ran is forgotten on both sides
+        for b in net.blocks:
+            b.steps.zero_(), b.average.zero_(), b.store["features"].clear()
+            b.stats.count = 0
+    for _ in range(3):
+        train_step(planned, x)
+        train_step(plain, x)
+    for b, c in zip(model.blocks, plain.blocks):
+        assert b.steps.item() == c.steps.item() == 3  # module state: replayed, updated once
+        assert torch.equal(b.average, c.average)
+        # Python state outside module slots runs again where a checkpoint recomputes the block,
+        # as under torch.utils.checkpoint; it runs, where a traced graph would never run it.
+        assert b.stats.count >= 3 and len(b.store["features"]) >= 3
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class NoisyInTraining(Residual):
+    def forward(self, x):
+        if self.training:  # a step more in training mode, inside a block
+            x = x + 0.01 * torch.randn_like(x)
+        return super().forward(x)
+
+
+def test_a_step_only_one_mode_runs_keeps_that_block_whole_not_the_model_refused():
+    chain = as_graph_chain(Stack(NoisyInTraining))
+    called = {s.label for s in chain if s.op == "call_module"}
+    assert {f"blocks_{i}" for i in range(6)} <= called
+
+
+class SizedCache(Residual):
+    """Fills a table per input size on first use (position tables, rotary embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def forward(self, x):
+        n = x.shape[-1]
+        if n not in self.cache:
+            self.cache[n] = torch.linspace(0.5, 1.5, n, dtype=x.dtype, device=x.device)
+        return super().forward(x * self.cache[n])
+
+
+def test_planning_leaves_no_meta_tensor_in_a_cache_filled_lazily():
+    # Planning's runs on the meta device filled the cache with a meta tensor: planning failed,
+    # and so did the model afterwards.
+    torch.manual_seed(0)
+    model, x = Stack(SizedCache), torch.randn(1024, 32)
+    budget = activation_budget(Stack(SizedCache), x, 0.95)
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    assert all(t.device.type == "cpu" for b in model.blocks for t in b.cache.values())
+    train_step(planned, x)
+    model(x)
+
+
+def test_hooks_on_a_sequential_keep_it_whole_and_on_a_sequential_model_are_refused():
+    torch.manual_seed(0)
+    model = Stack()
+    model.blocks.register_forward_hook(lambda m, a, out: None)
+    chain = as_graph_chain(model)
+    assert "blocks" in {s.label for s in chain if s.op == "call_module"}
+    sequential = nn.Sequential(*(Residual() for _ in range(4)))
+    sequential.register_forward_hook(lambda m, a, out: 2 * out)
+    with pytest.raises(RuntimeError, match="register it on the model auto_checkpoint returned"):
+        revnets.auto_checkpoint(sequential, torch.randn(1024, 32), 10**9, measure_time=False)

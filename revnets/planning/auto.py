@@ -44,6 +44,7 @@ from revnets.planning.profile import (
 )
 from revnets.planning.search import Option, Segments, modelled_peak_of, search
 from revnets.planning.trace import GraphStep, as_graph_chain
+from revnets.planning.traced import refuse_hooks
 from revnets.planning.untouched import ModelState
 from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
@@ -146,6 +147,7 @@ def _auto_checkpoint(
     zoo = isinstance(model, SwitchableMemory)
     original = model.memory if zoo else None
     if isinstance(model, nn.Sequential):
+        refuse_hooks([("", model)])  # the chain returned is another Sequential
         chain = model
     else:
         if zoo:  # trace the model's plain code path; the planner decides the rest

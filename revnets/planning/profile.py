@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from revnets.checkpoint import SELECTIVE_OPS
+from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
 __all__ = ["LayerProfile", "on_meta", "profile_chain"]
@@ -76,7 +77,8 @@ def on_meta(layers: Sequence[nn.Module]) -> Iterator[None]:
     """The layers' parameters and buffers replaced by meta tensors (parameters by parameters) of
     the same shapes, dtypes and ``requires_grad`` while inside (one meta tensor for a tensor the
     layers share), so that sizes can be profiled on the meta device without copying the
-    modules; put back on exit, also on an exception."""
+    modules; put back on exit, also on an exception, with any state the run changed (NOTE
+    [ Traced modules run as their graph ]: a kept-whole module caching a meta tensor)."""
     made: dict[int, Tensor] = {}
     swapped: list[tuple[dict, str, Tensor]] = []
 
@@ -88,6 +90,7 @@ def on_meta(layers: Sequence[nn.Module]) -> Iterator[None]:
                                 else copy.requires_grad_(tensor.requires_grad))
         return made[id(tensor)]
 
+    kept = Attributes(m for layer in layers for m in layer.modules())
     try:
         seen: set[int] = set()
         for layer in layers:
@@ -104,6 +107,7 @@ def on_meta(layers: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for slots, name, tensor in reversed(swapped):
             slots[name] = tensor
+        kept.restore()
 
 
 def _synchronized_clock(device: torch.device) -> float:

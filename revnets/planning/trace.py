@@ -227,9 +227,15 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self, whole: frozenset[str], attributes: Attributes, locate: bool) -> None:
         super().__init__()
         self.whole, self.attributes, self.locate = whole, attributes, locate
+        self.changing: dict[str, str] = {}  # found when locating: module name, what it changed
+        self.tracing: list[tuple[str, nn.Module]] = [("", nn.Module())]  # modules being traced
+
+    # A buffer read in a forward is a value of the graph: an update to it is one of its steps
+    # (NOTE [ Traced modules run as their graph ]).
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
-        if qualified_name in self.whole:
+        if qualified_name in self.whole or hooked(m):
             return True
         if isinstance(m, nn.Sequential):
             return False
@@ -237,7 +243,7 @@ class _Tracer(torch.fx.Tracer):
         mode_dependent = isinstance(
             m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
         )
-        whole = isinstance(m, (ReversibleSequence, Invertible)) or hooked(m)
+        whole = isinstance(m, (ReversibleSequence, Invertible))
         whole = whole or getattr(m, "planning_unit", False)
         return primitive or mode_dependent or whole or super().is_leaf_module(m, qualified_name)
 
@@ -249,22 +255,37 @@ class _Tracer(torch.fx.Tracer):
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         name = self.path_of_module(m)
+        # What changed since the last call began or ended, the code of the module around it
+        # changed (its name, "" for the model's own forward).
+        self._locate(*self.tracing[-1], own=True)
         if self.is_leaf_module(m, name):
             return super().call_module(m, forward, args, kwargs)
         drawn = random.getstate()
+        self.tracing.append((name, m))
         try:
             out = super().call_module(m, forward, args, kwargs)
         except _KeepWhole:
             raise
         except Exception as error:  # torch.fx raises many kinds on code it cannot trace
             raise _KeepWhole(name, f"cannot be traced ({error})") from error
+        finally:
+            self.tracing.pop()
         if random.getstate() != drawn:
             # A branch drawn now would be frozen into the graph: the module must run as itself.
             raise _KeepWhole(name, "draws from Python's random module")
-        assigned = self.attributes.changed() if self.locate else None
-        if assigned is not None:  # done once, on proxies, and never again
-            raise _KeepWhole(name, f"assigns {assigned} in its forward")
+        self._locate(name, m, own=False)
         return out
+
+    def _locate(self, name: str, module: nn.Module, own: bool) -> None:
+        """Find what changed in the state ``module`` holds (``own``), or in any of its
+        submodules' too, and keep ``module`` whole if anything did."""
+        if not self.locate or not name:  # the model's own code: found after the whole trace
+            return
+        modules = [module] if own else list(module.modules())
+        changed = self.attributes.changed(modules)
+        if changed is not None:  # done once, on proxies, and never again: kept whole
+            self.changing[name] = changed
+            self.attributes.restore(modules)  # so that no module around it is found too
 
 
 class _KeepWhole(Exception):
@@ -290,23 +311,26 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
     try:
         while True:
             drawn = random.getstate()
+            tracer, flipped_tracer = (_Tracer(whole, attributes, locate) for _ in range(2))
             try:
-                graph = _Tracer(whole, attributes, locate).trace(model)
+                graph = tracer.trace(model)
                 drew = random.getstate() != drawn
                 assigned = attributes.changed()
                 # A trace freezes each mode it reads: the same trace in the other modes shows
                 # where.
                 with _modes_flipped(model):
-                    flipped = _Tracer(whole, attributes, locate).trace(model)
+                    flipped = flipped_tracer.trace(model)
                 assigned = assigned or attributes.changed()
             except _KeepWhole as found:
                 attributes.restore()
-                whole, locate = whole | {found.name}, False
+                whole = whole | {found.name}
                 continue
-            if assigned is not None:
+            changing = tracer.changing.keys() | flipped_tracer.changing.keys()
+            if changing or assigned is not None:
                 attributes.restore()
-                if not locate:
-                    locate = True
+                whole = whole | changing
+                if changing or not locate:
+                    locate = True  # trace again, checking after each module
                     continue
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} assigns {assigned}, "
@@ -351,22 +375,37 @@ def _modes_flipped(model: nn.Module) -> Iterator[None]:
 def _code_by_module(graph: torch.fx.Graph, model: nn.Module) -> set[tuple[str, str]]:
     """Each traced module's code as its nodes (operation, target, arguments), by the innermost
     module it ran in ("" for the model's own forward); a whole module's call belongs to its
-    caller. Values are named by position and attributes by the object they hold, since a trace
-    numbers the constants it stores on the model afresh."""
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    code: dict[str, list[str]] = {}
+    caller. A value is named by the module that made it and its place there (counted from the
+    end for a value another module made, so that a step more in one module changes that
+    module's code alone), and attributes by the object they hold, since a trace numbers the
+    constants it stores on the model afresh."""
+    owner: dict[torch.fx.Node, str] = {}
+    place: dict[torch.fx.Node, int] = {}
+    count: dict[str, int] = {}
     for node in graph.nodes:
         stack = list(node.meta.get("nn_module_stack") or {})
         if node.op == "call_module" and stack:
             stack = stack[:-1]  # the module called, not one whose code ran
+        owner[node] = stack[-1] if stack else ""
+        place[node] = count.get(owner[node], 0)
+        count[owner[node]] = place[node] + 1
+
+    def name(value: torch.fx.Node, user: str) -> str:
+        made_by = owner[value]
+        if made_by == user:
+            return f"%{place[value]}"
+        return f"%{made_by}[{place[value] - count[made_by]}]"
+
+    code: dict[str, list[str]] = {}
+    for node in graph.nodes:
         target = node.target
         if node.op == "get_attr":
-            owner, _, name = target.rpartition(".")
-            target = id(getattr(model.get_submodule(owner), name, None))
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{position[n]}")
-        code.setdefault(stack[-1] if stack else "", []).append(
-            f"{node.op} {target} {args} {kwargs}"
+            owner_name, _, attribute = target.rpartition(".")
+            target = id(getattr(model.get_submodule(owner_name), attribute, None))
+        args, kwargs = torch.fx.node.map_arg(
+            (node.args, node.kwargs), lambda n, user=owner[node]: name(n, user)
         )
+        code.setdefault(owner[node], []).append(f"{node.op} {target} {args} {kwargs}")
     return {(name, "\n".join(entries)) for name, entries in code.items()}
 
 

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 __all__ = ["Attributes", "hooked", "refuse_hooks"]
 
@@ -17,66 +19,142 @@ __all__ = ["Attributes", "hooked", "refuse_hooks"]
 # and never again. So a module stays whole (called as itself by its step, its code run each
 # time) where its forward does more than compute values:
 #   - it has hooks (forward, pre-forward, backward): they run where the module is called;
-#   - it assigns attributes of any module (a counter, a cache, features kept for a loss): the
-#     trace is checked against the attributes as they were before (``Attributes``), undone, and
-#     traced again with the module whole;
+#   - it changes state a module holds: assigns an attribute of any module (a counter, a cache,
+#     features kept for a loss), changes a list, dict, set or plain object reached from one
+#     (``self.stats.count += 1``, ``self.store["feats"].append(x)``), or writes in place into a
+#     tensor attribute. The trace is checked against that state as it was before
+#     (``Attributes``), undone, and traced again with the module whole. Buffers are traced as
+#     values (``proxy_buffer_attributes``): an update to one is a step of the graph, run each time;
 #   - it draws from Python's random module, or its code depends on ``training`` (trace.py).
-# A hook registered on a traced module after planning, on the model itself, or globally would
-# not run either: a planned training step refuses them by name (``refuse_hooks``).
+# State outside the model (module-level globals) is not followed. A hook registered on a traced
+# module after planning, on the model itself, or globally would not run either: a planned
+# training step refuses them by name (``refuse_hooks``). Planning's runs on the meta device run
+# kept-whole modules too, and put back what they assign the same way (profile.on_meta).
 
 # Modes are flipped on purpose, to find code that depends on them (trace.py).
 _MODE = "training"
-_CONTAINERS = (list, dict, set)
+_DEPTH = 4  # how far state is followed from a module through containers and plain objects
+_SKIPPED = (nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+            types.ModuleType, str, bytes, int, float, bool, complex, type(None))
 
 
 class Attributes:
-    """The attributes of ``modules`` (their ``__dict__``, and the contents of any list, dict or
-    set in it: hooks, parameters and submodules are dicts there), to find and undo what a
-    trace assigned. ``tracer_names``: the attributes torch.fx itself adds to the traced model
-    (constants its graph reads), which are kept."""
+    """The state ``modules`` hold (NOTE [ Traced modules run as their graph ]), to find and undo
+    what a trace changed: each module's ``__dict__`` (hooks, parameters and submodules are dicts
+    there), the lists, dicts, sets and plain objects reached from it, and the version of every
+    tensor among them; plain tensor attributes (not parameters or buffers) are copied, to put
+    back a write into one. ``tracer_names``: the attributes torch.fx itself adds to the traced
+    model (constants its graph reads), which are kept."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
-        self.saved = [(m, dict(vars(m)), _contents(vars(m))) for m in modules]
         self.tracer_names: set[str] = set()
+        self.saved: list[tuple[nn.Module, Any, Any]] = []  # (module, holder, its contents)
+        self.tensors: list[tuple[nn.Module, Tensor, int, Tensor | None]] = []
+        # id(module): where its entries are in ``saved`` and ``tensors``
+        self.ranges: dict[int, tuple[int, int, int, int]] = {}
+        seen: set[int] = set()
+        for module in modules:
+            if id(module) in seen:
+                continue
+            registered = {id(t) for t in (*module._parameters.values(),
+                                          *module._buffers.values()) if t is not None}
+            start = len(self.saved), len(self.tensors)
+            self._follow(module, module, vars(module), _DEPTH, seen, registered)
+            self.ranges[id(module)] = (start[0], len(self.saved), start[1], len(self.tensors))
 
-    def changed(self) -> str | None:
-        """``"module.attribute"`` of the first attribute assigned since, or None."""
-        for module, saved, contents in self.saved:
-            now = vars(module)
-            for key in now.keys() | saved.keys():
-                if key == _MODE or (key in self.tracer_names and key not in saved):
-                    continue
-                value = now.get(key, _MISSING)
-                if value is not saved.get(key, _MISSING) or (
-                    key in contents and not _same(value, contents[key])
-                ):
+    def _follow(self, module: nn.Module, holder: Any, contents: Any, depth: int,
+                seen: set[int], registered: set[int]) -> None:
+        seen.add(id(holder))
+        self.saved.append((module, holder, _copy(contents)))
+        for value in (contents.values() if isinstance(contents, dict) else contents):
+            if id(value) in seen or isinstance(value, _SKIPPED):
+                continue
+            if isinstance(value, Tensor):
+                seen.add(id(value))
+                copy = None if id(value) in registered else value.detach().clone()
+                self.tensors.append((module, value, _version(value), copy))
+            elif depth > 0 and isinstance(value, (list, dict, set, tuple)):
+                self._follow(module, value, value, depth - 1, seen, registered)
+            elif depth > 0 and hasattr(value, "__dict__") and not callable(value):
+                self._follow(module, value, vars(value), depth - 1, seen, registered)
+
+    def changed(self, modules: Iterable[nn.Module] | None = None) -> str | None:
+        """``"Module.attribute"`` (or ``"Module (state it holds)"``) of the first change since
+        in the state of ``modules`` (all of them: None), or None."""
+        if modules is not None:
+            for module in modules:
+                s0, s1, t0, t1 = self.ranges.get(id(module), (0, 0, 0, 0))
+                found = self._changed(self.saved[s0:s1], self.tensors[t0:t1])
+                if found is not None:
+                    return found
+            return None
+        return self._changed(self.saved, self.tensors)
+
+    def _changed(self, saved_state: list, tensors: list) -> str | None:
+        for module, holder, saved in saved_state:
+            now = _contents_of(holder)
+            if holder is module:
+                key = _changed_key(now, saved, self.tracer_names)
+                if key is not None:
                     return f"{type(module).__name__}.{key}"
+            elif not _same(now, saved):
+                return f"{type(module).__name__} (state it holds: {type(holder).__name__})"
+        for module, tensor, version, _ in tensors:
+            if _version(tensor) != version:
+                return f"{type(module).__name__} (a tensor it holds, written in place)"
         return None
 
-    def restore(self) -> None:
-        for module, saved, contents in self.saved:
-            now = vars(module)
-            for key in [k for k in now if k not in saved and k not in self.tracer_names]:
-                del now[key]
-            now.update(saved)
-            for key, items in contents.items():
-                value = saved[key]
-                value.clear()
-                if isinstance(value, list):
-                    value.extend(items)
-                else:
-                    value.update(items)
+    def restore(self, modules: Iterable[nn.Module] | None = None) -> None:
+        """Put back the state of ``modules`` (all of them: None)."""
+        if modules is not None:
+            for module in modules:
+                s0, s1, t0, t1 = self.ranges.get(id(module), (0, 0, 0, 0))
+                self._restore(self.saved[s0:s1], self.tensors[t0:t1])
+            return
+        self._restore(self.saved, self.tensors)
+
+    def _restore(self, saved_state: list, tensors: list) -> None:
+        for module, holder, saved in saved_state:
+            now = _contents_of(holder)
+            if holder is module:
+                for key in [k for k in now if k not in saved and k not in self.tracer_names]:
+                    del now[key]
+                now.update((k, v) for k, v in saved.items() if k != _MODE)
+            elif not isinstance(now, tuple) and not _same(now, saved):
+                now.clear()
+                (now.extend if isinstance(now, list) else now.update)(saved)
+        for _, tensor, version, copy in tensors:
+            if _version(tensor) != version and copy is not None:
+                with torch.no_grad():
+                    tensor.copy_(copy)
+
+
+def _contents_of(holder: Any) -> Any:
+    return holder if isinstance(holder, (list, dict, set, tuple)) else vars(holder)
+
+
+def _version(tensor: Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter (nor can be written)
+        return None
+
+
+def _copy(contents: Any) -> Any:
+    return (dict(contents) if isinstance(contents, dict) else
+            set(contents) if isinstance(contents, set) else list(contents))
+
+
+def _changed_key(now: dict, saved: dict, tracer_names: set[str]) -> str | None:
+    for key in now.keys() | saved.keys():
+        if key == _MODE or (key in tracer_names and key not in saved):
+            continue
+        if now.get(key, _MISSING) is not saved.get(key, _MISSING):
+            return key
+    return None
 
 
 _MISSING = object()
-
-
-def _contents(attributes: dict[str, Any]) -> dict[str, Any]:
-    return {
-        key: (dict(value) if isinstance(value, dict) else
-              list(value) if isinstance(value, list) else set(value))
-        for key, value in attributes.items() if isinstance(value, _CONTAINERS)
-    }
 
 
 def _same(value: Any, items: Any) -> bool:
@@ -84,9 +162,9 @@ def _same(value: Any, items: Any) -> bool:
         return False
     if isinstance(value, dict):
         return all(k in items and value[k] is items[k] for k in value)
-    if isinstance(value, list):
-        return all(a is b for a, b in zip(value, items))
-    return value == items
+    if isinstance(value, set):
+        return value == items
+    return all(a is b for a, b in zip(value, items))
 
 
 def hooked(module: nn.Module) -> bool:
