@@ -134,6 +134,25 @@ def test_the_steps_of_a_traced_graph_of_known_calls_are_recorded_without_the_wat
     assert known_run([as_graph_chain(Functional())], CPU, keep_random=True) is not None
 
 
+class ScaledNorm(nn.LayerNorm):
+    """A layer without submodules made outside torch (as timm's LayerNorm is), whose forward
+    calls known functions only."""
+
+    def forward(self, x):
+        return 2 * F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def with_a_user_made_layer():
+    return as_graph_chain(nn.Sequential(nn.Linear(WIDTH, WIDTH), ScaledNorm(WIDTH), nn.GELU()))
+
+
+def test_a_user_made_layer_is_traced_into_known_calls():
+    # Called as a module, it was user code, and the whole segment went to the watch.
+    assert known_run([with_a_user_made_layer()], CPU, keep_random=True) is not None
+    trains_like_ordinary_autograd(
+        lambda: revnets.checkpoint_segments(with_a_user_made_layer(), 2), width=WIDTH)
+
+
 class WritesAWeightThroughOut(nn.Module):
     def __init__(self):
         super().__init__()
@@ -303,6 +322,8 @@ class MakesNoisy(nn.Module):
         self.generator = torch.Generator().manual_seed(5)
 
     def forward(self, x):
+        if x.shape[0] == 0:  # control flow torch.fx cannot trace: the module is kept whole
+            return x
         return Noisy(x, self.generator)
 
 

@@ -436,3 +436,33 @@ def test_hooks_on_a_sequential_keep_it_whole_and_on_a_sequential_model_are_refus
     sequential.register_forward_hook(lambda m, a, out: 2 * out)
     with pytest.raises(RuntimeError, match="register it on the model auto_checkpoint returned"):
         revnets.auto_checkpoint(sequential, torch.randn(1024, 32), 10**9, measure_time=False)
+
+
+class SkipsInEval(nn.Module):
+    """A layer dropped outside training: no step at all in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.scale(x) if self.training else x
+
+
+class WithDroppedLayers(Residual):
+    def __init__(self):
+        super().__init__()
+        self.skip = SkipsInEval()
+        self.drop_path = timm.layers.DropPath(0.1)  # returns its input as it is in eval mode
+
+    def forward(self, x):
+        return x + self.drop_path(self.b(torch.relu(self.a(self.skip(x)))))
+
+
+def test_layers_dropped_in_one_mode_are_kept_whole_and_the_block_around_them_traced():
+    # The block calling them looks as if it depended on its mode too (its values come from
+    # elsewhere in eval mode), and was kept whole with them.
+    chain = as_graph_chain(Stack(WithDroppedLayers))
+    called = {s.label for s in chain if s.op == "call_module"}
+    assert {f"blocks_{i}_{name}" for i in range(6) for name in ("skip", "drop_path")} <= called
+    assert not {f"blocks_{i}" for i in range(6)} & called

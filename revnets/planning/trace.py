@@ -212,7 +212,7 @@ def _mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | N
 class _Tracer(torch.fx.Tracer):
     """torch.fx's tracer, also keeping whole:
 
-    - every module without submodules (a primitive layer: nothing to cut inside);
+    - every torch layer without submodules (a primitive layer: nothing to cut inside);
     - every normalisation and dropout layer: their behaviour depends on ``training``, which must
       be read when the step runs, not frozen when the model is traced;
     - reversible sequences and invertible modules: the planner decides how they run (reconstruct
@@ -230,16 +230,14 @@ class _Tracer(torch.fx.Tracer):
         self.changing: dict[str, str] = {}  # found when locating: module name, what it changed
         self.tracing: list[tuple[str, nn.Module]] = [("", nn.Module())]  # modules being traced
 
-    # A buffer read in a forward is a value of the graph: an update to it is one of its steps
-    # (NOTE [ Traced modules run as their graph ]).
-    proxy_buffer_attributes = True
-
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         if qualified_name in self.whole or hooked(m):
             return True
         if isinstance(m, nn.Sequential):
             return False
-        primitive = next(m.children(), None) is None
+        # torch's own layers; one made elsewhere (timm's LayerNorm) is traced, its calls then
+        # known ones where they are (NOTE [ Known calls ]), or kept whole where it cannot be
+        primitive = next(m.children(), None) is None and type(m).__module__.startswith("torch.")
         mode_dependent = isinstance(
             m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)
         )
@@ -344,16 +342,22 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
                     "submodule (kept whole and replayed by checkpoints) or with torch's "
                     "generators"
                 )
-            depends = _code_by_module(graph, model) ^ _code_by_module(flipped, model)
+            depends = {name for name, _ in
+                       _code_by_module(graph, model) ^ _code_by_module(flipped, model)}
             if not depends:
                 return graph, whole
-            if "" in {name for name, _ in depends}:
+            if depends == {""}:
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} depends on "
                     "self.training, which a trace would freeze. Move that code into a submodule "
                     "(kept whole, reading its mode when it runs)"
                 )
-            whole = whole | {name for name, _ in depends}
+            # The innermost first: a module calling one that depends on its mode (a layer
+            # dropped in training) looks as if it did too, and may not once that one is whole.
+            whole = whole | {
+                name for name in depends - {""}
+                if not any(other.startswith(name + ".") for other in depends)
+            }
     finally:
         random.setstate(state)  # tracing ran the user's draws: they never happened
         attributes.restore()
@@ -377,8 +381,8 @@ def _code_by_module(graph: torch.fx.Graph, model: nn.Module) -> set[tuple[str, s
     module it ran in ("" for the model's own forward); a whole module's call belongs to its
     caller. A value is named by the module that made it and its place there (counted from the
     end for a value another module made, so that a step more in one module changes that
-    module's code alone), and attributes by the object they hold, since a trace numbers the
-    constants it stores on the model afresh."""
+    module's code alone), and attributes by what they hold (a tensor by its memory), since a
+    trace numbers the constants it stores on the model afresh."""
     owner: dict[torch.fx.Node, str] = {}
     place: dict[torch.fx.Node, int] = {}
     count: dict[str, int] = {}
@@ -401,12 +405,20 @@ def _code_by_module(graph: torch.fx.Graph, model: nn.Module) -> set[tuple[str, s
         target = node.target
         if node.op == "get_attr":
             owner_name, _, attribute = target.rpartition(".")
-            target = id(getattr(model.get_submodule(owner_name), attribute, None))
+            target = _identity(getattr(model.get_submodule(owner_name), attribute, None))
         args, kwargs = torch.fx.node.map_arg(
             (node.args, node.kwargs), lambda n, user=owner[node]: name(n, user)
         )
         code.setdefault(owner[node], []).append(f"{node.op} {target} {args} {kwargs}")
     return {(name, "\n".join(entries)) for name, entries in code.items()}
+
+
+def _identity(value: Any) -> Any:
+    # A constant a trace stores (a view of a buffer: ``index.view(-1)``) is another tensor
+    # object in each trace, over the same memory.
+    if isinstance(value, torch.Tensor):
+        return (value.data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype)
+    return id(value)
 
 
 def as_graph_chain(model: nn.Module) -> nn.Sequential:

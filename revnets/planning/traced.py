@@ -23,8 +23,9 @@ __all__ = ["Attributes", "hooked", "refuse_hooks"]
 #     features kept for a loss), changes a list, dict, set or plain object reached from one
 #     (``self.stats.count += 1``, ``self.store["feats"].append(x)``), or writes in place into a
 #     tensor attribute. The trace is checked against that state as it was before
-#     (``Attributes``), undone, and traced again with the module whole. Buffers are traced as
-#     values (``proxy_buffer_attributes``): an update to one is a step of the graph, run each time;
+#     (``Attributes``), undone, and traced again with the module whole (a buffer updated in
+#     place too: torch.fx runs what a forward does to a buffer, which is not a value of the
+#     graph; kept whole, the update is replayed once per step like any module state);
 #   - it draws from Python's random module, or its code depends on ``training`` (trace.py).
 # State outside the model (module-level globals) is not followed. A hook registered on a traced
 # module after planning, on the model itself, or globally would not run either: a planned
@@ -42,22 +43,21 @@ class Attributes:
     """The state ``modules`` hold (NOTE [ Traced modules run as their graph ]), to find and undo
     what a trace changed: each module's ``__dict__`` (hooks, parameters and submodules are dicts
     there), the lists, dicts, sets and plain objects reached from it, and the version of every
-    tensor among them; plain tensor attributes (not parameters or buffers) are copied, to put
-    back a write into one. ``tracer_names``: the attributes torch.fx itself adds to the traced
-    model (constants its graph reads), which are kept."""
+    tensor among them; tensors other than parameters (which a trace does not write) are
+    copied, to put back a write into one. ``tracer_names``: the attributes torch.fx itself
+    adds to the traced model (constants its graph reads), which are kept."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.tracer_names: set[str] = set()
         self.saved: list[tuple[nn.Module, Any, Any]] = []  # (module, holder, its contents)
-        self.tensors: list[tuple[nn.Module, Tensor, int, Tensor | None]] = []
+        self.tensors: list[list] = []  # [module, tensor, version, copy or None]
         # id(module): where its entries are in ``saved`` and ``tensors``
         self.ranges: dict[int, tuple[int, int, int, int]] = {}
         seen: set[int] = set()
         for module in modules:
             if id(module) in seen:
                 continue
-            registered = {id(t) for t in (*module._parameters.values(),
-                                          *module._buffers.values()) if t is not None}
+            registered = {id(t) for t in module._parameters.values() if t is not None}
             start = len(self.saved), len(self.tensors)
             self._follow(module, module, vars(module), _DEPTH, seen, registered)
             self.ranges[id(module)] = (start[0], len(self.saved), start[1], len(self.tensors))
@@ -72,7 +72,7 @@ class Attributes:
             if isinstance(value, Tensor):
                 seen.add(id(value))
                 copy = None if id(value) in registered else value.detach().clone()
-                self.tensors.append((module, value, _version(value), copy))
+                self.tensors.append([module, value, _version(value), copy])
             elif depth > 0 and isinstance(value, (list, dict, set, tuple)):
                 self._follow(module, value, value, depth - 1, seen, registered)
             elif depth > 0 and hasattr(value, "__dict__") and not callable(value):
@@ -123,10 +123,12 @@ class Attributes:
             elif not isinstance(now, tuple) and not _same(now, saved):
                 now.clear()
                 (now.extend if isinstance(now, list) else now.update)(saved)
-        for _, tensor, version, copy in tensors:
+        for entry in tensors:
+            _, tensor, version, copy = entry
             if _version(tensor) != version and copy is not None:
                 with torch.no_grad():
                     tensor.copy_(copy)
+                entry[2] = _version(tensor)  # as found, at the version putting it back made
 
 
 def _contents_of(holder: Any) -> Any:
