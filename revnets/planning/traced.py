@@ -71,11 +71,12 @@ class Attributes:
                 continue
             if isinstance(value, Tensor):
                 seen.add(id(value))
-                copy = None if id(value) in registered else value.detach().clone()
+                copy = None if id(value) in registered else _copy_of(value)
                 self.tensors.append([module, value, _version(value), copy])
             elif depth > 0 and isinstance(value, (list, dict, set, tuple)):
                 self._follow(module, value, value, depth - 1, seen, registered)
-            elif depth > 0 and hasattr(value, "__dict__") and not callable(value):
+            elif (depth > 0 and isinstance(getattr(value, "__dict__", None), dict)
+                  and not callable(value)):
                 self._follow(module, value, vars(value), depth - 1, seen, registered)
 
     def changed(self, modules: Iterable[nn.Module] | None = None) -> str | None:
@@ -133,6 +134,13 @@ class Attributes:
 
 def _contents_of(holder: Any) -> Any:
     return holder if isinstance(holder, (list, dict, set, tuple)) else vars(holder)
+
+
+def _copy_of(tensor: Tensor) -> Tensor | None:
+    try:
+        return tensor.detach().clone()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass that cannot be copied
+        return None
 
 
 def _version(tensor: Tensor) -> int | None:
