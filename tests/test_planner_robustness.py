@@ -466,3 +466,70 @@ def test_layers_dropped_in_one_mode_are_kept_whole_and_the_block_around_them_tra
     called = {s.label for s in chain if s.op == "call_module"}
     assert {f"blocks_{i}_{name}" for i in range(6) for name in ("skip", "drop_path")} <= called
     assert not {f"blocks_{i}" for i in range(6)} & called
+
+
+class MaxNorm(nn.Module):
+    """A user activation taking its statistic without grad: a graph records no grad mode."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = x.abs().amax(-1, keepdim=True)
+        return x / scale
+
+
+class NormedResidual(Residual):
+    def __init__(self):
+        super().__init__()
+        self.act = MaxNorm()
+
+    def forward(self, x):
+        return x + self.act(self.b(torch.relu(self.a(x))))
+
+
+def test_code_changing_the_grad_mode_keeps_its_module_whole():
+    # Traced into, the division's gradient flowed through ``scale`` as well: other gradients.
+    torch.manual_seed(0)
+    model, x = Stack(NormedResidual).double(), torch.randn(1024, 32, dtype=torch.float64)
+    called = {s.label for s in as_graph_chain(model) if s.op == "call_module"}
+    assert {f"blocks_{i}_act" for i in range(6)} <= called
+    plain = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.8)
+    train_step(planned, x)
+    train_step(plain, x)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+    class NoGradInItsOwnForward(Stack):
+        def forward(self, x):
+            with torch.no_grad():
+                x = x * 2
+            return super().forward(x)
+
+    with pytest.raises(revnets.planning.NotAChainError, match="grad mode"):
+        as_graph_chain(NoGradInItsOwnForward())
+
+
+class Scaled(Residual):
+    def __init__(self):
+        super().__init__()
+        self.norm = timm.layers.LayerNorm(32)  # its weight: read by a traced graph directly
+        self.scale = 1.0  # read by a traced graph as a constant
+
+    def forward(self, x):
+        return x + self.scale * self.b(torch.relu(self.a(self.norm(x))))
+
+
+def test_what_a_traced_graph_froze_is_refused_by_name_when_changed_after_planning():
+    torch.manual_seed(0)
+    model, x = Stack(Scaled), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.8)
+    model.blocks[2].scale = 0.5  # a schedule changing it: the graph would keep 1.0
+    with pytest.raises(RuntimeError, match=r"blocks\.2\.scale \(Scaled\) is 0\.5, 1\.0 when"):
+        train_step(planned, x)
+    model.blocks[2].scale = 1.0
+    state = {k: v * 2 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)  # in place: what the graph reads
+    train_step(planned, x)
+    model.load_state_dict(state, assign=True)  # other tensors: the graph would keep the old
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.norm\.weight .*assign=True"):
+        train_step(planned, x)

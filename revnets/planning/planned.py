@@ -9,7 +9,7 @@ from torch import nn
 
 from revnets.plan import MemoryPlan
 from revnets.planning.trace import GraphStep
-from revnets.planning.traced import refuse_hooks
+from revnets.planning.traced import Frozen, refuse_hooks
 
 __all__ = ["PlannedModel"]
 
@@ -21,7 +21,8 @@ class PlannedModel(nn.Module):
     checkpointed segments. Everything else (evaluation, inference) runs the model itself, since
     a trace may have frozen ``self.training`` checks of the mode it was traced in. Save and load
     weights through ``.model``, whose state_dict keys are the original ones. A training step
-    refuses hooks that would not run in it (NOTE [ Traced modules run as their graph ]).
+    refuses hooks that would not run in it, and what the traced graph froze that has changed
+    since (NOTE [ Traced modules run as their graph ]).
     """
 
     memory_plan: MemoryPlan
@@ -36,6 +37,7 @@ class PlannedModel(nn.Module):
         }
         # The modules the plan runs as their traced graph (the model itself among them).
         self._traced = tuple((n, m) for n, m in model.named_modules() if id(m) not in called)
+        self._frozen = Frozen(self._traced)
         refuse_hooks(self._traced)
 
     @property
@@ -54,5 +56,6 @@ class PlannedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.training and torch.is_grad_enabled():
             refuse_hooks(self._traced)
+            self._frozen.check()
             return self.plan(*args, **kwargs)
         return self.model(*args, **kwargs)

@@ -19,6 +19,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.fx
 from torch import nn
 
@@ -245,6 +246,25 @@ class _Tracer(torch.fx.Tracer):
         whole = whole or getattr(m, "planning_unit", False)
         return primitive or mode_dependent or whole or super().is_leaf_module(m, qualified_name)
 
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> torch.fx.Node:
+        # A graph records operations, not the grad mode or autocast they ran under: code that
+        # changes either (``with torch.no_grad(): scale = x.amax()``) must run as itself.
+        if _grad_and_autocast() != self.modes:
+            module = self.tracing[-1][0]
+            if module:
+                raise _KeepWhole(module, "changes the grad mode or autocast in its forward")
+            raise NotAChainError(
+                "as_graph_chain: the forward of the model changes the grad mode or autocast "
+                "(torch.no_grad, enable_grad, inference_mode, autocast), which a traced graph "
+                "does not record. Move that code into a submodule (kept whole)"
+            )
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
+
+    def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
+        self.modes = _grad_and_autocast()
+        return super().trace(root, concrete_args)
+
     def get_fresh_qualname(self, prefix: str) -> str:
         # The name of a constant torch.fx stores on the model for its graph to read.
         name = super().get_fresh_qualname(prefix)
@@ -284,6 +304,11 @@ class _Tracer(torch.fx.Tracer):
         if changed is not None:  # done once, on proxies, and never again: kept whole
             self.changing[name] = changed
             self.attributes.restore(modules)  # so that no module around it is found too
+
+
+def _grad_and_autocast() -> tuple:
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
 
 
 class _KeepWhole(Exception):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Attributes", "hooked", "refuse_hooks"]
+__all__ = ["Attributes", "Frozen", "hooked", "refuse_hooks"]
 
 # NOTE [ Traced modules run as their graph ]
 # A module the planner's trace goes through (any module with submodules that is not kept whole)
@@ -29,8 +30,13 @@ __all__ = ["Attributes", "hooked", "refuse_hooks"]
 #   - it draws from Python's random module, or its code depends on ``training`` (trace.py).
 # State outside the model (module-level globals) is not followed. A hook registered on a traced
 # module after planning, on the model itself, or globally would not run either: a planned
-# training step refuses them by name (``refuse_hooks``). Planning's runs on the meta device run
-# kept-whole modules too, and put back what they assign the same way (profile.on_meta).
+# training step refuses them by name (``refuse_hooks``), and so does it refuse what the graph
+# froze that has changed since (``Frozen``): a number, flag or string a traced module's code
+# reads (a drop-path rate raised by a schedule), a parameter or buffer it reads directly,
+# replaced (``load_state_dict(..., assign=True)``, a move of the model alone). Code changing the
+# grad mode or autocast keeps its module whole (trace.py), since a graph records neither.
+# Planning's runs on the meta device run kept-whole modules too, and put back what they assign
+# the same way (profile.on_meta).
 
 # Modes are flipped on purpose, to find code that depends on them (trace.py).
 _MODE = "training"
@@ -175,6 +181,62 @@ def _same(value: Any, items: Any) -> bool:
     if isinstance(value, set):
         return value == items
     return all(a is b for a, b in zip(value, items))
+
+
+_SCALARS = (int, float, bool, str, complex, type(None))
+
+
+class Frozen:
+    """What a traced graph froze of the modules it runs as their graph (``traced``: names and
+    modules): the numbers, flags and strings their classes' code reads, by value, and their
+    parameters and buffers, by identity (NOTE [ Traced modules run as their graph ])."""
+
+    def __init__(self, traced: Iterable[tuple[str, nn.Module]]) -> None:
+        self.values = [
+            (name, module, key, value) for name, module in traced
+            for key, value in vars(module).items()
+            if key != _MODE and isinstance(value, _SCALARS) and key in _names_read(type(module))
+        ]
+        self.tensors = [
+            (name, module, table, key, tensor) for name, module in traced
+            for table in ("_parameters", "_buffers")
+            for key, tensor in getattr(module, table).items()
+        ]
+
+    def check(self) -> None:
+        """Raise, naming it, if anything frozen changed."""
+        for name, module, key, value in self.values:
+            now = vars(module).get(key, _MISSING)
+            if now is not value and now != value:
+                _refuse(name, module, key, f"is {now!r}, {value!r} when planned", "")
+        for name, module, table, key, tensor in self.tensors:
+            if getattr(module, table).get(key) is not tensor:
+                _refuse(name, module, key, "is another tensor than when planned",
+                        ", or load weights in place (load_state_dict without assign=True)")
+
+
+def _refuse(name: str, module: nn.Module, key: str, what: str, or_else: str) -> None:
+    raise RuntimeError(
+        f"auto_checkpoint: {name + '.' if name else ''}{key} ({type(module).__name__}) {what}; "
+        "the plan runs a graph traced with it as it was. Plan again (auto_checkpoint on the "
+        f"model as it is now){or_else}"
+    )
+
+
+@functools.cache
+def _names_read(kind: type) -> frozenset[str]:
+    """Every attribute name the code of ``kind`` and its bases (torch's own excluded) reads."""
+    names: set[str] = set()
+    for base in kind.__mro__:
+        if base.__module__.startswith("torch.") or base is object:
+            continue
+        codes = [getattr(f, "__code__", None) for f in vars(base).values()]
+        codes = [c for c in codes if c is not None]
+        while codes:
+            code = codes.pop()
+            names.update(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return frozenset(names)
 
 
 def hooked(module: nn.Module) -> bool:
