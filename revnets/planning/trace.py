@@ -13,10 +13,8 @@ outputs of each layer need recomputing.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,7 +22,13 @@ import torch.fx
 from torch import nn
 
 from revnets.invertible import Invertible
-from revnets.planning.traced import Attributes, hooked
+from revnets.planning.traced import (
+    Attributes,
+    code_by_module,
+    grad_and_autocast,
+    hooked,
+    modes_flipped,
+)
 from revnets.replay.known import KnownWalk, known_composite
 from revnets.replay.known_calls import bound_arguments, call_kind, plain, plain_parameters
 from revnets.reversible import ReversibleSequence
@@ -250,7 +254,7 @@ class _Tracer(torch.fx.Tracer):
                     type_expr: Any = None) -> torch.fx.Node:
         # A graph records operations, not the grad mode or autocast they ran under: code that
         # changes either (``with torch.no_grad(): scale = x.amax()``) must run as itself.
-        if _grad_and_autocast() != self.modes:
+        if grad_and_autocast() != self.modes:
             module = self.tracing[-1][0]
             if module:
                 raise _KeepWhole(module, "changes the grad mode or autocast in its forward")
@@ -262,7 +266,7 @@ class _Tracer(torch.fx.Tracer):
         return super().create_node(kind, target, args, kwargs, name, type_expr)
 
     def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
-        self.modes = _grad_and_autocast()
+        self.modes = grad_and_autocast()
         return super().trace(root, concrete_args)
 
     def get_fresh_qualname(self, prefix: str) -> str:
@@ -306,11 +310,6 @@ class _Tracer(torch.fx.Tracer):
             self.attributes.restore(modules)  # so that no module around it is found too
 
 
-def _grad_and_autocast() -> tuple:
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
-
-
 class _KeepWhole(Exception):
     """A module found, while tracing, to be one the chain must run whole."""
 
@@ -341,7 +340,7 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
                 assigned = attributes.changed()
                 # A trace freezes each mode it reads: the same trace in the other modes shows
                 # where.
-                with _modes_flipped(model):
+                with modes_flipped(model):
                     flipped = flipped_tracer.trace(model)
                 assigned = assigned or attributes.changed()
             except _KeepWhole as found:
@@ -368,7 +367,7 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
                     "generators"
                 )
             depends = {name for name, _ in
-                       _code_by_module(graph, model) ^ _code_by_module(flipped, model)}
+                       code_by_module(graph, model) ^ code_by_module(flipped, model)}
             if not depends:
                 return graph, whole
             if depends == {""}:
@@ -386,64 +385,6 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
     finally:
         random.setstate(state)  # tracing ran the user's draws: they never happened
         attributes.restore()
-
-
-@contextlib.contextmanager
-def _modes_flipped(model: nn.Module) -> Iterator[None]:
-    modules = list(model.modules())
-    modes = [m.training for m in modules]
-    try:
-        for m, mode in zip(modules, modes):
-            m.training = not mode
-        yield
-    finally:
-        for m, mode in zip(modules, modes):
-            m.training = mode
-
-
-def _code_by_module(graph: torch.fx.Graph, model: nn.Module) -> set[tuple[str, str]]:
-    """Each traced module's code as its nodes (operation, target, arguments), by the innermost
-    module it ran in ("" for the model's own forward); a whole module's call belongs to its
-    caller. A value is named by the module that made it and its place there (counted from the
-    end for a value another module made, so that a step more in one module changes that
-    module's code alone), and attributes by what they hold (a tensor by its memory), since a
-    trace numbers the constants it stores on the model afresh."""
-    owner: dict[torch.fx.Node, str] = {}
-    place: dict[torch.fx.Node, int] = {}
-    count: dict[str, int] = {}
-    for node in graph.nodes:
-        stack = list(node.meta.get("nn_module_stack") or {})
-        if node.op == "call_module" and stack:
-            stack = stack[:-1]  # the module called, not one whose code ran
-        owner[node] = stack[-1] if stack else ""
-        place[node] = count.get(owner[node], 0)
-        count[owner[node]] = place[node] + 1
-
-    def name(value: torch.fx.Node, user: str) -> str:
-        made_by = owner[value]
-        if made_by == user:
-            return f"%{place[value]}"
-        return f"%{made_by}[{place[value] - count[made_by]}]"
-
-    code: dict[str, list[str]] = {}
-    for node in graph.nodes:
-        target = node.target
-        if node.op == "get_attr":
-            owner_name, _, attribute = target.rpartition(".")
-            target = _identity(getattr(model.get_submodule(owner_name), attribute, None))
-        args, kwargs = torch.fx.node.map_arg(
-            (node.args, node.kwargs), lambda n, user=owner[node]: name(n, user)
-        )
-        code.setdefault(owner[node], []).append(f"{node.op} {target} {args} {kwargs}")
-    return {(name, "\n".join(entries)) for name, entries in code.items()}
-
-
-def _identity(value: Any) -> Any:
-    # A constant a trace stores (a view of a buffer: ``index.view(-1)``) is another tensor
-    # object in each trace, over the same memory.
-    if isinstance(value, torch.Tensor):
-        return (value.data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype)
-    return id(value)
 
 
 def as_graph_chain(model: nn.Module) -> nn.Sequential:

@@ -1,17 +1,23 @@
-"""What a trace through a module must leave as it was: the module's attributes and its hooks
-(NOTE [ Traced modules run as their graph ])."""
+"""What a trace through a module freezes and must leave as it was: the state the module holds,
+its hooks, what the graph reads as constants, the grad mode and autocast, and the modes its code
+reads (NOTE [ Traced modules run as their graph ])."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 
-__all__ = ["Attributes", "Frozen", "hooked", "refuse_hooks"]
+__all__ = [
+    "Attributes", "Frozen", "code_by_module", "grad_and_autocast", "hooked", "modes_flipped",
+    "refuse_hooks",
+]
 
 # NOTE [ Traced modules run as their graph ]
 # A module the planner's trace goes through (any module with submodules that is not kept whole)
@@ -273,3 +279,71 @@ def refuse_hooks(traced: Iterable[tuple[str, nn.Module]]) -> None:
                 f"auto_checkpoint: a hook is registered on {where}. Where it is now, it would "
                 "not run in a planned training step"
             )
+
+
+# What a trace reads of modes: found by tracing again with each flipped (trace.py).
+
+
+def grad_and_autocast() -> tuple:
+    """The grad mode and autocast state, which a traced graph does not record."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
+
+
+
+@contextlib.contextmanager
+def modes_flipped(model: nn.Module) -> Iterator[None]:
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
+    try:
+        for m, mode in zip(modules, modes):
+            m.training = not mode
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.training = mode
+
+
+def code_by_module(graph: torch.fx.Graph, model: nn.Module) -> set[tuple[str, str]]:
+    """Each traced module's code as its nodes (operation, target, arguments), by the innermost
+    module it ran in ("" for the model's own forward); a whole module's call belongs to its
+    caller. A value is named by the module that made it and its place there (counted from the
+    end for a value another module made, so that a step more in one module changes that
+    module's code alone), and attributes by what they hold (a tensor by its memory), since a
+    trace numbers the constants it stores on the model afresh."""
+    owner: dict[torch.fx.Node, str] = {}
+    place: dict[torch.fx.Node, int] = {}
+    count: dict[str, int] = {}
+    for node in graph.nodes:
+        stack = list(node.meta.get("nn_module_stack") or {})
+        if node.op == "call_module" and stack:
+            stack = stack[:-1]  # the module called, not one whose code ran
+        owner[node] = stack[-1] if stack else ""
+        place[node] = count.get(owner[node], 0)
+        count[owner[node]] = place[node] + 1
+
+    def name(value: torch.fx.Node, user: str) -> str:
+        made_by = owner[value]
+        if made_by == user:
+            return f"%{place[value]}"
+        return f"%{made_by}[{place[value] - count[made_by]}]"
+
+    code: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        target = node.target
+        if node.op == "get_attr":
+            owner_name, _, attribute = target.rpartition(".")
+            target = _identity(getattr(model.get_submodule(owner_name), attribute, None))
+        args, kwargs = torch.fx.node.map_arg(
+            (node.args, node.kwargs), lambda n, user=owner[node]: name(n, user)
+        )
+        code.setdefault(owner[node], []).append(f"{node.op} {target} {args} {kwargs}")
+    return {(name, "\n".join(entries)) for name, entries in code.items()}
+
+
+def _identity(value: Any) -> Any:
+    # A constant a trace stores (a view of a buffer: ``index.view(-1)``) is another tensor
+    # object in each trace, over the same memory.
+    if isinstance(value, torch.Tensor):
+        return (value.data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype)
+    return id(value)
