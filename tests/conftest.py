@@ -64,6 +64,18 @@ def max_grad_error(model: nn.Module, reference: nn.Module, skip=lambda model: ()
     return max(errors)
 
 
+def train_step(model, x):
+    model.zero_grad(set_to_none=True)
+    model(x).float().sum().backward()
+
+
+def activation_budget(model, x, keep: float) -> int:
+    """The measured peak with only ``keep`` of its activation part."""
+    peak = revnets.measure_memory(train_step, model, x).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(state + keep * (peak - state))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -12,12 +12,7 @@ from revnets.memory import measure_memory
 from revnets.planning.search import MAX_GUESSES
 from revnets.prediction import Predictor
 
-from conftest import make_stack
-
-
-def train_step(model, x):
-    model.zero_grad(set_to_none=True)
-    model(x).float().sum().backward()
+from conftest import activation_budget, make_stack, train_step
 
 
 def conv_chain(depth: int = 12, width: int = 16) -> nn.Sequential:
@@ -26,12 +21,6 @@ def conv_chain(depth: int = 12, width: int = 16) -> nn.Sequential:
     for _ in range(depth):
         layers += [nn.BatchNorm2d(width), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1)]
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(width * 16 * 16, 10))
-
-
-def activation_budget(model, x, keep: float) -> int:
-    peak = measure_memory(train_step, model, x).peak_bytes
-    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    return int(state + keep * (peak - state))
 
 
 @pytest.fixture

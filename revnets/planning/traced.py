@@ -281,7 +281,7 @@ def refuse_hooks(traced: Iterable[tuple[str, nn.Module]]) -> None:
             )
 
 
-# What a trace reads of modes: found by tracing again with each flipped (trace.py).
+# What a trace freezes of modes: found by tracing again with each flipped (trace.py).
 
 
 def grad_and_autocast() -> tuple:
@@ -290,9 +290,9 @@ def grad_and_autocast() -> tuple:
             *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
 
 
-
 @contextlib.contextmanager
 def modes_flipped(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` in the other mode while inside."""
     modules = list(model.modules())
     modes = [m.training for m in modules]
     try:

@@ -1,0 +1,340 @@
+"""Modules the planner's trace goes through run as their traced graph in a planned training step
+(NOTE [ Traced modules run as their graph ] in revnets/planning/traced.py): what their forward
+does besides computing (hooks, state they hold, grad mode) keeps them whole, the trace leaves
+the model as it was, and what the graph froze is refused by name once it changes. Each case is
+compared with the same model trained without planning."""
+
+import copy
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import revnets
+from revnets.planning import as_graph_chain
+
+from conftest import activation_budget, train_step
+
+
+class Residual(nn.Module):
+    """A block with submodules, which the planner's trace goes through unless it must not."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Counting(Residual):
+    """Assigns attributes in its forward: a counter and the features it last saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.seen = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.last = x.detach()
+        self.seen.append(x.shape)
+        return super().forward(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, block=Residual, n: int = 6):
+        super().__init__()
+        self.blocks = nn.Sequential(*(block() for _ in range(n)))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def planned_stack(model, x, keep=0.9):
+    planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, keep),
+                                      measure_time=False)
+    assert isinstance(planned, revnets.planning.PlannedModel)
+    return planned
+
+
+def test_hooks_on_a_module_the_trace_would_go_through_fire_in_planned_steps():
+    # Traced through, the block's hooks ran once, on proxies, while planning, and never again.
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(1024, 32)
+    plain = copy.deepcopy(model)
+    calls = {"planned": [], "plain": []}
+    for name, net in (("planned", model), ("plain", plain)):
+        net.blocks[2].register_forward_hook(lambda m, a, out, c=calls[name]: c.append(1))
+        net.blocks[3].register_forward_hook(lambda m, a, out: 2 * out)  # changes the output
+    planned = planned_stack(model, x)
+    called = {s.label for s in as_graph_chain(model) if s.op == "call_module"}
+    assert {"blocks_2", "blocks_3"} <= called and "blocks_1" not in called  # kept whole
+    calls["planned"].clear()
+    train_step(planned, x)
+    train_step(plain, x)
+    assert len(calls["planned"]) == len(calls["plain"]) == 1
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_module_assigning_attributes_is_kept_whole_and_left_as_it_was():
+    # Traced through, the block kept a torch.fx Proxy as ``last`` and never counted again.
+    torch.manual_seed(0)
+    model, x = Stack(Counting), torch.randn(1024, 32)
+    plain = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.95)
+    for block in model.blocks:  # planning runs the model: what it assigned are real values
+        assert type(block.last) is torch.Tensor and block.last.device.type == "cpu"
+        assert all(type(shape) is torch.Size for shape in block.seen)
+    counted = [b.calls for b in model.blocks]
+    train_step(planned, x)
+    train_step(plain, x)
+    assert [b.calls - c for b, c in zip(model.blocks, counted)] == [1] * 6  # once, as a step does
+    for b, c in zip(model.blocks, plain.blocks):
+        assert torch.equal(b.last, c.last)
+
+
+def test_a_cache_filled_by_a_forward_in_the_other_mode_is_left_empty():
+    # levit's attention fills a dict of biases in eval mode; the trace in the other mode (which
+    # finds code depending on it) left a Proxy there, read by every later evaluation.
+    model = timm.create_model("levit_128s", num_classes=10)
+    as_graph_chain(model)
+    caches = [m.attention_bias_cache for m in model.modules() if hasattr(m, "attention_bias_cache")]
+    assert caches and all(cache == {} for cache in caches)
+    model.eval()
+    assert model(torch.randn(1, 3, 224, 224)).shape == (1, 10)
+
+
+def test_a_model_assigning_attributes_in_its_own_forward_is_refused_by_name():
+    class KeepsItsFeatures(Stack):
+        def forward(self, x):
+            self.features = self.blocks(x)
+            return self.head(self.features)
+
+    model = KeepsItsFeatures()
+    with pytest.raises(revnets.planning.NotAChainError, match=r"KeepsItsFeatures\.features"):
+        as_graph_chain(model)
+    assert "features" not in vars(model)
+
+
+@pytest.mark.parametrize("where", ["traced block", "model itself", "global"])
+def test_a_hook_a_planned_step_would_not_run_is_refused_by_name(where):
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(1024, 32)
+    planned = planned_stack(model, x)
+    hook = lambda *args: None  # noqa: E731
+    handle, match = {
+        "traced block": lambda: (model.blocks[1].register_forward_hook(hook), r"blocks\.1"),
+        "model itself": lambda: (model.register_forward_pre_hook(hook), "the model itself"),
+        "global": lambda: (nn.modules.module.register_module_forward_hook(hook), "global"),
+    }[where]()
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            train_step(planned, x)
+        planned.eval()
+        with torch.no_grad():
+            planned(x)  # evaluation runs the model itself, hooks and all
+    finally:
+        handle.remove()
+    planned.train()
+    train_step(planned, x)
+
+
+class HoldsState(Residual):
+    """Changes state it holds in ways other than assigning its own attributes: a buffer counted
+    up and a moving average (updated in place), a plain object's field, a list in a dict."""
+
+    class Stats:
+        count = 0
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("average", torch.zeros(32, dtype=torch.float64))
+        self.stats, self.store = self.Stats(), {"features": []}
+
+    def forward(self, x):
+        self.steps += 1
+        self.average.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        self.stats.count += 1
+        self.store["features"].append(x.shape)
+        return super().forward(x + self.average)
+
+
+def test_state_a_module_holds_is_left_as_it_was_by_the_trace_and_updated_once_per_step():
+    # Traced through, the buffers were updated by the trace itself and never again (the moving
+    # average's update half frozen into the graph: other gradients), and the plain object and
+    # the list kept Proxies.
+    torch.manual_seed(0)
+    model, x = Stack(HoldsState).double(), torch.randn(1024, 32, dtype=torch.float64)
+    as_graph_chain(model)
+    block = model.blocks[0]
+    assert block.steps.item() == 0 and block.stats.count == 0 and block.store["features"] == []
+    assert torch.equal(block.average, torch.zeros(32, dtype=torch.float64))
+    plain = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.95)
+    for net in (model, plain):  # what planning ran is forgotten on both sides
+        for b in net.blocks:
+            b.steps.zero_(), b.average.zero_(), b.store["features"].clear()
+            b.stats.count = 0
+    for _ in range(3):
+        train_step(planned, x)
+        train_step(plain, x)
+    for b, c in zip(model.blocks, plain.blocks):
+        assert b.steps.item() == c.steps.item() == 3  # module state: replayed, updated once
+        assert torch.equal(b.average, c.average)
+        # Python state outside module slots runs again where a checkpoint recomputes the block,
+        # as under torch.utils.checkpoint; it runs, where a traced graph would never run it.
+        assert b.stats.count >= 3 and len(b.store["features"]) >= 3
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class NoisyInTraining(Residual):
+    def forward(self, x):
+        if self.training:  # a step more in training mode, inside a block
+            x = x + 0.01 * torch.randn_like(x)
+        return super().forward(x)
+
+
+def test_a_step_only_one_mode_runs_keeps_that_block_whole_not_the_model_refused():
+    chain = as_graph_chain(Stack(NoisyInTraining))
+    called = {s.label for s in chain if s.op == "call_module"}
+    assert {f"blocks_{i}" for i in range(6)} <= called
+
+
+class SizedCache(Residual):
+    """Fills a table per input size on first use (position tables, rotary embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def forward(self, x):
+        n = x.shape[-1]
+        if n not in self.cache:
+            self.cache[n] = torch.linspace(0.5, 1.5, n, dtype=x.dtype, device=x.device)
+        return super().forward(x * self.cache[n])
+
+
+def test_planning_leaves_no_meta_tensor_in_a_cache_filled_lazily():
+    # Planning's runs on the meta device filled the cache with a meta tensor: planning failed,
+    # and so did the model afterwards.
+    torch.manual_seed(0)
+    model, x = Stack(SizedCache), torch.randn(1024, 32)
+    budget = activation_budget(Stack(SizedCache), x, 0.95)
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    assert all(t.device.type == "cpu" for b in model.blocks for t in b.cache.values())
+    train_step(planned, x)
+    model(x)
+
+
+def test_hooks_on_a_sequential_keep_it_whole_and_on_a_sequential_model_are_refused():
+    torch.manual_seed(0)
+    model = Stack()
+    model.blocks.register_forward_hook(lambda m, a, out: None)
+    chain = as_graph_chain(model)
+    assert "blocks" in {s.label for s in chain if s.op == "call_module"}
+    sequential = nn.Sequential(*(Residual() for _ in range(4)))
+    sequential.register_forward_hook(lambda m, a, out: 2 * out)
+    with pytest.raises(RuntimeError, match="register it on the model auto_checkpoint returned"):
+        revnets.auto_checkpoint(sequential, torch.randn(1024, 32), 10**9, measure_time=False)
+
+
+class SkipsInEval(nn.Module):
+    """A layer dropped outside training: no step at all in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.scale(x) if self.training else x
+
+
+class WithDroppedLayers(Residual):
+    def __init__(self):
+        super().__init__()
+        self.skip = SkipsInEval()
+        self.drop_path = timm.layers.DropPath(0.1)  # returns its input as it is in eval mode
+
+    def forward(self, x):
+        return x + self.drop_path(self.b(torch.relu(self.a(self.skip(x)))))
+
+
+def test_layers_dropped_in_one_mode_are_kept_whole_and_the_block_around_them_traced():
+    # The block calling them looks as if it depended on its mode too (its values come from
+    # elsewhere in eval mode), and was kept whole with them.
+    chain = as_graph_chain(Stack(WithDroppedLayers))
+    called = {s.label for s in chain if s.op == "call_module"}
+    assert {f"blocks_{i}_{name}" for i in range(6) for name in ("skip", "drop_path")} <= called
+    assert not {f"blocks_{i}" for i in range(6)} & called
+
+
+class MaxNorm(nn.Module):
+    """A user activation taking its statistic without grad: a graph records no grad mode."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = x.abs().amax(-1, keepdim=True)
+        return x / scale
+
+
+class NormedResidual(Residual):
+    def __init__(self):
+        super().__init__()
+        self.act = MaxNorm()
+
+    def forward(self, x):
+        return x + self.act(self.b(torch.relu(self.a(x))))
+
+
+def test_code_changing_the_grad_mode_keeps_its_module_whole():
+    # Traced into, the division's gradient flowed through ``scale`` as well: other gradients.
+    torch.manual_seed(0)
+    model, x = Stack(NormedResidual).double(), torch.randn(1024, 32, dtype=torch.float64)
+    called = {s.label for s in as_graph_chain(model) if s.op == "call_module"}
+    assert {f"blocks_{i}_act" for i in range(6)} <= called
+    plain = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.8)
+    train_step(planned, x)
+    train_step(plain, x)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+    class NoGradInItsOwnForward(Stack):
+        def forward(self, x):
+            with torch.no_grad():
+                x = x * 2
+            return super().forward(x)
+
+    with pytest.raises(revnets.planning.NotAChainError, match="grad mode"):
+        as_graph_chain(NoGradInItsOwnForward())
+
+
+class Scaled(Residual):
+    def __init__(self):
+        super().__init__()
+        self.norm = timm.layers.LayerNorm(32)  # its weight: read by a traced graph directly
+        self.scale = 1.0  # read by a traced graph as a constant
+
+    def forward(self, x):
+        return x + self.scale * self.b(torch.relu(self.a(self.norm(x))))
+
+
+def test_what_a_traced_graph_froze_is_refused_by_name_when_changed_after_planning():
+    torch.manual_seed(0)
+    model, x = Stack(Scaled), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.8)
+    model.blocks[2].scale = 0.5  # a schedule changing it: the graph would keep 1.0
+    with pytest.raises(RuntimeError, match=r"blocks\.2\.scale \(Scaled\) is 0\.5, 1\.0 when"):
+        train_step(planned, x)
+    model.blocks[2].scale = 1.0
+    state = {k: v * 2 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)  # in place: what the graph reads
+    train_step(planned, x)
+    model.load_state_dict(state, assign=True)  # other tensors: the graph would keep the old
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.norm\.weight .*assign=True"):
+        train_step(planned, x)
