@@ -175,7 +175,7 @@ def test_state_a_module_holds_is_left_as_it_was_by_the_trace_and_updated_once_pe
     assert torch.equal(block.average, torch.zeros(32, dtype=torch.float64))
     plain = copy.deepcopy(model)
     planned = planned_stack(model, x, keep=0.95)
-    for net in (model, plain):  # what planning ran is forgotten on both sides
+    for net in (model, plain):  # the step measuring the budget ran on the model alone
         for b in net.blocks:
             b.steps.zero_(), b.average.zero_(), b.store["features"].clear()
             b.stats.count = 0

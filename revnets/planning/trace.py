@@ -26,9 +26,9 @@ from revnets.planning.traced import (
     Attributes,
     code_by_module,
     grad_and_autocast,
-    hooked,
     modes_flipped,
 )
+from revnets.replay.hooks import hooked
 from revnets.replay.known import KnownWalk, known_composite
 from revnets.replay.known_calls import bound_arguments, call_kind, plain, plain_parameters
 from revnets.reversible import ReversibleSequence

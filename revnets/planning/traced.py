@@ -14,9 +14,11 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
+from revnets.replay.hooks import hooked
+from revnets.replay.known import names_run_by
+
 __all__ = [
-    "Attributes", "Frozen", "code_by_module", "grad_and_autocast", "hooked", "modes_flipped",
-    "refuse_hooks",
+    "Attributes", "Frozen", "code_by_module", "grad_and_autocast", "modes_flipped", "refuse_hooks",
 ]
 
 # NOTE [ Traced modules run as their graph ]
@@ -231,24 +233,13 @@ def _refuse(name: str, module: nn.Module, key: str, what: str, or_else: str) -> 
 
 @functools.cache
 def _names_read(kind: type) -> frozenset[str]:
-    """Every attribute name the code of ``kind`` and its bases (torch's own excluded) reads."""
-    names: set[str] = set()
-    for base in kind.__mro__:
-        if base.__module__.startswith("torch.") or base is object:
-            continue
-        codes = [getattr(f, "__code__", None) for f in vars(base).values()]
-        codes = [c for c in codes if c is not None]
-        while codes:
-            code = codes.pop()
-            names.update(code.co_names)
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return frozenset(names)
-
-
-def hooked(module: nn.Module) -> bool:
-    """Whether ``module`` has hooks of its own that run when it is called."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
+    """Every attribute name the code of ``kind`` and its bases (torch's own excluded) reads:
+    methods, and the functions under properties, static and class methods."""
+    return names_run_by(
+        getattr(f, "fget", None) or getattr(f, "__func__", None) or f
+        for base in kind.__mro__ if base is not object and not base.__module__.startswith("torch.")
+        for f in vars(base).values()
+    )
 
 
 def _global_hooks() -> bool:

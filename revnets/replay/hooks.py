@@ -17,6 +17,7 @@ __all__ = [
     "HookWatch",
     "ReplayedHook",
     "has_forward_hooks",
+    "hooked",
     "is_recomputing",
     "recomputing",
     "silenced_tensor_hooks",
@@ -187,6 +188,13 @@ def silenced_tensor_hooks(tensors: Iterable[Tensor]) -> Iterator[None]:
     finally:
         for hooks, saved in silenced:
             hooks.update(saved)
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own (forward, pre-forward, backward) that run when it
+    is called."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 def has_forward_hooks(modules: Iterable[nn.Module]) -> bool:

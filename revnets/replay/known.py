@@ -18,7 +18,9 @@ from torch.utils._device import DeviceContext
 from revnets.replay.known_calls import CallKind, plain_parameters
 from revnets.replay.state import _CPU_STATE_BYTES, _default_generator
 
-__all__ = ["KnownRun", "KnownWalk", "known_code", "known_composite", "known_run"]
+__all__ = [
+    "KnownRun", "KnownWalk", "known_code", "known_composite", "known_run", "names_run_by",
+]
 
 # NOTE [ Known layers ]
 # The watch (watch.py) sees every operator a run calls, because user code can draw from any
@@ -122,7 +124,7 @@ def _is_code(value: Any) -> bool:
     return value is not _MISSING and (callable(value) or hasattr(type(value), "__get__"))
 
 
-def _names_run_by(functions: Iterable[Any]) -> frozenset[str]:
+def names_run_by(functions: Iterable[Any]) -> frozenset[str]:
     """Every global and attribute name the code of ``functions`` mentions (nested code too)."""
     names: set[str] = set()
     codes = [f.__code__ for f in functions if isinstance(f, types.FunctionType)]
@@ -140,7 +142,7 @@ _MRO = {
     kind: frozenset(_CLASSES[c] for c in kind.__mro__ if c is not object)
     for kind in _KNOWN | {nn.Sequential}
 }
-_RUN = _names_run_by(
+_RUN = names_run_by(
     [*vars(F).values(), *(f for c in _CLASSES for f in vars(c).values())]
 )
 _LIBRARY = [
@@ -292,7 +294,7 @@ def known_code(cls: type) -> type:
             _CLASSES[c] = _AsMade(c)
     _MRO[cls] = frozenset(_CLASSES[c] for c in mro)
     # The torch functions its code calls by name (torch.exp in a coupling) are checked too.
-    names = _names_run_by(f for c in mro for f in vars(c).values()) - _RUN
+    names = names_run_by(f for c in mro for f in vars(c).values()) - _RUN
     if names & vars(torch).keys():
         _LIBRARY.append(_AsMade(torch, names))
     return cls

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from revnets.invertible import Invertible
 from revnets.plan import Checkpoint, Decision, Reconstruct, Store
+from revnets.replay.hooks import hooked
 from revnets.reversible import compiled, grid
 from revnets.reversible.block import ReversibleBlock, split_halves
 from revnets.reversible.coupling import AdditiveCoupling, ExactAdditiveCoupling
@@ -219,7 +220,7 @@ class ReversibleSequence(nn.Module):
         for block in self.blocks:
             if isinstance(block, Invertible):
                 x1, x2 = self.split(block(self.merge(x1, x2)))
-            elif _hooked(block) or nn.modules.module._global_backward_hooks:
+            elif hooked(block) or nn.modules.module._global_backward_hooks:
                 x1, x2 = self.split(block(self.merge(x1, x2), *context))
             else:
                 x1, x2 = block.forward_halves(x1, x2, *context)
@@ -279,13 +280,6 @@ def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:
                 block.coupling = ExactAdditiveCoupling()
             elif not exact and type(block.coupling) is ExactAdditiveCoupling:
                 block.coupling = AdditiveCoupling()
-
-
-def _hooked(block: nn.Module) -> bool:
-    return bool(
-        block._forward_hooks or block._forward_pre_hooks or block._backward_hooks
-        or block._backward_pre_hooks
-    )
 
 
 def _refuse_backward_hooks(blocks: Iterable[nn.Module]) -> None:
