@@ -327,7 +327,7 @@ def _undominated(kept: np.ndarray, spent: np.ndarray, front_kept: np.ndarray,
 def _pareto_front(kept: np.ndarray, spent: np.ndarray) -> np.ndarray:
     """Indices of the points no other beats in both bytes and time, by bytes; among equal points
     the first (they arrive in the order of the points they extend)."""
-    order = np.lexsort((np.arange(len(kept)), spent, kept))
+    order = np.lexsort((spent, kept))  # stable: equal points keep their order
     ordered = spent[order]
     keep = np.ones(len(order), dtype=bool)
     keep[1:] = ordered[1:] < np.minimum.accumulate(ordered)[:-1]
@@ -402,12 +402,33 @@ def candidate_plans(
     low = max(max(sum(p.state.values()) for p in profiles), 1)
     high = max(total, low)
     chain = _ChainArrays.of(profiles, input_state)
-    for k in range(steps + 1):
-        plan = _one_level(_optimal(chain, int(low * (high / low) ** (k / steps)), mixed=False))
-        if plan is not None:
-            proposals.append(plan)
+    proposals += [p for p in _optimal_over_grid(chain, low, high, steps) if p is not None]
     plans = {tuple(respect_inplace(p, profiles)) for p in proposals}
     return sorted(
         (list(p) for p in plans),
         key=lambda p: (recompute_cost(p, profiles), recomputed_layers(p), len(p)),
     )
+
+
+def _optimal_over_grid(chain: _ChainArrays, low: int, high: int, steps: int) -> list[Plan | None]:
+    """:func:`optimal_plan` at each of ``steps + 1`` budgets from ``low`` to ``high`` (a
+    geometric grid), solving only where a plan can differ: where two budgets get the same plan,
+    every budget between them gets a plan of the same recompute cost (it is no slower than the
+    lower one's plan, which fits it, and no faster than the higher one's, which it would then
+    beat), and the lower one's, fitting the smaller budget, stands for them all."""
+    budgets = [int(low * (high / low) ** (k / steps)) for k in range(steps + 1)]
+    found: dict[int, Plan | None] = {}
+
+    def solve(k: int) -> Plan | None:
+        if k not in found:
+            found[k] = _one_level(_optimal(chain, budgets[k], mixed=False))
+        return found[k]
+
+    def between(lo: int, hi: int) -> None:
+        if hi - lo > 1 and solve(lo) != solve(hi):
+            middle = (lo + hi) // 2
+            between(lo, middle)
+            between(middle, hi)
+
+    between(0, steps)
+    return [found[k] for k in sorted(found)]

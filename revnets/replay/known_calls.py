@@ -3,6 +3,7 @@ recorded without the watch (NOTE [ Known layers ], NOTE [ Known calls ])."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import types
@@ -143,11 +144,27 @@ _UNKNOWN_ARGUMENTS = frozenset({"generator", "device", "out"})
 def bound_arguments(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by name, defaults included; {} where the signature is unknown."""
     try:
-        bound = inspect.signature(target).bind(*args, **kwargs)
-    except (TypeError, ValueError):
+        signature = _signature(target)
+    except TypeError:  # unhashable: not cached
+        signature = _signature.__wrapped__(target)
+    if signature is None:
+        return {}
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
         return {}
     bound.apply_defaults()
     return bound.arguments
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(target: Any) -> inspect.Signature | None:
+    # Parsing a builtin's text signature takes a third of a millisecond, and a chain of a
+    # thousand steps asks for the same few targets again and again.
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
 
 
 def _may_draw(target: Any, args: tuple, kwargs: dict) -> bool:
