@@ -24,6 +24,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from revnets.replay.state import generators_held
+
 
 def is_cpu_scalar(tensor: Tensor) -> bool:
     return tensor.dim() == 0 and tensor.device.type == "cpu" and not isinstance(
@@ -45,6 +47,13 @@ def tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -
     if is_cpu_scalar(tensor):
         return scalar_to_fake(tensor, mode)
     return mode.from_tensor(tensor, static_shapes=True)
+
+
+def generators_shared(module: nn.Module, memo: dict[int, Any]) -> None:
+    """Enter in a deep copy's ``memo`` every generator ``module`` holds, as itself: a generator
+    holds no tensor memory, a fake run draws nothing from it (fake tensors have no values), and
+    its state cannot be copied over fake tensors."""
+    memo.update((id(g), g) for g in generators_held(module))
 
 
 def optimizer_to_fake(

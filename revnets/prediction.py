@@ -46,6 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
 from revnets.fake_copies import (
+    generators_shared,
     is_cpu_scalar,
     kept_as_found,
     optimizer_to_fake,
@@ -166,6 +167,7 @@ class Predictor:
             # every prediction: code reads them (momentum=None), and the run changes them.
             memo.update((id(b), scalar_to_fake(b, mode)) for b in obj.buffers()
                         if is_cpu_scalar(b) and id(b) not in memo)
+            generators_shared(obj, memo)
             with FakeCopyMode(mode):
                 fake = copy.deepcopy(obj, memo)
             self._made_once(obj.named_buffers(remove_duplicate=False),
@@ -273,8 +275,9 @@ class _LikeTheDevice(TorchDispatchMode):
 
     - Fake kernels draw no random numbers, but code that decides whether to keep a generator's
       state (a checkpoint replaying dropout) looks at whether the generator moved. One real draw
-      per random operator makes it move as in a real run; :func:`_predict` restores every
-      generator after.
+      per random operator makes it move as in a real run; :func:`_predict` restores the
+      default generators after, and :meth:`restore` every other one drawn from (a layer's own
+      ``torch.Generator``).
     - Operators on real tensors alone (a generator's state, kept aside) run for real, but never
       write a real tensor.
     - Real tensors are never written, and scalars keep their values: NOTE [ Real tensors in
@@ -300,6 +303,8 @@ class _LikeTheDevice(TorchDispatchMode):
         self.met: WeakIdKeyDictionary = WeakIdKeyDictionary()
         for t in stand_ins:
             self._meet(t)
+        # Generators drawn from by name, with their states before the call.
+        self.generators: dict[int, tuple[torch.Generator, Tensor]] = {}
 
     def active(self) -> bool:
         """Whether this thread is inside the prediction."""
@@ -313,6 +318,8 @@ class _LikeTheDevice(TorchDispatchMode):
     def restore(self) -> list[Tensor]:
         """Put back the data and gradients of the real tensors the call met; return the
         arguments' tensors whose gradients it changed (through a closure)."""
+        for generator, state in self.generators.values():
+            generator.set_state(state)
         changed = []
         for t, (data, grad) in list(self.met.items()):
             if _layout(t) != _layout(data):
@@ -400,6 +407,9 @@ class _LikeTheDevice(TorchDispatchMode):
             generator = kwargs.get("generator")
             with _disable_current_modes():
                 device = generator.device if generator is not None else self.device
+                if generator is not None and id(generator) not in self.generators:
+                    # One the call holds (a layer's own): put back by restore().
+                    self.generators[id(generator)] = (generator, generator.get_state())
                 torch.empty(1, device=device).uniform_(generator=generator)
             return func(*args, **kwargs)
         on_cpu = all(t.device.type == "cpu" for t in tensors)  # the kernel that would run

@@ -195,3 +195,44 @@ def test_any_failure_leaves_the_model_as_it_was():
         revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.3), loss_fn=loss_fn,
                                 measure_time=False)
     assert [s.memory for s in sequences] == before
+
+
+class OwnNoise(nn.Module):
+    """Adds noise from a torch.Generator the layer holds, made on the CPU by its own call
+    (no ``device=``), as a CPU-only model may."""
+
+    def __init__(self, width: int, seed: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        noise = torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+        return torch.tanh(self.linear(x) + noise)
+
+
+def own_noise_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*(OwnNoise(32, seed) for seed in range(6)), nn.Linear(32, 4)).double()
+
+
+def test_a_model_holding_its_own_generator_is_predicted_and_planned_as_it_trains():
+    x = torch.randn(16, 32, dtype=torch.double)
+    model, reference = own_noise_model(), own_noise_model()
+    # Predicted to the byte (its generator shared by the fake copy, not copied over fakes).
+    assert (revnets.predict_memory(train_step, model, x).peak_bytes
+            == measure_memory(train_step, own_noise_model(), x).peak_bytes)
+    with pytest.raises(revnets.PlanningError) as refused:
+        revnets.auto_checkpoint(model, x, budget=1)
+    planned = revnets.auto_checkpoint(model, x, refused.value.smallest_budget)
+    assert any(part.decision != revnets.Store() for part in planned.memory_plan.parts)
+    # Planning (sizes on the meta device, forward times measured for real) drew nothing from
+    # the layers' generators: the planned model trains as the unplanned one does.
+    for ours, theirs in zip(model[:6], reference[:6]):
+        assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
+    train_step(planned, x)
+    train_step(reference, x)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-10)
+    for ours, theirs in zip(model[:6], reference[:6]):  # each drew once in the step
+        assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from revnets.checkpoint import Checkpointed
 from revnets.models.switchable import SwitchableMemory
@@ -47,6 +47,7 @@ from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.traced import refuse_hooks
 from revnets.planning.untouched import ModelState
 from revnets.prediction import Predictor
+from revnets.replay import forked_rng, generators_held
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
@@ -128,11 +129,19 @@ def auto_checkpoint(
     """
     kept = ModelState(model)
     try:
-        return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer, measure_time,
-                                compiled)
+        # Timing runs the model for real: its draws, from torch's generators, Python's and its
+        # own (a layer holding a torch.Generator), never happened.
+        with forked_rng(_device_or_cpu(example_input), generators_held(model)):
+            return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer,
+                                    measure_time, compiled)
     except BaseException:  # no plan, the user's loss function failing, an interrupt
         kept.restore()
         raise
+
+
+def _device_or_cpu(example_input: Any) -> torch.device:
+    tensors = [t for t in tree_leaves(example_input) if isinstance(t, Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _auto_checkpoint(

@@ -148,7 +148,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
         # at every step would cost more than the steps).
         copies = bool(getattr(layer, "inplace", False)) or (
             getattr(layer, "mutates_from", None) is not None)
-        kept = _SelectiveOutputs()
+        kept = _SelectiveOutputs(meta=not timed)
         if copies:
             unsafe |= _keepers(kept_by_storage, _written(layer, leaf))
         for _ in range(repeats if timed else 1):
@@ -168,7 +168,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 unsafe |= _keepers(kept_by_storage, _written(layer, leaf, everything=True))
                 saved.clear()
                 x = _writable(layer, leaf, everything=True)
-                kept = _SelectiveOutputs()
+                kept = _SelectiveOutputs(meta=not timed)
                 start = now()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
                     contextlib.nullcontext() if timed else kept
@@ -209,14 +209,21 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
 
 class _SelectiveOutputs(TorchDispatchMode):
     """The outputs of a run's operators that a selective checkpoint keeps (SELECTIVE_OPS), with
-    their versions when made."""
+    their versions when made. On the meta device, every tensor an operator makes or reads is a
+    meta one: a layer making a tensor on the model's real device by its own means (noise from
+    a ``torch.Generator`` of its own, ``torch.randn(x.shape, generator=g)``) gets a meta tensor of
+    the same size, and draws nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, meta: bool = False) -> None:
         super().__init__()
+        self.meta = meta
         self.outputs: list[tuple[Tensor, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.meta:
+            args, kwargs = _all_meta(args, kwargs)
+        out = func(*args, **kwargs)
         if func in SELECTIVE_OPS:
             self.outputs += [(t, t._version) for t in tree_flatten(out)[0]
                              if isinstance(t, Tensor)]
@@ -227,6 +234,23 @@ class _SelectiveOutputs(TorchDispatchMode):
 
     def intact(self) -> bool:
         return all(t._version == version for t, version in self.outputs)
+
+
+def _all_meta(args: Any, kwargs: dict) -> tuple[Any, dict]:
+    def meta(value: Any) -> Any:
+        if isinstance(value, Tensor) and not value.is_meta and value.dim() > 0:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                       device="meta").requires_grad_(value.requires_grad)
+        return value
+
+    args, kwargs = tree_map(meta, args), tree_map(meta, kwargs)
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "meta":
+        kwargs = {**kwargs, "device": torch.device("meta")}
+    generator = kwargs.get("generator")
+    if generator is not None and generator.device.type != "meta":
+        kwargs = {**kwargs, "generator": None}
+    return args, kwargs
 
 
 def _written(layer: nn.Module, leaf: Any, everything: bool = False) -> list[Tensor]:

@@ -120,10 +120,12 @@ def _device_of_op(args: Any, kwargs: dict) -> torch.device:
 
 
 @contextlib.contextmanager
-def forked_rng(device: torch.device) -> Iterator[None]:
-    """Run code without disturbing the CPU's, ``device``'s and Python's generators (they are put
-    back on exit)."""
-    generators = [torch.default_generator]
+def forked_rng(
+    device: torch.device, held: Sequence[torch.Generator] = ()
+) -> Iterator[None]:
+    """Run code without disturbing the CPU's, ``device``'s and Python's generators, nor the
+    generators ``held`` (a model's own: :func:`generators_held`); they are put back on exit."""
+    generators = [torch.default_generator, *held]
     if device.type not in ("cpu", "meta"):
         generators.append(_default_generator(device))
     states = [g.get_state() for g in generators]
@@ -134,6 +136,33 @@ def forked_rng(device: torch.device) -> Iterator[None]:
         for g, state in zip(generators, states):
             g.set_state(state)
         random.setstate(python)
+
+
+def generators_held(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects ``module`` and its submodules hold: in attributes, and in
+    containers and plain objects up to three levels down."""
+    found: dict[int, torch.Generator] = {}
+    seen: set[int] = set()
+
+    def visit(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 3 or isinstance(value, (Tensor, nn.Module)):
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Generator):
+            found[id(value)] = value
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                visit(item, depth + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            visit(vars(value), depth + 1)
+
+    for submodule in module.modules():
+        for value in vars(submodule).values():
+            visit(value, 0)
+    return list(found.values())
 
 
 def state_tensors(
