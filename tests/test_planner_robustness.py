@@ -197,31 +197,48 @@ def test_any_failure_leaves_the_model_as_it_was():
     assert [s.memory for s in sequences] == before
 
 
-class OwnNoise(nn.Module):
-    """Adds noise from a torch.Generator the layer holds, made on the CPU by its own call
-    (no ``device=``), as a CPU-only model may."""
+class Settings:
+    """A plain object of the user's, holding another."""
 
-    def __init__(self, width: int, seed: int) -> None:
+
+class OwnNoise(nn.Module):
+    """Adds noise from a torch.Generator the layer holds (an attribute, or two plain objects
+    down), made on the CPU by its own call (no ``device=``), as a CPU-only model may."""
+
+    def __init__(self, width: int, seed: int, nested: bool) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width)
-        self.generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
+        if nested:
+            self.settings = Settings()
+            self.settings.noise = Settings()
+            self.settings.noise.generator = generator
+        else:
+            self.own_generator = generator
+
+    @property
+    def generator(self) -> torch.Generator:
+        held = vars(self).get("own_generator")
+        return held if held is not None else self.settings.noise.generator
 
     def forward(self, x):
         noise = torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
         return torch.tanh(self.linear(x) + noise)
 
 
-def own_noise_model():
+def own_noise_model(nested: bool):
     torch.manual_seed(0)
-    return nn.Sequential(*(OwnNoise(32, seed) for seed in range(6)), nn.Linear(32, 4)).double()
+    return nn.Sequential(*(OwnNoise(32, seed, nested) for seed in range(6)),
+                         nn.Linear(32, 4)).double()
 
 
-def test_a_model_holding_its_own_generator_is_predicted_and_planned_as_it_trains():
+@pytest.mark.parametrize("nested", [False, True], ids=["attribute", "two objects down"])
+def test_a_model_holding_its_own_generator_is_predicted_and_planned_as_it_trains(nested):
     x = torch.randn(16, 32, dtype=torch.double)
-    model, reference = own_noise_model(), own_noise_model()
+    model, reference = own_noise_model(nested), own_noise_model(nested)
     # Predicted to the byte (its generator shared by the fake copy, not copied over fakes).
     assert (revnets.predict_memory(train_step, model, x).peak_bytes
-            == measure_memory(train_step, own_noise_model(), x).peak_bytes)
+            == measure_memory(train_step, own_noise_model(nested), x).peak_bytes)
     with pytest.raises(revnets.PlanningError) as refused:
         revnets.auto_checkpoint(model, x, budget=1)
     planned = revnets.auto_checkpoint(model, x, refused.value.smallest_budget)

@@ -140,28 +140,24 @@ def forked_rng(
 
 def generators_held(module: nn.Module) -> list[torch.Generator]:
     """The ``torch.Generator`` objects ``module`` and its submodules hold: in attributes, and in
-    containers and plain objects up to three levels down."""
+    the containers and plain objects they reach, at any depth (what a deep copy of the module
+    would copy; each object visited once)."""
     found: dict[int, torch.Generator] = {}
     seen: set[int] = set()
-
-    def visit(value: Any, depth: int) -> None:
-        if id(value) in seen or depth > 3 or isinstance(value, (Tensor, nn.Module)):
-            return
+    pending: list[Any] = [value for m in module.modules() for value in vars(m).values()]
+    while pending:
+        value = pending.pop()
+        if id(value) in seen or isinstance(value, (Tensor, nn.Module, type)):
+            continue
         seen.add(id(value))
         if isinstance(value, torch.Generator):
             found[id(value)] = value
         elif isinstance(value, (list, tuple, set, frozenset)):
-            for item in value:
-                visit(item, depth + 1)
+            pending.extend(value)
         elif isinstance(value, dict):
-            for item in value.values():
-                visit(item, depth + 1)
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
-            visit(vars(value), depth + 1)
-
-    for submodule in module.modules():
-        for value in vars(submodule).values():
-            visit(value, 0)
+            pending.extend(value.values())
+        elif hasattr(value, "__dict__"):
+            pending.extend(vars(value).values())
     return list(found.values())
 
 
