@@ -18,8 +18,10 @@ kept on CPU, NOTE [ Layout under torch.compile ]; ``--compiler torch`` for plain
 ``python benchmarks/compile_speed.py`` runs the small default set (a ResNet and a RevNet, every plan
 that fits); pass ``--models all`` for the whole zoo (each deep model takes minutes to compile) or a
 comma list (``--models irevnet163,revvit_small_patch16_224``), and ``--plans`` to choose plans;
-``--transforms compiled`` also compiles f and g inside the reversible engine
-(``compile_transforms=None``, NOTE [ Compiled transforms ]), which the default leaves eager.
+``--transforms`` chooses how the reversible engine runs f and g: as the library's default does
+(``compile_transforms=None``: compiled on the CPU, each block's backward step one compiled
+function, NOTE [ Compiled block backward ]; eager on a GPU), ``eager`` (False) or ``compiled``
+(True: also on a GPU).
 Writes results/compile_speed-<device>-...{.csv,.md}.
 """
 
@@ -91,16 +93,17 @@ def gradient_error(compiled: nn.Module, eager: nn.Module) -> float:
 
 
 def measure(
-    name: str, plan: str, batch: int, repeats: int, transforms: str = "eager", device: str = "cpu",
+    name: str, plan: str, batch: int, repeats: int, transforms: str = "default",
+    device: str = "cpu",
     size: int | None = None, compiler: str = "revnets",
 ) -> dict | None:
     model = build(name, plan, device)
     if model is None:
         return None
-    if transforms == "compiled":  # f and g compiled inside the engine of the compiled model
+    if transforms != "default":  # f and g inside the engine: never, or always compiled
         for sequence in model.modules():
             if isinstance(sequence, ReversibleSequence):
-                sequence.compile_transforms = None
+                sequence.compile_transforms = transforms == "compiled"
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
@@ -145,6 +148,7 @@ def measure(
         "model": name,
         "plan": plan,
         "compiler": compiler,
+        "transforms": transforms,
         "batch": batch,
         "input": size,
         "grad_rel_error": float(f"{error:.2e}"),
@@ -167,9 +171,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated memory plans (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--transforms", choices=("eager", "compiled"), default="eager",
-                        help="f and g inside the reversible engine: eager (the library's "
-                        "default) or compiled where they allow it (NOTE [ Compiled transforms ])")
+    parser.add_argument("--transforms", choices=("default", "eager", "compiled"),
+                        default="default",
+                        help="f and g inside the reversible engine: as the library's default "
+                        "(compiled on the CPU), eager, or compiled also on a GPU, where they "
+                        "allow it (NOTE [ Compiled transforms ])")
     parser.add_argument("--compiler", choices=("revnets", "torch"), default="revnets",
                         help="revnets.compile_model (the trainer's) or plain torch.compile")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
@@ -206,6 +212,15 @@ def main(argv: list[str] | None = None) -> None:
                 write_results(stem, rows, command, args.device)
 
 
+_TRANSFORMS = {
+    "default": "Reversible engine: as by default (`compile_transforms=None`: on the CPU f and g "
+               "compiled, each block's backward step one compiled function; eager on a GPU). ",
+    "eager": "Reversible engine: f and g eager (`compile_transforms=False`). ",
+    "compiled": "Reversible engine: f and g compiled, each block's backward step one compiled "
+                "function where both are (`compile_transforms=True`). ",
+}
+
+
 def write_results(stem: str, rows: list[dict], command: str, device: str) -> None:
     write_csv(RESULTS / f"{stem}.csv", rows)
     lines = [
@@ -217,6 +232,7 @@ def write_results(stem: str, rows: list[dict], command: str, device: str) -> Non
          "on CPU: NOTE [ Layout under torch.compile ] in revnets/compiling.py). "
          if rows[0].get("compiler", "revnets") == "revnets" else
          "compiled: plain `torch.compile` (inductor's defaults). ")
+        + _TRANSFORMS[rows[0].get("transforms", "default")]
         + "ratio: median compiled step / median eager step (below 1: compiling pays); paired: "
         "min / median / max of the per-round ratios. grad error: max |compiled - eager| / "
         "max |eager| over each parameter's gradient (at least 1e-4 of the model's largest), "

@@ -25,7 +25,7 @@ import revnets
 from revnets import ReversibleBlock, ReversibleSequence
 from revnets.plan import PRESETS
 from revnets.reversible import compiled
-from revnets.reversible.compiled import compiled_call
+from revnets.reversible.compiled import compiled_backward, compiled_call
 
 PLANS = list(PRESETS)
 # The default run covers the plain and the reconstructing plan; the checkpointing ones are slow.
@@ -88,6 +88,7 @@ def set_compile_transforms(model: nn.Module, option: bool | str | None) -> None:
 def fresh_dynamo():
     torch._dynamo.reset()
     compiled_call.clear()
+    compiled_backward.clear()
     counters.clear()
     # A recompile-limit hit raises instead of silently running the frame eagerly from then on.
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -138,13 +139,21 @@ def test_graph_breaks_are_the_reversible_sequences_in_training(plan, fresh_dynam
         assert torch._dynamo.explain(model)(x).break_reasons == []
 
 
-def test_transforms_stay_eager_by_default_under_a_compiled_model(fresh_dynamo):
-    """Compiled transforms measured slower than eager ones (docs/compile.md): a compiled model
-    runs its reversible sequences' f and g eagerly unless asked."""
+def test_by_default_a_compiled_cpu_model_compiles_its_blocks_and_an_eager_one_does_not(
+    fresh_dynamo, monkeypatch
+):
+    """The default (``compile_transforms=None``): under a compiled model on the CPU, f and g run
+    compiled in the forward and each block's backward step as one compiled function (measured
+    faster than eager there: docs/compile.md); the same model run eagerly compiles nothing."""
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = small_revnet("reversible")
     x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    F.cross_entropy(model(x), target).backward()
+    assert compiled_call.calls == compiled_backward.calls == 0
     F.cross_entropy(torch.compile(model, backend="aot_eager")(x), target).backward()
-    assert compiled_call.calls == 0
+    blocks = sum(len(m.blocks) for m in model.modules() if isinstance(m, ReversibleSequence))
+    assert compiled_call.calls == 2 * blocks
+    assert compiled_backward.calls == blocks
 
 
 def test_compiled_transforms_give_ordinary_autograd_gradients_and_update_statistics_once(
@@ -163,9 +172,65 @@ def test_compiled_transforms_give_ordinary_autograd_gradients_and_update_statist
             net.zero_grad(set_to_none=True)
             F.cross_entropy(net(x), target).backward()
     assert compiled_call.calls > 0
+    assert compiled_backward.calls > 0  # the blocks' backward steps, each one function
     assert_same_gradients(model, reference, rtol=1e-10)
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
         torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_compiled_block_backward_reads_frozen_norms_and_weights_as_constants(fresh_dynamo):
+    """Batch norms left in eval mode inside training blocks (running statistics read, never
+    written) and weights that do not require grad, under the compiled block backward (aot_eager,
+    float64): ordinary autograd's gradients to 1e-10, its buffers, no gradient on a frozen
+    weight."""
+
+    def frozen(model: nn.Module) -> nn.Module:
+        for name, module in model.named_modules():
+            if isinstance(module, nn.BatchNorm2d) and name.endswith("f.1"):
+                module.eval()
+        for name, parameter in model.named_parameters():
+            if name.endswith("g.3.weight"):
+                parameter.requires_grad_(False)
+        return model
+
+    model = small_revnet("reversible").double()
+    reference = frozen(copy.deepcopy(model).set_memory("none"))
+    frozen(model)
+    set_compile_transforms(model, "aot_eager")
+    x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
+    for net in (model, reference):
+        for _ in range(2):
+            net.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), target).backward()
+    assert compiled_backward.calls > 0
+    assert_same_gradients(model, reference, rtol=1e-10)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_compiled_block_backward_starts_from_the_input_kept_for_it(fresh_dynamo):
+    """``keep_input_every=1`` with f and g compiled (aot_eager): every block's backward starts
+    from its kept input, not from a reconstruction. With g's outputs near 1e6 in float32, a
+    reconstruction by subtraction loses bits (gradients off by about 3e-2); started from the
+    kept inputs the gradients are the stored run's exactly."""
+
+    def sequence(memory):
+        torch.manual_seed(0)
+        blocks = [ReversibleBlock(_feed_forward(4, 0.0), _feed_forward(4, 0.0), split_dim=-1)
+                  for _ in range(2)]
+        with torch.no_grad():
+            for block in blocks:
+                block.g[0].weight.mul_(1e6)
+        return ReversibleSequence(blocks, memory=memory, compile_transforms="aot_eager")
+
+    kept = sequence(revnets.Reconstruct(keep_input_every=1))
+    stored = sequence(revnets.Store())
+    x = torch.randn(3, 8)
+    for net in (kept, stored):
+        net(x).square().sum().backward()
+    assert compiled_call.calls > 0
+    assert_same_gradients(kept, stored, rtol=0.0)
 
 
 class _Scaled(nn.Module):
@@ -212,8 +277,11 @@ def test_transforms_compile_only_where_the_replay_allows_it(case, fresh_dynamo):
         torch.manual_seed(3)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
             net(x).float().square().sum().backward()
-    expected = {"known layers": 6, "own module": 3}.get(case, 0)  # 2 runs of each compiled one
-    assert compiled_call.calls == 2 * expected
+    # Each compiled transform runs compiled in the forward; in backward a block whose f and g
+    # both did runs its whole step as one compiled function (NOTE [ Compiled block backward ]),
+    # and one with only g compiled recomputes g compiled.
+    assert compiled_call.calls == {"known layers": 6, "own module": 6}.get(case, 0)
+    assert compiled_backward.calls == {"known layers": 3}.get(case, 0)
     assert_same_gradients(reversible, stored, rtol=1e-2 if case == "autocast" else 1e-5)
 
 

@@ -64,11 +64,14 @@ class ReversibleSequence(nn.Module):
         compile_transforms: run f and g through functions torch.compile made (inductor) in the
             reversible path, where the replay allows it (known layers, no randomness, not exact,
             no autocast: NOTE [ Compiled transforms ] in revnets/reversible/compiled.py).
-            ``False`` (the default): never, f and g run eagerly inside the engine (compiled
-            transforms measured slower than eager ones, on CPU and on an H200: docs/compile.md);
-            ``None``: when the model runs under ``torch.compile``; ``True``: also in an eager
-            model; a backend's name (``"aot_eager"``): always, with that backend instead of
-            inductor (``DEFAULT_BACKEND`` in revnets/reversible/compiled.py).
+            ``None`` (the default): when the model runs under ``torch.compile`` on the CPU,
+            where a block's whole backward step then runs as one compiled function and the
+            compiled step is faster than eager (NOTE [ Compiled block backward ],
+            docs/compile.md); on a GPU f and g stay eager (compiled transforms measured slower
+            there, before the block backward was compiled as one function); ``False``: never;
+            ``True``: always, also on a GPU and in an eager model; a backend's name
+            (``"aot_eager"``): always, with that backend instead of inductor
+            (``DEFAULT_BACKEND`` in revnets/reversible/compiled.py).
 
     ``sequence(x, *context)`` passes the context arguments to every f and g after their half
     (``f(x2, *context)``), as conditioning (FiLM, time embeddings, cross-attention memory); tensors
@@ -102,7 +105,7 @@ class ReversibleSequence(nn.Module):
         exact: bool = False,
         preserve_rng_state: bool = True,
         reuse_memory: bool = True,
-        compile_transforms: bool | str | None = False,
+        compile_transforms: bool | str | None = None,
         **renamed: Any,
     ) -> None:
         super().__init__()
@@ -210,7 +213,7 @@ class ReversibleSequence(nn.Module):
         # Decided here, where dynamo traces: the engine itself runs eagerly either way.
         option = self.compile_transforms
         if option is None:
-            option = torch.compiler.is_compiling()
+            option = torch.compiler.is_compiling() and x.device.type == "cpu"
         backend = compiled.DEFAULT_BACKEND if option is True else option or None
         return _reversible(self, x, plans, context, params, backend)
 
