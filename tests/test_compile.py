@@ -64,7 +64,9 @@ def gradient_errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
     grads = [q.grad for q in reference.parameters() if q.grad is not None]
     floor = 1e-4 * max(g.abs().max().item() for g in grads)
     errors = {}
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    theirs = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        q = theirs[name]
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             scale = max(q.grad.abs().max().item(), floor)
@@ -207,6 +209,22 @@ def test_a_compiled_block_backward_reads_frozen_norms_and_weights_as_constants(f
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
         torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_rev_vit_without_drop_path_compiles_its_blocks(fresh_dynamo):
+    """A Rev-ViT's attention and MLP are known composites (NOTE [ Known layers ]): without drop
+    path its blocks run compiled inside the engine, and train like ordinary autograd (aot_eager,
+    float64, gradients to 1e-10)."""
+    torch.manual_seed(0)
+    model = timm.create_model("revvit_small_patch16_224", img_size=32, patch_size=4, depth=2,
+                              num_classes=10, drop_path_rate=0.0, memory="reversible").double()
+    reference = copy.deepcopy(model).set_memory("none")
+    set_compile_transforms(model, "aot_eager")
+    x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
+    for net in (model, reference):
+        F.cross_entropy(net(x), target).backward()
+    assert compiled_call.calls == 4 and compiled_backward.calls == 2
+    assert_same_gradients(model, reference, rtol=1e-10)
 
 
 def test_a_compiled_block_backward_starts_from_the_input_kept_for_it(fresh_dynamo):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import revnets
+from revnets.models.reversible_vit import reversible_vit_block
 from revnets.planning import as_graph_chain
 from revnets.replay.known import known_run
 
@@ -93,12 +94,23 @@ KNOWN_BLOCKS = {
     "affine": lambda: revnets.ReversibleBlock(
         twice_as_wide(), twice_as_wide(), "affine", split_dim=-1
     ),
+    "rev_vit": lambda: reversible_vit_block(WIDTH, num_heads=2),
+    "rev_vit_attention_dropout": lambda: reversible_vit_block(WIDTH, 2, attn_drop=0.1),
 }
 
 
 @pytest.mark.parametrize("make", KNOWN_BLOCKS.values(), ids=KNOWN_BLOCKS.keys())
 def test_a_reversible_block_of_known_layers_is_recorded_without_the_watch(make):
     assert known_run([make()], CPU, keep_random=True) is not None
+
+
+def test_attention_draws_only_with_a_dropout_rate_in_training():
+    """F.scaled_dot_product_attention has no Python signature: its ``dropout_p`` keyword says
+    whether it draws (a run that draws keeps the generator's state for the replay)."""
+    quiet, dropping = reversible_vit_block(WIDTH, 2), reversible_vit_block(WIDTH, 2, attn_drop=0.1)
+    assert not known_run([quiet], CPU, keep_random=True).draws
+    assert known_run([dropping], CPU, keep_random=True).draws
+    assert not known_run([dropping.eval()], CPU, keep_random=True).draws
 
 
 WATCHED_BLOCKS = {
@@ -112,6 +124,8 @@ WATCHED_BLOCKS = {
     "hook_on_the_block": lambda: _hooked(revnets.ReversibleBlock(unit(), unit())),
     "method_on_the_instance": lambda: _with_method(revnets.ReversibleBlock(unit(), unit())),
     "user_f": lambda: revnets.ReversibleBlock(WritesItsInput(), unit()),
+    # timm's DropPath is code of its own
+    "rev_vit_drop_path": lambda: reversible_vit_block(WIDTH, num_heads=2, drop_path=0.1),
 }
 
 

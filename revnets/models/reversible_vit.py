@@ -43,6 +43,8 @@ from revnets.models._timm import build
 from revnets.models.head import new_classifier
 from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Store
+from revnets.replay.known import KnownWalk, known_composite
+from revnets.replay.known_calls import call_kind
 from revnets.reversible import ReversibleBlock, ReversibleSequence
 
 __all__ = ["ReversibleVisionTransformer"]
@@ -128,9 +130,11 @@ class TwoStreamPatchEmbed(PatchEmbed):
         return torch.cat((tokens, tokens), dim=-1)
 
 
+@known_composite()
 class Attention(nn.Module):
     """Multi-head self-attention with separate q, k and v projections (as in Rev-ViT), through
-    ``F.scaled_dot_product_attention``."""
+    ``F.scaled_dot_product_attention``. Its calls are known (NOTE [ Known layers ]), so a
+    reversible block's replay needs no dispatcher watch, and the engine may compile it."""
 
     def __init__(self, dim: int, num_heads: int, attn_drop: float = 0.0) -> None:
         super().__init__()
@@ -149,11 +153,30 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))
-        dropout = self.attn_drop if self.training else 0.0
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)  # scale head_dim^-0.5
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self._dropout())  # head_dim^-0.5
         return self.proj(x.transpose(1, 2).flatten(2))
 
+    def _dropout(self) -> float:
+        return self.attn_drop if self.training else 0.0
 
+    def walk_known(self, walk: KnownWalk) -> bool:
+        """The calls :meth:`forward` makes, in order: the three projections, each viewed and
+        transposed into heads, attention, then transposed, flattened and projected."""
+        for projection in (self.q, self.k, self.v):
+            if not walk.module(projection):
+                return False
+            for method in ("view", "transpose"):
+                walk.call(call_kind("call_method", method, (), {}), False, True)
+        attention = call_kind("call_function", F.scaled_dot_product_attention, (None,) * 3,
+                              {"dropout_p": self._dropout()})
+        if walk.call(attention, False, True) is None:
+            return False
+        for method in ("transpose", "flatten"):
+            walk.call(call_kind("call_method", method, (), {}), False, True)
+        return walk.module(self.proj)
+
+
+@known_composite()
 class Mlp(nn.Module):
     def __init__(self, dim: int, ratio: float = 4.0) -> None:
         super().__init__()
@@ -164,7 +187,11 @@ class Mlp(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
+    def walk_known(self, walk: KnownWalk) -> bool:
+        return walk.modules((self.fc1, self.act, self.fc2))
 
+
+@known_composite()
 class Sublayer(nn.Module):
     """One transform of a reversible block: LayerNorm, then attention or MLP, then drop path."""
 
@@ -176,6 +203,9 @@ class Sublayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.drop_path(self.body(self.norm(x)))
+
+    def walk_known(self, walk: KnownWalk) -> bool:
+        return walk.modules((self.norm, self.body, self.drop_path))
 
 
 def reversible_vit_block(

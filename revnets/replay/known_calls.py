@@ -170,7 +170,8 @@ def _signature(target: Any) -> inspect.Signature | None:
 def _may_draw(target: Any, args: tuple, kwargs: dict) -> bool:
     """False only where the arguments say it does not draw (training off, a rate of 0);
     attention returns fresh memory either way, a dropout in eval mode its input."""
-    found = bound_arguments(target, args, kwargs)
+    # A builtin without a signature (attention) is read by its keywords alone.
+    found = bound_arguments(target, args, kwargs) or kwargs
     if not found:
         return True
     if "dropout_p" in found:
