@@ -158,15 +158,31 @@ def test_by_default_a_compiled_cpu_model_compiles_its_blocks_and_an_eager_one_do
     assert compiled_backward.calls == blocks
 
 
+def _frozen(model: nn.Module) -> nn.Module:
+    """Some batch norms left in eval mode inside training blocks (running statistics read, never
+    written) and some weights that do not require grad."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.BatchNorm2d) and name.endswith("f.1"):
+            module.eval()
+    for name, parameter in model.named_parameters():
+        if name.endswith("g.3.weight"):
+            parameter.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("prepare", [lambda model: model, _frozen],
+                         ids=["as built", "frozen norms and weights"])
 def test_compiled_transforms_give_ordinary_autograd_gradients_and_update_statistics_once(
-    fresh_dynamo
+    prepare, fresh_dynamo
 ):
-    """f and g compiled inside the engine (aot_eager, float64), two training steps: the
-    gradients of ordinary autograd (the same weights with the plan "none") to 1e-10, and batch
-    norm's running statistics and counts as ordinary autograd leaves them: updated once a step,
-    not again by the recomputation."""
+    """f and g compiled inside the engine, each block's backward step one compiled function
+    (aot_eager, float64), two training steps: the gradients of ordinary autograd (the same
+    weights with the plan "none") to 1e-10, none for a frozen weight, and batch norm's running
+    statistics and counts as ordinary autograd leaves them: updated once a step, not again by
+    the recomputation (read, not written, where a norm is in eval mode)."""
     model = small_revnet("reversible").double()
-    reference = copy.deepcopy(model).set_memory("none")
+    reference = prepare(copy.deepcopy(model).set_memory("none"))
+    prepare(model)
     set_compile_transforms(model, "aot_eager")
     x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
     for net in (model, reference):
@@ -175,36 +191,6 @@ def test_compiled_transforms_give_ordinary_autograd_gradients_and_update_statist
             F.cross_entropy(net(x), target).backward()
     assert compiled_call.calls > 0
     assert compiled_backward.calls > 0  # the blocks' backward steps, each one function
-    assert_same_gradients(model, reference, rtol=1e-10)
-    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
-        torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12, msg=name)
-
-
-def test_a_compiled_block_backward_reads_frozen_norms_and_weights_as_constants(fresh_dynamo):
-    """Batch norms left in eval mode inside training blocks (running statistics read, never
-    written) and weights that do not require grad, under the compiled block backward (aot_eager,
-    float64): ordinary autograd's gradients to 1e-10, its buffers, no gradient on a frozen
-    weight."""
-
-    def frozen(model: nn.Module) -> nn.Module:
-        for name, module in model.named_modules():
-            if isinstance(module, nn.BatchNorm2d) and name.endswith("f.1"):
-                module.eval()
-        for name, parameter in model.named_parameters():
-            if name.endswith("g.3.weight"):
-                parameter.requires_grad_(False)
-        return model
-
-    model = small_revnet("reversible").double()
-    reference = frozen(copy.deepcopy(model).set_memory("none"))
-    frozen(model)
-    set_compile_transforms(model, "aot_eager")
-    x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
-    for net in (model, reference):
-        for _ in range(2):
-            net.zero_grad(set_to_none=True)
-            F.cross_entropy(net(x), target).backward()
-    assert compiled_backward.calls > 0
     assert_same_gradients(model, reference, rtol=1e-10)
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
