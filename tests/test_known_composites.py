@@ -126,7 +126,15 @@ WATCHED_BLOCKS = {
     "user_f": lambda: revnets.ReversibleBlock(WritesItsInput(), unit()),
     # timm's DropPath is code of its own
     "rev_vit_drop_path": lambda: reversible_vit_block(WIDTH, num_heads=2, drop_path=0.1),
+    # v writes into the attention's input, the block's own (q made fresh memory, from it)
+    "rev_vit_v_writes_its_input": lambda: _v_in_place(reversible_vit_block(WIDTH, num_heads=2)),
 }
+
+
+def _v_in_place(block):
+    block.f.norm = nn.Identity()
+    block.f.body.q, block.f.body.v = nn.Tanh(), nn.ReLU(inplace=True)
+    return block
 
 
 def _hooked(m):

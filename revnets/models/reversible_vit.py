@@ -161,8 +161,11 @@ class Attention(nn.Module):
 
     def walk_known(self, walk: KnownWalk) -> bool:
         """The calls :meth:`forward` makes, in order: the three projections, each viewed and
-        transposed into heads, attention, then transposed, flattened and projected."""
+        transposed into heads, attention, then transposed, flattened and projected. Each
+        projection reads the input itself, whether or not the one before made fresh memory."""
+        entry = walk.fresh
         for projection in (self.q, self.k, self.v):
+            walk.fresh = entry
             if not walk.module(projection):
                 return False
             for method in ("view", "transpose"):
