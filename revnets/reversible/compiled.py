@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch._dynamo
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from revnets.compiling import compile_options
 from revnets.replay import Recording
@@ -219,7 +220,11 @@ class BlockBackwardCompiler:
         dy2: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[tuple[nn.Parameter, Tensor]]] | None:
         """x1, x2, their gradients and (parameter, gradient) pairs; None where this kind of
-        call could not be compiled (the caller then runs the step the ordinary way)."""
+        call could not be compiled, or runs under a dispatch mode (a memory meter, a fake-tensor
+        prediction), which dynamo does not compile under: the caller then runs the step the
+        ordinary way."""
+        if _get_current_dispatch_mode() is not None:
+            return None
         options = compile_options(f) if backend == "inductor" else {}
         key = (
             backend, tuple(options.items()), compiled_call.structure(f),
