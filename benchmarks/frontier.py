@@ -3,10 +3,10 @@ and torch.utils.checkpoint (per block, and selective: matmul outputs kept).
 
 Every point is one way of running the same model's training step (forward and backward from
 freed gradients). Memory: the peak of the step above what is alive when it starts (parameters),
-read from torch.profiler's allocator events (``profile_memory=True``: every allocation and free
-of the CPU allocator, Inductor's generated code included, which a dispatch-level meter such as
-``revnets.measure_memory`` cannot see), summed in time order; every point is measured by that one
-meter. Time: median of interleaved steps, over the eager step's.
+read by ``revnets.allocator_peak`` from torch.profiler's allocator events (every allocation and
+free of the CPU allocator, Inductor's generated code included, which a dispatch-level meter such
+as ``revnets.measure_memory`` cannot see), summed in time order; every point is measured by that
+one meter. Time: median of interleaved steps, over the eager step's.
 
     python benchmarks/frontier.py            # gpt, resnet50, vit (writes results/frontier-*)
     python benchmarks/frontier.py --quick    # small sizes, to check that it runs
@@ -31,7 +31,6 @@ import torch.nn.functional as F
 import torchvision
 from planner_zoo import GPT
 from torch import Tensor, nn
-from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -69,28 +68,6 @@ def step_of(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
         F.cross_entropy(model(x), y).backward()
 
     return step
-
-
-def peak_above_start(step: Callable[[], None], device: torch.device) -> int:
-    """The highest the CPU allocator's live bytes rise above where they were when ``step``
-    started (gradients freed before it starts); on a GPU, the caching allocator's peak above
-    its count at the start, which sees Inductor's buffers as it sees eager ones."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 class PerBlock(nn.Module):
@@ -238,7 +215,7 @@ def frontier(
     for key, step in steps.items():
         step()  # warm: the first step allocates what later ones reuse
         getattr(step, "model", model).zero_grad(set_to_none=True)
-        peaks[key] = peak_above_start(step, device)
+        peaks[key] = revnets.allocator_peak(step, device)
     times = interleaved_times(steps, repeats).seconds
     eager = statistics.median(times["eager"])
     return [{"model": name, "method": key, "peak_mib": round(peaks[key] / MiB, 2),

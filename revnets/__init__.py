@@ -4,7 +4,7 @@ from revnets import models  # registers the zoo with timm
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets.compiling import compile_model, compile_options
 from revnets.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
-from revnets.memory import MemoryReport, MemoryTracker, measure_memory
+from revnets.memory import MemoryReport, MemoryTracker, allocator_peak, measure_memory
 from revnets.models import ResidualNet
 from revnets.plan import (
     PRESETS,
@@ -60,6 +60,7 @@ __all__ = [
     "compile_model",
     "compile_options",
     "is_recomputing",
+    "allocator_peak",
     "measure_memory",
     "models",
     "parse_memory_plan",

@@ -198,22 +198,6 @@ def test_compiled_transforms_give_ordinary_autograd_gradients_and_update_statist
         torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def _allocator_peak(step) -> int:
-    """The CPU allocator's live bytes at their highest above the start of ``step`` (torch.profiler's
-    memory events: they see what compiled code allocates, which a dispatch-level meter does
-    not)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def test_a_memory_meter_leaves_the_compiled_block_backward_on(fresh_dynamo):
     """Under measure_memory's dispatch mode, which dynamo does not compile under, blocks run
     the ordinary way, without a warning; the next step outside it runs them compiled again."""
@@ -258,7 +242,7 @@ def test_a_compiled_block_backward_adds_memory_that_does_not_grow_with_depth(fre
 
             step()
             compiled_model.zero_grad(set_to_none=True)
-            peaks.append(_allocator_peak(step))
+            peaks.append(revnets.allocator_peak(step))
         extra.append(peaks[1] - peaks[0])
     assert compiled_backward.calls > 0
     assert extra[0] == extra[1] > 0, extra
