@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import types
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,7 +148,7 @@ def generators_held(module: nn.Module) -> list[torch.Generator]:
     pending: list[Any] = [value for m in module.modules() for value in vars(m).values()]
     while pending:
         value = pending.pop()
-        if id(value) in seen or isinstance(value, (Tensor, nn.Module, type)):
+        if id(value) in seen or isinstance(value, (Tensor, nn.Module, type, types.ModuleType)):
             continue
         seen.add(id(value))
         if isinstance(value, torch.Generator):

@@ -157,8 +157,9 @@ def compilable(recording: Recording, context: tuple, autocast_enabled: bool) -> 
 # (torch.func.vjp over torch.func.functional_call, compiled without graph breaks). Inductor then
 # fuses the reconstruction and the gradient additions into f's and g's kernels, and one call
 # replaces two compiled training graphs, their AOTAutograd wrappers and the autograd engine's
-# two backward passes: on this project's CPU a revnet block's backward step took 0.70-0.85x the
-# eager one, where f and g compiled separately took 0.89-1.09x (docs/compile.md).
+# two backward passes: on this project's CPU the compiled RevNet and i-RevNet steps under
+# ``reversible`` went from level with eager or slower to faster than eager with it
+# (benchmarks/compile_speed.py; the numbers are in docs/compile.md).
 # The replay's rules hold as in the separately compiled transforms: the recordings are checked
 # (nothing changed since the forward) and their replay entered; a batch norm in training mode
 # runs on batch statistics with its running statistics left out (functional_call with None in
