@@ -1,10 +1,11 @@
 """revnets: reversible networks and checkpointing for models that do not fit in memory."""
 
 from revnets import models  # registers the zoo with timm
+from revnets.allocator import allocator_peak
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets.compiling import compile_model, compile_options
 from revnets.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
-from revnets.memory import MemoryReport, MemoryTracker, allocator_peak, measure_memory
+from revnets.memory import MemoryReport, MemoryTracker, measure_memory
 from revnets.models import ResidualNet
 from revnets.plan import (
     PRESETS,

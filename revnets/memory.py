@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from revnets.replay.watch import operator_tensors
 
-__all__ = ["MemoryReport", "MemoryTracker", "allocator_peak", "measure_memory"]
+__all__ = ["MemoryReport", "MemoryTracker", "measure_memory"]
 
 MiB = 2**20
 
@@ -476,28 +476,3 @@ def _device_of(owners: list, args: tuple, kwargs: dict) -> torch.device | None:
             return leaf.device
     return None
 
-
-def allocator_peak(step: Callable[[], Any], device: torch.device | str = "cpu") -> int:
-    """The highest the allocator's live bytes rise above where they were when ``step`` started:
-    on the CPU from torch.profiler's memory events (every allocation and free), on a GPU the
-    caching allocator's peak. Unlike :func:`measure_memory`, which follows tensors at the
-    dispatcher, it sees what compiled code allocates (Inductor's buffers), and runs ``step``
-    without a dispatch mode, so that ``torch.compile`` compiles it."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak

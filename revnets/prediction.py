@@ -21,9 +21,7 @@ ones.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,6 +63,7 @@ from revnets.memory import (
     _measure,
     _owners_in,
 )
+from revnets.replay.state import forked_rng
 from revnets.replay.watch import operator_tensors
 
 __all__ = ["predict_memory"]
@@ -134,7 +133,7 @@ class Predictor:
         like = _LikeTheDevice(mode, device, stand_ins_of(owners, memo))
         try:
             with (kept_as_found(optimizers, like.active),
-                  _random_state_kept(device), mode, like):
+                  forked_rng(device), mode, like):
                 report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch,
                                   stand_ins=like.stand_ins)
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
@@ -228,19 +227,6 @@ def _layout(tensor: Tensor) -> tuple:
             tensor.untyped_storage()._cdata)
 
 
-@contextlib.contextmanager
-def _random_state_kept(device: torch.device) -> Iterator[None]:
-    """A prediction draws nothing the user's generators remember (Python's included: code that
-    drops layers at random draws from it)."""
-    devices = [device] if device.type == "cuda" else []
-    python = random.getstate()
-    try:
-        with torch.random.fork_rng(devices=devices, device_type="cuda"):
-            yield
-    finally:
-        random.setstate(python)
-
-
 # NOTE [ Real tensors in a prediction ]
 # A prediction meets real tensors besides the fakes made of its arguments: tensors a closure holds
 # (labels, a counter, a scheduler's or GradScaler's state) and scalars the call makes from numbers
@@ -275,7 +261,7 @@ class _LikeTheDevice(TorchDispatchMode):
 
     - Fake kernels draw no random numbers, but code that decides whether to keep a generator's
       state (a checkpoint replaying dropout) looks at whether the generator moved. One real draw
-      per random operator makes it move as in a real run; :func:`_predict` restores the
+      per random operator makes it move as in a real run; :meth:`Predictor.predict` restores the
       default generators after, and :meth:`restore` every other one drawn from (a layer's own
       ``torch.Generator``).
     - Operators on real tensors alone (a generator's state, kept aside) run for real, but never

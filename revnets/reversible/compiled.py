@@ -270,18 +270,28 @@ class BlockBackwardCompiler:
 compiled_backward = BlockBackwardCompiler()
 
 
-def compiled_reverse(
-    backend: str, block: Any, runs: dict[str, Recording], layouts: dict[str, Any], carry: Any,
-) -> list[tuple[nn.Parameter, Tensor]] | None:
-    """A coupling step's backward as one compiled function, in the replay of f's and g's
-    forward runs (``runs``, checked by the caller), leaving the block's input and its gradient
-    in ``carry``; None, with ``carry`` as found, where it could not be compiled."""
-    y1, y2 = carry.own(layouts["g"], layouts["f"])
+def compiled_reverse(step: Any, carry: Any, context: Any, remedy: str) -> list | None:
+    """A recomputed coupling step's backward as one compiled function (NOTE [ Compiled block
+    backward ]), in the replay of f's and g's forward runs, leaving the block's input and its
+    gradient in ``carry``; None, with ``carry`` as found, where the step does not qualify or
+    could not be compiled (the caller then runs it the ordinary way)."""
+    backend = step.compiled.get("f")
+    if (backend is None or step.compiled.get("g") != backend
+            or not step.block.coupling.is_additive or context.values or step.kept is not None
+            or carry.dy1 is None or carry.dy2 is None):
+        return None
+    runs = step.runs
+    for name in ("g", "f"):
+        runs[name].check("ReversibleSequence", remedy, prefix=f"blocks.{step.index}.{name}.")
+    y1, y2 = carry.own(step.layouts["g"], step.layouts["f"])
     with runs["g"].replayed(), runs["f"].replayed():
-        done = compiled_backward(backend, block.f, block.g, y1, y2, carry.dy1, carry.dy2)
+        done = compiled_backward(backend, step.block.f, step.block.g, y1, y2, carry.dy1,
+                                 carry.dy2)
     carry.mine = (True, True)  # copies the engine made, or fresh outputs: its own
     if done is None:
         carry.y1, carry.y2 = y1, y2
         return None
     carry.y1, carry.y2, carry.dy1, carry.dy2, pairs = done
+    runs.clear()
+    step.compiled.clear()
     return pairs

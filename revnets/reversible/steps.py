@@ -379,20 +379,8 @@ class CouplingStep(_CouplingBackward):
         return y1.detach(), y2.detach()
 
     def reverse(self, carry, back, need_input_grad):
-        backend = self.compiled.get("f")
-        if (backend is not None and self.compiled.get("g") == backend
-                and self.block.coupling.is_additive and not back.context.values
-                and self.kept is None and carry.dy1 is not None
-                and carry.dy2 is not None):
-            for name in ("g", "f"):
-                self.runs[name].check("ReversibleSequence", _REMEDY,
-                                      prefix=f"blocks.{self.index}.{name}.")
-            pairs = compiled_reverse(backend, self.block, self.runs, self.layouts, carry)
-            if pairs is not None:  # NOTE [ Compiled block backward ]
-                self.runs.clear()
-                self.compiled.clear()
-                return pairs
-        return super().reverse(carry, back, need_input_grad)
+        pairs = compiled_reverse(self, carry, back.context, _REMEDY)
+        return pairs if pairs is not None else super().reverse(carry, back, need_input_grad)
 
     def _outputs(self, carry):
         self._kept = self.kept_input()
