@@ -25,12 +25,14 @@ def make_stack(
     coupling: str = "additive",
     dropout: float = 0.0,
     memory: revnets.Reconstruct | revnets.Store = revnets.Reconstruct(),
+    drop_path: float = 0.0,
 ) -> revnets.ReversibleSequence:
     out = 2 * half if coupling == "affine" else half
     return revnets.ReversibleSequence(
         (
             revnets.ReversibleBlock(
-                conv_unit(half, out, dropout), conv_unit(half, out, dropout), coupling=coupling
+                conv_unit(half, out, dropout), conv_unit(half, out, dropout), coupling=coupling,
+                drop_path=drop_path,
             )
             for _ in range(depth)
         ),

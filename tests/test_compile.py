@@ -248,19 +248,23 @@ def test_a_compiled_block_backward_adds_memory_that_does_not_grow_with_depth(fre
     assert extra[0] == extra[1] > 0, extra
 
 
-def test_a_rev_vit_without_drop_path_compiles_its_blocks(fresh_dynamo):
-    """A Rev-ViT's attention and MLP are known composites (NOTE [ Known layers ]): without drop
-    path its blocks run compiled inside the engine, and train like ordinary autograd (aot_eager,
-    float64, gradients to 1e-10)."""
+@pytest.mark.parametrize("drop_path_rate", [0.0, 0.5])
+def test_a_rev_vit_compiles_its_blocks_with_and_without_drop_path(drop_path_rate, fresh_dynamo):
+    """A Rev-ViT's attention and MLP are known composites (NOTE [ Known layers ]) and its
+    blocks draw their drop-path masks outside them (NOTE [ Drop path outside the transforms ]):
+    its blocks run compiled inside the engine, each block's backward one compiled function, and
+    train like ordinary autograd under the same seed (aot_eager, float64, gradients to 1e-10)."""
     torch.manual_seed(0)
-    model = timm.create_model("revvit_small_patch16_224", img_size=32, patch_size=4, depth=2,
-                              num_classes=10, drop_path_rate=0.0, memory="reversible").double()
+    model = timm.create_model(
+        "revvit_small_patch16_224", img_size=32, patch_size=4, depth=3, num_classes=10,
+        drop_path_rate=drop_path_rate, memory="reversible").double()
     reference = copy.deepcopy(model).set_memory("none")
     set_compile_transforms(model, "aot_eager")
-    x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
+    x, target = torch.randn(4, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2, 3, 4])
     for net in (model, reference):
+        torch.manual_seed(1)
         F.cross_entropy(net(x), target).backward()
-    assert compiled_call.calls == 4 and compiled_backward.calls == 2
+    assert compiled_call.calls == 6 and compiled_backward.calls == 3
     assert_same_gradients(model, reference, rtol=1e-10)
 
 

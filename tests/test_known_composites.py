@@ -7,6 +7,7 @@ shown to take the watched path."""
 import enum
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,6 +114,14 @@ def test_attention_draws_only_with_a_dropout_rate_in_training():
     assert not known_run([dropping.eval()], CPU, keep_random=True).draws
 
 
+def test_a_block_that_drops_paths_is_known_and_draws_in_training_only():
+    """The block draws its drop-path masks itself (NOTE [ Drop path outside the transforms ]):
+    a recording of it keeps the generator's state for the replay, in training only."""
+    block = reversible_vit_block(WIDTH, 2, drop_path=0.1)
+    assert known_run([block], CPU, keep_random=True).draws
+    assert not known_run([block.eval()], CPU, keep_random=True).draws
+
+
 WATCHED_BLOCKS = {
     # f would write into a view of the caller's tensor
     "f_writes_its_input": lambda: revnets.ReversibleBlock(unit(first_inplace=True), unit()),
@@ -125,7 +134,8 @@ WATCHED_BLOCKS = {
     "method_on_the_instance": lambda: _with_method(revnets.ReversibleBlock(unit(), unit())),
     "user_f": lambda: revnets.ReversibleBlock(WritesItsInput(), unit()),
     # timm's DropPath is code of its own
-    "rev_vit_drop_path": lambda: reversible_vit_block(WIDTH, num_heads=2, drop_path=0.1),
+    "timm_drop_path_in_f": lambda: revnets.ReversibleBlock(
+        nn.Sequential(unit(), timm.layers.DropPath(0.1)), unit()),
     # v writes into the attention's input, the block's own (q made fresh memory, from it)
     "rev_vit_v_writes_its_input": lambda: _v_in_place(reversible_vit_block(WIDTH, num_heads=2)),
 }

@@ -155,6 +155,57 @@ def test_dropout_masks_replayed(memory):
     assert max_grad_error(model, plain) <= 1e-10
 
 
+def test_drop_path_masks_kept_for_backward(memory):
+    """Stochastic depth on the blocks, with dropout inside f and g too: the engine's output and
+    float64 gradients are ordinary autograd's under the same seed."""
+    model = make_stack(4, memory=memory, dropout=0.5, drop_path=0.5).double()
+    model[1].register_forward_hook(lambda *args: None)  # one block on the hooked path
+    plain = twin(model)
+    x = torch.randn(6, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    out, out_plain = run(model, x, seed=7), run(plain, x_plain, seed=7)
+    assert torch.equal(out, out_plain)
+    assert rel_error(x.grad, x_plain.grad) <= 1e-10
+    assert max_grad_error(model, plain) <= 1e-10
+    after_reversible = torch.rand(3)
+    run(plain, x_plain, seed=7)
+    assert torch.equal(after_reversible, torch.rand(3))
+
+
+def test_drop_path_drops_whole_samples_and_scales_the_kept_ones():
+    """y1 = x1 + m * f(x2), m per sample: 0, or 1 / (1 - drop_path); no mask in eval mode."""
+    block = revnets.ReversibleBlock(nn.Linear(4, 4), nn.Linear(4, 4), split_dim=-1,
+                                    drop_path=0.5).double()
+    x1, x2 = torch.randn(64, 4, dtype=torch.float64), torch.randn(64, 4, dtype=torch.float64)
+    with torch.no_grad():
+        y1, _ = block.forward_halves(x1, x2)
+        scale = ((y1 - x1) / block.f(x2)).mean(dim=-1)
+        assert torch.allclose(scale, (scale > 1).double() * 2, atol=1e-12)
+        assert 0 < (scale > 1).sum() < 64
+        block.eval()
+        assert torch.allclose(block.forward_halves(x1, x2)[0], x1 + block.f(x2), atol=1e-12)
+
+
+def test_inverting_a_block_that_drops_paths_is_refused_in_training():
+    block = revnets.ReversibleBlock(nn.Linear(4, 4), nn.Linear(4, 4), split_dim=-1, drop_path=0.1)
+    y = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="drop_path=0.1.*block.eval"):
+        block.inverse(y)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(block.eval().inverse(block(x)), x)
+
+
+@pytest.mark.parametrize("drop_path,coupling,message", [
+    (1.0, "additive", r"drop_path must lie in \[0, 1\), got 1.0"),
+    (-0.1, "additive", r"drop_path must lie in \[0, 1\), got -0.1"),
+    (0.1, "affine", "drop_path needs an additive coupling"),
+])
+def test_bad_drop_path_is_named(drop_path, coupling, message):
+    with pytest.raises(ValueError, match=message):
+        revnets.ReversibleBlock(nn.Linear(4, 8), nn.Linear(4, 8), coupling, split_dim=-1,
+                                drop_path=drop_path)
+
+
 def test_rng_left_as_after_plain_forward_backward(memory):
     model = make_stack(2, memory=memory, dropout=0.5)
     plain = twin(model)

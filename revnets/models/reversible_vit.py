@@ -9,9 +9,11 @@ the residual. At the end the two streams, still concatenated, go through LayerNo
 over tokens and a linear head. Parameter counts equal the official ones (22,434,664 for Rev-ViT-S,
 87,335,656 for Rev-ViT-B at 1000 classes).
 
-Drop path is per sample, inside f and g, and replayed exactly in backward by the reversible
-engine (the official code shares one seed between F's and G's drop path in a block; here each
-draws its own mask, as timm's ViT does).
+Drop path is per sample, the block's own (``ReversibleBlock(drop_path=...)``): the block draws
+F's and G's masks apart (the official code shares one seed between them; timm's ViT draws each
+apart), outside F and G, and the reversible engine keeps them for backward (NOTE [ Drop path
+outside the transforms ] in revnets/reversible/block.py), so F and G draw nothing and compile
+inside the engine.
 
 Memory plans (:class:`~revnets.plan.MemoryPlan`), switchable on the same weights
 (``set_memory``), as for the CNN zoo, by preset: ``none`` (ordinary autograd), ``checkpoint``
@@ -29,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import (
-    DropPath,
     PatchEmbed,
     register_notrace_function,
     resample_abs_pos_embed,
@@ -196,19 +197,18 @@ class Mlp(nn.Module):
 
 @known_composite()
 class Sublayer(nn.Module):
-    """One transform of a reversible block: LayerNorm, then attention or MLP, then drop path."""
+    """One transform of a reversible block: LayerNorm, then attention or MLP."""
 
-    def __init__(self, dim: int, body: nn.Module, drop_path: float) -> None:
+    def __init__(self, dim: int, body: nn.Module) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.body = body
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop_path(self.body(self.norm(x)))
+        return self.body(self.norm(x))
 
     def walk_known(self, walk: KnownWalk) -> bool:
-        return walk.modules((self.norm, self.body, self.drop_path))
+        return walk.modules((self.norm, self.body))
 
 
 def reversible_vit_block(
@@ -217,9 +217,10 @@ def reversible_vit_block(
 ) -> ReversibleBlock:
     """A Rev-ViT block on two streams of width ``dim`` concatenated on the last axis."""
     return ReversibleBlock(
-        f=Sublayer(dim, Attention(dim, num_heads, attn_drop), drop_path),
-        g=Sublayer(dim, Mlp(dim, mlp_ratio), drop_path),
+        f=Sublayer(dim, Attention(dim, num_heads, attn_drop)),
+        g=Sublayer(dim, Mlp(dim, mlp_ratio)),
         split_dim=-1,
+        drop_path=drop_path,
     )
 
 

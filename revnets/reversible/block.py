@@ -40,6 +40,10 @@ class ReversibleBlock(nn.Module):
         coupling: ``"additive"`` (RevNet), ``"affine"`` or a :class:`Coupling` instance.
         split_dim: the dimension split into two equal halves (channels for NCHW images,
             the last dimension for transformer tokens).
+        drop_path: stochastic depth, the probability that a sample's f (and, drawn apart, its g)
+            is dropped in training, the kept ones scaled by ``1 / (1 - drop_path)`` (timm's
+            ``DropPath``). Additive couplings only. The block draws the masks itself, outside f
+            and g (NOTE [ Drop path outside the transforms ]).
 
     Calling the block runs it with ordinary autograd. Memory is saved by running blocks inside a
     :class:`ReversibleSequence`. ``block.inverse(y)`` reconstructs the input of ``block(y)``.
@@ -55,12 +59,21 @@ class ReversibleBlock(nn.Module):
         g: nn.Module,
         coupling: str | Coupling = "additive",
         split_dim: int = 1,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         self.f = f
         self.g = g
         self.coupling = make_coupling(coupling, split_dim)
         self.split_dim = split_dim
+        if not 0.0 <= drop_path < 1.0:
+            raise ValueError(f"ReversibleBlock: drop_path must lie in [0, 1), got {drop_path}")
+        if drop_path and not self.coupling.is_additive:
+            raise ValueError(
+                f"ReversibleBlock: drop_path needs an additive coupling, got {self.coupling!r}; "
+                "put a drop path inside f and g instead"
+            )
+        self.drop_path = drop_path
 
     def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The two halves of ``x`` along ``split_dim`` (views, no copy)."""
@@ -76,22 +89,53 @@ class ReversibleBlock(nn.Module):
         return self.merge(*self.inverse_halves(*self.split(y), *context))
 
     def forward_halves(self, x1: Tensor, x2: Tensor, *context: Any) -> tuple[Tensor, Tensor]:
-        y1 = self.coupling.combine(x1, self.transform("f", x2, *context))
-        y2 = self.coupling.combine(x2, self.transform("g", y1, *context))
+        scales = self.drop_path_scales(x1)
+        y1 = self.coupling.combine(x1, self.transform("f", x2, *context, scale=scales["f"]))
+        y2 = self.coupling.combine(x2, self.transform("g", y1, *context, scale=scales["g"]))
         return y1, y2
 
     def inverse_halves(self, y1: Tensor, y2: Tensor, *context: Any) -> tuple[Tensor, Tensor]:
+        if self.training and self.drop_path:
+            raise RuntimeError(
+                f"ReversibleBlock.inverse: the block drops paths in training (drop_path="
+                f"{self.drop_path}), and the masks of the forward being inverted are not known; "
+                "invert in eval mode (block.eval())"
+            )
         x2 = self.coupling.uncombine(y2, self.transform("g", y1, *context))
         x1 = self.coupling.uncombine(y1, self.transform("f", x2, *context))
         return x1, x2
 
+    # NOTE [ Drop path outside the transforms ]
+    # Stochastic depth on a reversible block scales each sample's h = f(x2) (and g(y1)) by a
+    # mask drawn per sample, 0 or 1 / (1 - drop_path). The block draws both masks before f runs
+    # (one call, in the ordinary forward and in the reversible engine's alike, so both draw the
+    # same numbers in the same order), and the engine keeps them for the recomputation: two
+    # numbers per sample and block, where replaying a draw inside f would keep a generator's
+    # state (5 KB on a CPU) and make f draw. f and g themselves then draw nothing, so they may run
+    # compiled inside the engine (NOTE [ Compiled transforms ], rule 2) and the block's backward
+    # step with them (NOTE [ Compiled block backward ]): inductor's random numbers are not
+    # eager's, and a mask drawn inside a compiled graph could not be promised to the
+    # recomputation. Inverting a block that drops paths needs its forward's masks: ``inverse``
+    # refuses in training mode.
+
+    def drop_path_scales(self, x1: Tensor) -> dict[str, Tensor | None]:
+        """The per-sample scales of f's and g's outputs for one forward (NOTE [ Drop path outside
+        the transforms ]): drawn here, in training with ``drop_path`` set; else None."""
+        if not (self.training and self.drop_path):
+            return {"f": None, "g": None}
+        keep = 1.0 - self.drop_path
+        shape = (2, x1.shape[0]) + (1,) * (x1.dim() - 1)
+        f, g = torch.empty(shape, dtype=x1.dtype, device=x1.device).bernoulli_(keep).div_(keep)
+        return {"f": f, "g": g}
+
     def transform(
         self, name: str, half: Tensor, *context: Any,
-        call: Callable[..., Tensor] | None = None,
+        call: Callable[..., Tensor] | None = None, scale: Tensor | None = None,
     ) -> Tensor:
         """Run ``f`` or ``g`` (by ``name``) on a half, checking what reversibility relies on.
         ``call(fn, half, *context)``, where given, runs it instead of ``fn(half, *context)`` (a
-        compiled function: NOTE [ Compiled transforms ])."""
+        compiled function: NOTE [ Compiled transforms ]); ``scale``, where given, multiplies its
+        output per sample (drop path: NOTE [ Drop path outside the transforms ])."""
         fn = self.f if name == "f" else self.g
         version = _version(half)
         try:
@@ -123,7 +167,7 @@ class ReversibleBlock(nn.Module):
                 "channel-changing) is not invertible: keep it outside the reversible sequence "
                 "(wrap it in revnets.Checkpointed to save its memory)"
             )
-        return h
+        return h if scale is None else h * scale.to(h.dtype)
 
     def walk_known(self, walk: KnownWalk) -> bool:
         """Whether a call runs only known code (NOTE [ Known layers ]): f on a view of the
@@ -132,6 +176,7 @@ class ReversibleBlock(nn.Module):
         if type(coupling) not in KNOWN_COUPLINGS or any(map(callable, vars(coupling).values())):
             return False
         walk.kinds.add(type(coupling))
+        walk.draws = walk.draws or bool(self.training and self.drop_path)
         if not walk.module(self.f):
             return False
         walk.fresh = True
@@ -146,7 +191,8 @@ class ReversibleBlock(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"coupling={self.coupling!r}, split_dim={self.split_dim}"
+        drop_path = f", drop_path={self.drop_path}" if self.drop_path else ""
+        return f"coupling={self.coupling!r}, split_dim={self.split_dim}{drop_path}"
 
 
 def _version(half: Tensor) -> int | None:

@@ -154,6 +154,8 @@ def compilable(recording: Recording, context: tuple, autocast_enabled: bool) -> 
 # transforms ]: known layers, no random draws, not exact, no autocast) and the block takes no
 # context and keeps no input, its whole backward step runs as one compiled function:
 #     h = g(y1); x2 = y2 - h; dy1 += vjp of g;   h = f(x2); x1 = y1 - h; dx2 = dy2 + vjp of f
+# (h times the block's drop-path scale where it drops paths: the scales the forward drew are
+# inputs, NOTE [ Drop path outside the transforms ])
 # (torch.func.vjp over torch.func.functional_call, compiled without graph breaks). Inductor then
 # fuses the reconstruction and the gradient additions into f's and g's kernels, and one call
 # replaces two compiled training graphs, their AOTAutograd wrappers and the autograd engine's
@@ -177,17 +179,24 @@ _BATCH_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 _BLOCK_TEMPLATE = (lambda *args: _block_backward(*args)).__code__
 
 
+def _scaled(h: Tensor, scale: Tensor | None) -> Tensor:
+    return h if scale is None else h * scale.to(h.dtype)
+
+
 def _block_backward(
     f: nn.Module, g: nn.Module, f_params: dict, g_params: dict, f_fixed: dict, g_fixed: dict,
-    y1: Tensor, y2: Tensor, dy1: Tensor, dy2: Tensor,
+    y1: Tensor, y2: Tensor, dy1: Tensor, dy2: Tensor, f_scale: Tensor | None,
+    g_scale: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, dict, dict]:
     h, g_vjp = torch.func.vjp(
-        lambda z, p: torch.func.functional_call(g, (p, g_fixed), (z,)), y1, g_params)
+        lambda z, p: _scaled(torch.func.functional_call(g, (p, g_fixed), (z,)), g_scale),
+        y1, g_params)
     x2 = y2 - h
     grad_y1, g_grads = g_vjp(dy2)
     grad_y1 = dy1 + grad_y1
     h, f_vjp = torch.func.vjp(
-        lambda x, p: torch.func.functional_call(f, (p, f_fixed), (x,)), x2, f_params)
+        lambda x, p: _scaled(torch.func.functional_call(f, (p, f_fixed), (x,)), f_scale),
+        x2, f_params)
     x1 = y1 - h
     grad_x2, f_grads = f_vjp(grad_y1)
     return x1, x2, grad_y1, dy2 + grad_x2, f_grads, g_grads
@@ -218,7 +227,7 @@ class BlockBackwardCompiler:
 
     def __call__(
         self, backend: str, f: nn.Module, g: nn.Module, y1: Tensor, y2: Tensor, dy1: Tensor,
-        dy2: Tensor,
+        dy2: Tensor, f_scale: Tensor | None = None, g_scale: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[tuple[nn.Parameter, Tensor]]] | None:
         """x1, x2, their gradients and (parameter, gradient) pairs; None where this kind of
         call could not be compiled, or runs under a dispatch mode (a memory meter, a fake-tensor
@@ -232,6 +241,7 @@ class BlockBackwardCompiler:
             compiled_call.structure(g),
             tuple(m.training for m in f.modules()), tuple(m.training for m in g.modules()),
             *((tuple(t.shape), t.stride()) for t in (y1, y2, dy1, dy2)), y1.dtype, y1.device,
+            f_scale is None, g_scale is None,
         )
         function = self._functions.get(key, _MISSING)
         if function is _MISSING:
@@ -245,7 +255,7 @@ class BlockBackwardCompiler:
         (f_params, f_fixed), (g_params, g_fixed) = _split(f), _split(g)
         try:
             x1, x2, dx1, dx2, f_grads, g_grads = function(
-                f, g, f_params, g_params, f_fixed, g_fixed, y1, y2, dy1, dy2)
+                f, g, f_params, g_params, f_fixed, g_fixed, y1, y2, dy1, dy2, f_scale, g_scale)
         except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as error:
             # Raised while compiling (or by torch.func refusing a write), before any result:
             # this kind of call runs the ordinary way from now on.
@@ -286,7 +296,7 @@ def compiled_reverse(step: Any, carry: Any, context: Any, remedy: str) -> list |
     y1, y2 = carry.own(step.layouts["g"], step.layouts["f"])
     with runs["g"].replayed(), runs["f"].replayed():
         done = compiled_backward(backend, step.block.f, step.block.g, y1, y2, carry.dy1,
-                                 carry.dy2)
+                                 carry.dy2, step.scales["f"], step.scales["g"])
     carry.mine = (True, True)  # copies the engine made, or fresh outputs: its own
     if done is None:
         carry.y1, carry.y2 = y1, y2
@@ -294,4 +304,5 @@ def compiled_reverse(step: Any, carry: Any, context: Any, remedy: str) -> list |
     carry.y1, carry.y2, carry.dy1, carry.dy2, pairs = done
     runs.clear()
     step.compiled.clear()
+    step.scales.clear()
     return pairs

@@ -302,6 +302,9 @@ class CouplingStep(_CouplingBackward):
         self.layouts: dict[str, Layout] = {}
         # f's or g's compiling backend where it ran compiled; the recomputation runs alike.
         self.compiled: dict[str, str | None] = {}
+        # f's and g's drop-path scales, kept for the recomputation (NOTE [ Drop path outside
+        # the transforms ]).
+        self.scales: dict[str, Tensor | None] = {}
         self._kept: tuple[Tensor, Tensor] | None = None
 
     def forward(self, x1, x2, mine, context, run):
@@ -312,6 +315,7 @@ class CouplingStep(_CouplingBackward):
         if self.plan.hooked:
             y1, y2 = self._hooked_forward(x1, x2, context.values, run)
             return y1, y2, False  # what the hooks saw stays intact
+        self.scales = block.drop_path_scales(x1)
         h = self._run("f", x2, context.values, run)
         y1 = dense(_combine(block.coupling, x1, h, mine), True, run.memory_format)
         del h
@@ -336,7 +340,7 @@ class CouplingStep(_CouplingBackward):
                 backend = None
             self.compiled[name] = backend
             call = None if backend is None else compiled_call.runner(backend)
-            h = self.block.transform(name, half, *context, call=call)
+            h = self.block.transform(name, half, *context, call=call, scale=self.scales[name])
         if not torch.is_grad_enabled():
             refuse_gradients(recording, f"block {self.index} of a ReversibleSequence")
         return h
@@ -362,6 +366,7 @@ class CouplingStep(_CouplingBackward):
                             "input; the block could not be inverted. Register it on the sequence "
                             "instead."
                         )
+            self.scales = block.drop_path_scales(x1)  # after the pre-hooks, as block(x) draws
             y1 = block.coupling.combine(x1, self._run("f", x2, context, run))
             y2 = block.coupling.combine(x2, self._run("g", y1, context, run))
             if hooked:
@@ -396,8 +401,9 @@ class CouplingStep(_CouplingBackward):
         recording.check("ReversibleSequence", _REMEDY, prefix=f"blocks.{self.index}.{name}.")
         backend = self.compiled.pop(name, None)
         call = None if backend is None else compiled_call.runner(backend)
+        scale = self.scales.pop(name)
         with torch.enable_grad(), back.autocast(), recording.replayed():
-            return self.block.transform(name, half, *back.context.args(), call=call)
+            return self.block.transform(name, half, *back.context.args(), call=call, scale=scale)
 
     def _second_half(self, y2, h, back):
         if self._kept is not None:
@@ -434,11 +440,12 @@ class StoredCouplingStep(_CouplingBackward):
         run.chain.cut()  # f and g run here without a recording
         self.mine = mine
         self.x2 = x2.detach().requires_grad_()
+        scales = block.drop_path_scales(x1)
         with torch.enable_grad():
-            self.h = {"f": block.transform("f", self.x2, *args)}
+            self.h = {"f": block.transform("f", self.x2, *args, scale=scales["f"])}
         self.y1 = coupling.combine(x1, self.h["f"].detach()).requires_grad_()
         with torch.enable_grad():
-            self.h["g"] = block.transform("g", self.y1, *args)
+            self.h["g"] = block.transform("g", self.y1, *args, scale=scales["g"])
         if not self.last:
             return self.y1.detach(), coupling.combine(x2, self.h["g"].detach()), True
         # The last y2 goes straight into the sequence's output: it is not needed again, and
