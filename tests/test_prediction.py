@@ -32,6 +32,23 @@ def assert_predicted_exactly(step, *args):
     assert predicted.above_model_state_bytes == measured.above_model_state_bytes
 
 
+def test_an_exact_sequence_is_predicted_exactly_and_its_range_check_is_flat_in_depth():
+    """The range check of ``exact=True`` keeps two scalars whatever the depth (it kept two per
+    block), and computes them on fake tensors too: dropout in f puts the peak in the forward,
+    where they live. What exact adds to the peak is the same at depth 2 and 8."""
+    added = {}
+    for depth in (2, 8):
+        peaks = {}
+        for exact in (True, False):
+            torch.manual_seed(0)
+            sequence = make_stack(depth, dropout=0.2, memory=revnets.Reconstruct(exact=exact))
+            x = torch.randn(6, 8, 8, 8)
+            assert_predicted_exactly(train_step, sequence, x)
+            peaks[exact] = measure_memory(train_step, sequence, x).above_model_state_bytes
+        added[depth] = peaks[True] - peaks[False]
+    assert added[2] == added[8]
+
+
 def hand_built(classes: int = 10) -> nn.Sequential:
     """Stem, reversible stage, transition, reversible stage, head."""
     return nn.Sequential(

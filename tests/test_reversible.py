@@ -172,6 +172,30 @@ def test_drop_path_masks_kept_for_backward(memory):
     assert torch.equal(after_reversible, torch.rand(3))
 
 
+def test_hooks_on_a_block_fire_once_and_a_replacing_one_is_refused(memory):
+    """Also on the blocks ``store_last_blocks`` keeps: those run their hooks as recomputed
+    blocks do (a stored block runs f and g alone)."""
+    model = make_stack(3, memory=memory, drop_path=0.5).double()
+    plain = twin(model)
+    seen = {"reversible": [], "plain": []}
+    for name, m in (("reversible", model), ("plain", plain)):
+        # The pre-hook draws, so a block drawing its masks before it would draw others.
+        m[2].register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(
+            torch.rand(1)) and None)
+        m[2].register_forward_hook(lambda mod, args, out, name=name: seen[name].append(out))
+    x = torch.randn(4, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    out, out_plain = run(model, x), run(plain, x_plain)
+    assert len(seen["reversible"]) == len(seen["plain"]) == 2
+    for a, b in zip(seen["reversible"], seen["plain"]):
+        assert torch.equal(a, b)
+    assert torch.equal(out, out_plain)
+    assert max_grad_error(model, plain) <= 1e-10
+    model[2].register_forward_hook(lambda mod, args, out: out * 0)
+    with pytest.raises(RuntimeError, match="forward hook on the block replaced"):
+        run(model, x)
+
+
 def test_drop_path_drops_whole_samples_and_scales_the_kept_ones():
     """y1 = x1 + m * f(x2), m per sample: 0, or 1 / (1 - drop_path); no mask in eval mode."""
     block = revnets.ReversibleBlock(nn.Linear(4, 4), nn.Linear(4, 4), split_dim=-1,
@@ -195,15 +219,29 @@ def test_inverting_a_block_that_drops_paths_is_refused_in_training():
     torch.testing.assert_close(block.eval().inverse(block(x)), x)
 
 
-@pytest.mark.parametrize("drop_path,coupling,message", [
-    (1.0, "additive", r"drop_path must lie in \[0, 1\), got 1.0"),
-    (-0.1, "additive", r"drop_path must lie in \[0, 1\), got -0.1"),
-    (0.1, "affine", "drop_path needs an additive coupling"),
+@pytest.mark.parametrize("drop_path,coupling,error,message", [
+    (1.5, "additive", ValueError, r"drop_path must lie in \[0, 1\], got 1.5"),
+    (-0.1, "additive", ValueError, r"drop_path must lie in \[0, 1\], got -0.1"),
+    (float("nan"), "additive", ValueError, r"drop_path must lie in \[0, 1\], got nan"),
+    ("0.1", "additive", TypeError, "drop_path must be a number, got '0.1'"),
+    (None, "additive", TypeError, "drop_path must be a number, got None"),
+    (0.1, "affine", ValueError, "drop_path needs an additive coupling"),
 ])
-def test_bad_drop_path_is_named(drop_path, coupling, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_drop_path_is_named_when_built_and_when_set(drop_path, coupling, error, message):
+    with pytest.raises(error, match=message):
         revnets.ReversibleBlock(nn.Linear(4, 8), nn.Linear(4, 8), coupling, split_dim=-1,
                                 drop_path=drop_path)
+    block = revnets.ReversibleBlock(nn.Linear(4, 8), nn.Linear(4, 8), coupling, split_dim=-1)
+    with pytest.raises(error, match=message):
+        block.drop_path = drop_path  # as a schedule raising the rate sets it
+        block(torch.randn(2, 8))
+
+
+def test_drop_path_of_one_drops_every_sample():
+    """As timm's DropPath: at rate 1 the block is the identity in training."""
+    block = revnets.ReversibleBlock(nn.Linear(4, 4), nn.Linear(4, 4), split_dim=-1, drop_path=1.0)
+    x = torch.randn(3, 8)
+    assert torch.equal(block(x), x)
 
 
 def test_rng_left_as_after_plain_forward_backward(memory):

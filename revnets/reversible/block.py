@@ -42,8 +42,8 @@ class ReversibleBlock(nn.Module):
             the last dimension for transformer tokens).
         drop_path: stochastic depth, the probability that a sample's f (and, drawn apart, its g)
             is dropped in training, the kept ones scaled by ``1 / (1 - drop_path)`` (timm's
-            ``DropPath``). Additive couplings only. The block draws the masks itself, outside f
-            and g (NOTE [ Drop path outside the transforms ]).
+            ``DropPath``); checked whenever it is set. Additive couplings only. The block draws
+            the masks itself, outside f and g (NOTE [ Drop path outside the transforms ]).
 
     Calling the block runs it with ordinary autograd. Memory is saved by running blocks inside a
     :class:`ReversibleSequence`. ``block.inverse(y)`` reconstructs the input of ``block(y)``.
@@ -66,14 +66,9 @@ class ReversibleBlock(nn.Module):
         self.g = g
         self.coupling = make_coupling(coupling, split_dim)
         self.split_dim = split_dim
-        if not 0.0 <= drop_path < 1.0:
-            raise ValueError(f"ReversibleBlock: drop_path must lie in [0, 1), got {drop_path}")
-        if drop_path and not self.coupling.is_additive:
-            raise ValueError(
-                f"ReversibleBlock: drop_path needs an additive coupling, got {self.coupling!r}; "
-                "put a drop path inside f and g instead"
-            )
         self.drop_path = drop_path
+        if self.drop_path and not self.coupling.is_additive:
+            self.drop_path_scales(torch.empty(0))  # refused now rather than in the first step
 
     def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The two halves of ``x`` along ``split_dim`` (views, no copy)."""
@@ -118,14 +113,34 @@ class ReversibleBlock(nn.Module):
     # recomputation. Inverting a block that drops paths needs its forward's masks: ``inverse``
     # refuses in training mode.
 
+    @property
+    def drop_path(self) -> float:
+        return self._drop_path
+
+    @drop_path.setter
+    def drop_path(self, rate: float) -> None:
+        # Checked on every assignment: a schedule raising the rate sets it between steps.
+        if isinstance(rate, bool) or not isinstance(rate, (int, float, Tensor)):
+            raise TypeError(f"ReversibleBlock: drop_path must be a number, got {rate!r}")
+        rate = float(rate)
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"ReversibleBlock: drop_path must lie in [0, 1], got {rate}")
+        self._drop_path = rate
+
     def drop_path_scales(self, x1: Tensor) -> dict[str, Tensor | None]:
         """The per-sample scales of f's and g's outputs for one forward (NOTE [ Drop path outside
         the transforms ]): drawn here, in training with ``drop_path`` set; else None."""
+        if not self.coupling.is_additive and self.drop_path:
+            raise ValueError(
+                f"ReversibleBlock: drop_path needs an additive coupling, got {self.coupling!r}; "
+                "put a drop path inside f and g instead"
+            )
         if not (self.training and self.drop_path):
             return {"f": None, "g": None}
         keep = 1.0 - self.drop_path
         shape = (2, x1.shape[0]) + (1,) * (x1.dim() - 1)
-        f, g = torch.empty(shape, dtype=x1.dtype, device=x1.device).bernoulli_(keep).div_(keep)
+        masks = torch.empty(shape, dtype=x1.dtype, device=x1.device).bernoulli_(keep)
+        f, g = masks.div_(keep) if keep > 0 else masks  # timm's DropPath: all dropped at 1
         return {"f": f, "g": g}
 
     def transform(

@@ -62,7 +62,7 @@ def _record(
         step: BlockStep
         if isinstance(block_plan.block, Invertible):
             step = InvertibleStep(i, block_plan, sequence.merge, sequence.split)
-        elif i >= first_stored:
+        elif i >= first_stored and not block_plan.block_hooked:
             step = StoredCouplingStep(i, block_plan, context, last=i == len(blocks) - 1)
         else:
             step = CouplingStep(i, block_plan)

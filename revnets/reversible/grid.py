@@ -144,27 +144,33 @@ def check_range(t: Tensor, where: str) -> None:
 
 class GridWatch:
     """The range check of one reversible forward: a reduction per block output as it comes, one
-    synchronisation at the end (rule 5)."""
+    synchronisation at the end (rule 5). It keeps the first block beyond the range and its
+    magnitude as two scalars, whatever the depth, and computes them alike on fake tensors (a
+    prediction allocates what a real run does) where there are no values to check."""
 
     def __init__(self) -> None:
-        self.peaks: list[Tensor] = []
-        self.blocks: list[int] = []
         self.dtype: torch.dtype | None = None
+        self._first: Tensor | None = None  # the first block beyond the range; -1 while none is
+        self._first_peak: Tensor | None = None
 
     def watch(self, block: int, *halves: Tensor) -> None:
         for half in halves:
-            if _values_unknown(half) or half.numel() == 0:
+            if half.numel() == 0:
                 continue
-            self.peaks.append(_peak(half))
-            self.blocks.append(block)
             self.dtype = half.dtype
+            peak = _peak(half)
+            beyond = ~(peak < grid_range(half.dtype))  # NaN is beyond
+            if self._first is None:
+                self._first, self._first_peak = torch.where(beyond, block, -1), peak
+            else:
+                new = beyond & (self._first < 0)
+                self._first = torch.where(new, block, self._first)
+                self._first_peak = torch.where(new, peak, self._first_peak)
 
     def check(self) -> None:
-        if not self.peaks:
+        first, peak, self._first, self._first_peak = self._first, self._first_peak, None, None
+        if first is None or _values_unknown(first):
             return
-        peaks = torch.stack(self.peaks).tolist()
-        self.peaks = []
-        limit = grid_range(self.dtype)
-        for block, peak in zip(self.blocks, peaks):
-            if not peak < limit:
-                raise _range_error(peak, self.dtype, f"the output of block {block}")
+        block, magnitude = torch.stack((first.double(), peak.double())).tolist()
+        if block >= 0:
+            raise _range_error(magnitude, self.dtype, f"the output of block {int(block)}")

@@ -60,7 +60,7 @@ Pairs = list[tuple[nn.Parameter, Tensor]]
 class BlockPlan:
     """What the engine needs to know of one block for one step, looked up once per step."""
 
-    __slots__ = ("block", "f_params", "g_params", "params", "hooked", "lazy")
+    __slots__ = ("block", "f_params", "g_params", "params", "hooked", "block_hooked", "lazy")
 
     def __init__(self, block: ReversibleBlock | Invertible) -> None:
         self.block = block
@@ -69,14 +69,19 @@ class BlockPlan:
         # One walk over f and one over g find both their parameters and their hooks.
         if isinstance(block, Invertible):
             (f_slots, hooked), g_slots = _parameters_and_hooks(block), []
+            block_hooked = hooked
         else:
             f_slots, f_hooked = _parameters_and_hooks(block.f)
             g_slots, g_hooked = _parameters_and_hooks(block.g)
             others = [m for m in block._modules.values() if m is not block.f and m is not block.g]
-            hooked = f_hooked or g_hooked or has_forward_hooks(
+            block_hooked = has_forward_hooks(
                 [block, *(m for other in others if other is not None for m in submodules(other))]
             )
+            hooked = f_hooked or g_hooked or block_hooked
         self.hooked = hooked
+        # Hooks on the block itself run only where the engine calls them (CouplingStep's hooked
+        # forward): a stored step calls f and g alone.
+        self.block_hooked = block_hooked
         self.lazy = any(isinstance(p, UninitializedTensorMixin) for p in (*f_slots, *g_slots))
         self.f_params = _trainable(f_slots)  # an Invertible's own parameters
         self.g_params = _trainable(g_slots)
