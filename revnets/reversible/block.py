@@ -67,8 +67,7 @@ class ReversibleBlock(nn.Module):
         self.coupling = make_coupling(coupling, split_dim)
         self.split_dim = split_dim
         self.drop_path = drop_path
-        if self.drop_path and not self.coupling.is_additive:
-            self.drop_path_scales(torch.empty(0))  # refused now rather than in the first step
+        self._check_coupling()  # refused now rather than in the first step
 
     def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The two halves of ``x`` along ``split_dim`` (views, no copy)."""
@@ -127,14 +126,17 @@ class ReversibleBlock(nn.Module):
             raise ValueError(f"ReversibleBlock: drop_path must lie in [0, 1], got {rate}")
         self._drop_path = rate
 
-    def drop_path_scales(self, x1: Tensor) -> dict[str, Tensor | None]:
-        """The per-sample scales of f's and g's outputs for one forward (NOTE [ Drop path outside
-        the transforms ]): drawn here, in training with ``drop_path`` set; else None."""
-        if not self.coupling.is_additive and self.drop_path:
+    def _check_coupling(self) -> None:
+        if self.drop_path and not self.coupling.is_additive:
             raise ValueError(
                 f"ReversibleBlock: drop_path needs an additive coupling, got {self.coupling!r}; "
                 "put a drop path inside f and g instead"
             )
+
+    def drop_path_scales(self, x1: Tensor) -> dict[str, Tensor | None]:
+        """The per-sample scales of f's and g's outputs for one forward (NOTE [ Drop path outside
+        the transforms ]): drawn here, in training with ``drop_path`` set; else None."""
+        self._check_coupling()  # the rate or the coupling may have been set since
         if not (self.training and self.drop_path):
             return {"f": None, "g": None}
         keep = 1.0 - self.drop_path
