@@ -79,9 +79,7 @@ class BlockPlan:
             )
             hooked = f_hooked or g_hooked or block_hooked
         self.hooked = hooked
-        # Hooks on the block itself run only where the engine calls them (CouplingStep's hooked
-        # forward): a stored step calls f and g alone.
-        self.block_hooked = block_hooked
+        self.block_hooked = block_hooked  # run by CouplingStep's hooked forward, not a stored one
         self.lazy = any(isinstance(p, UninitializedTensorMixin) for p in (*f_slots, *g_slots))
         self.f_params = _trainable(f_slots)  # an Invertible's own parameters
         self.g_params = _trainable(g_slots)
@@ -307,8 +305,7 @@ class CouplingStep(_CouplingBackward):
         self.layouts: dict[str, Layout] = {}
         # f's or g's compiling backend where it ran compiled; the recomputation runs alike.
         self.compiled: dict[str, str | None] = {}
-        # f's and g's drop-path scales, kept for the recomputation (NOTE [ Drop path outside
-        # the transforms ]).
+        # f's and g's drop-path scales (NOTE [ Drop path outside the transforms ]).
         self.scales: dict[str, Tensor | None] = {}
         self._kept: tuple[Tensor, Tensor] | None = None
 
