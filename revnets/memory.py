@@ -475,4 +475,3 @@ def _device_of(owners: list, args: tuple, kwargs: dict) -> torch.device | None:
         if isinstance(leaf, Tensor):
             return leaf.device
     return None
-
