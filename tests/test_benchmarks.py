@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -98,3 +100,19 @@ def test_gradient_sensitivity_compares_a_moved_input_with_float64(tmp_path):
     assert [row.split(" | ")[1] for row in rows] == ["none", "checkpoint"]
     # A shallow RevNet's float32 gradient is well conditioned: all three agree to round-off.
     assert all(float(value) < 1e-3 for row in rows for value in row.strip(" |").split(" | ")[2:])
+
+
+def test_compile_speed_counts_the_kernels_compiling_leaves_alone(monkeypatch):
+    # What compile_speed.py reports as the floor of a compiled step: the share of operator time
+    # in matrix products, convolutions and attention, and none of the elementwise work.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from compile_speed import product_share
+
+    a = torch.randn(192, 192)
+    image, conv = torch.randn(2, 8, 32, 32), torch.nn.Conv2d(8, 8, 3)
+    q = torch.randn(1, 2, 64, 32)
+    assert product_share(lambda: [a @ a for _ in range(10)]) > 0.9
+    assert product_share(lambda: conv(image)) > 0.5
+    assert product_share(lambda: F.scaled_dot_product_attention(q, q, q)) > 0.5
+    assert product_share(lambda: [a.exp().relu_() for _ in range(10)]) == 0.0
+    assert 0.0 < product_share(lambda: (a @ a).exp().exp().exp()) < 1.0
