@@ -11,6 +11,8 @@ budget is asked for in turn, and the row records whether it planned within it.
 
     python benchmarks/planner_zoo.py                  # every model (writes results/planner_zoo-*)
     python benchmarks/planner_zoo.py --only resnet    # models whose name contains "resnet"
+    python benchmarks/planner_zoo.py --set torchvision --cuts 0.5 --repeats 1
+        # every classification model torchvision registers, at 64x64 where it takes any size
 """
 
 from __future__ import annotations
@@ -167,6 +169,27 @@ CASES = [
 ]
 
 
+# torchvision models that need another input than 2x3x64x64, or arguments to train from scratch.
+_TV_SIZES = {"inception_v3": 80, "maxvit_t": 224, "vit_h_14": 56}  # 75 at least; fixed; 14 | side
+_TV_KWARGS = {name: {"aux_logits": False, "init_weights": False}
+              for name in ("googlenet", "inception_v3")}
+
+
+def torchvision_cases() -> list[Case]:
+    """Every classification model torchvision registers, random init, batch 2 at 64x64 (a ViT
+    built for that size) where the model takes any size."""
+    cases = []
+    for name in torchvision.models.list_models(module=torchvision.models):
+        size = _TV_SIZES.get(name, 64)
+        kwargs = {**_TV_KWARGS.get(name, {}), **({"image_size": size} if name.startswith("vit_")
+                                                 else {})}
+        cases.append(Case(f"tv_{name}", tv(name, **kwargs), images(2, size)))
+    return cases
+
+
+SETS = {"zoo": lambda: CASES, "torchvision": torchvision_cases}
+
+
 def train_step(model: nn.Module, x: Any, loss: Callable[[Tensor], Tensor]) -> None:
     model.zero_grad(set_to_none=True)
     loss(model(x)).backward()
@@ -183,7 +206,8 @@ def plan(
     return planned, time.perf_counter() - start, None
 
 
-def run_case(case: Case, repeats: int, device: torch.device = torch.device("cpu")) -> list[dict]:
+def run_case(case: Case, repeats: int, device: torch.device = torch.device("cpu"),
+             cuts: tuple[float, ...] = CUTS) -> list[dict]:
     torch.manual_seed(0)
     model = case.build().train().to(device)
     x, y = (t.to(device) for t in case.inputs())
@@ -198,7 +222,7 @@ def run_case(case: Case, repeats: int, device: torch.device = torch.device("cpu"
     unplanned = measure(model, x, loss).peak_bytes
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     rows, previous_peak = [], None
-    for cut in CUTS:
+    for cut in cuts:
         budget = int(state + (1 - cut) * (unplanned - state))
         row: dict[str, Any] = {"model": case.name, "input": "x".join(map(str, x.shape)),
                                "cut_asked_pct": round(100 * cut), "budget_mib":
@@ -256,16 +280,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps for the overhead")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where tables go")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--set", choices=SETS, default="zoo",
+                        help="zoo: the models above; torchvision: every classification model "
+                        "torchvision registers")
+    parser.add_argument("--cuts", default=",".join(map(str, CUTS)),
+                        help="shares of the activation part cut (default: %(default)s)")
     args = parser.parse_args(argv)
+    cuts = tuple(float(cut) for cut in args.cuts.split(","))
+    args.command = " ".join(["planner_zoo.py", *(sys.argv[1:] if argv is None else argv)])
     torch.set_num_threads(torch.get_num_threads())
     rows = []
-    for case in CASES:
+    for case in SETS[args.set]():
         if not any(name in case.name for name in args.only.split(",")) or (
             args.skip and args.skip in case.name
         ):
             continue
         start = time.perf_counter()
-        for row in run_case(case, args.repeats, torch.device(args.device)):
+        for row in run_case(case, args.repeats, torch.device(args.device), cuts):
             print("  ", row, flush=True)
             rows.append(row)
         print(f"{case.name}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -273,16 +304,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    suffix = "-" + args.only.replace(",", "+") if args.only else ""
+    suffix = ("-" + args.only.replace(",", "+") if args.only else "") + (
+        f"-{args.set}" if args.set != "zoo" else "")
     stem = results_stem("planner_zoo", torch.device(args.device).type) + suffix
     write_csv(args.results / f"{stem}.csv", [{f: r.get(f, "") for f in FIELDS} for r in rows])
     lines = [
         "# auto_checkpoint on models it was not tuned to",
         "",
-        provenance(" ".join(["planner_zoo.py", *(f"--{k} {v}" for k, v in vars(args).items()
-                                                 if v and v != RESULTS and k != "repeats"
-                                                 and not (k == "device" and v == "cpu"))]),
-                   args.device),
+        provenance(args.command, args.device),
         "",
         "Budget: the measured peak of one unplanned training step (cross-entropy on random "
         "labels the loss closes over) with its activation part (above "
@@ -290,10 +319,11 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "`auto_checkpoint` (forward times measured included). Measured: `measure_memory` of the "
         "planned step (on CUDA: the caching allocator's peak, after one warm-up step that "
         "makes cuBLAS's and cuDNN's handles); predicted: the plan's `peak_bytes`. A refusal "
-        "is followed by a request for the budget it names, which must plan. RevNet-992 "
-        "(stored, unplanned) at batch 128 needs more memory than this machine has: it is "
-        "planned on a meta input standing for a CPU one (no forward times measured), its "
-        "budget's base predicted, its plan's peak not measured. Overhead: "
+        "is followed by a request for the budget it names, which must plan. " + (
+            "RevNet-992 (stored, unplanned) at batch 128 needs more memory than this machine "
+            "has: it is planned on a meta input standing for a CPU one (no forward times "
+            "measured), its budget's base predicted, its plan's peak not measured. "
+            if args.set == "zoo" else "") + "Overhead: "
         f"median of {args.repeats} interleaved steps, planned over unplanned; step: the "
         "unplanned step's median in the same run, and planning in those steps (the machine's "
         "speed moves from hour to hour, the ratio much less). Timing columns are "

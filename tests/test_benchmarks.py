@@ -75,6 +75,25 @@ def test_planner_zoo_plans_or_refuses_every_row_correctly(tmp_path):
     assert len(rows) == 2 and not any("WRONG" in row for row in rows)
 
 
+@pytest.mark.slow
+def test_planner_zoo_covers_every_torchvision_classification_model(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import torchvision
+    from planner_zoo import torchvision_cases
+
+    names = torchvision.models.list_models(module=torchvision.models)
+    assert [case.name for case in torchvision_cases()] == [f"tv_{name}" for name in names]
+    done = subprocess.run(
+        [sys.executable, "planner_zoo.py", "--set", "torchvision", "--only", "squeezenet1_1",
+         "--cuts", "0.5", "--repeats", "1", "--results", str(tmp_path)],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    table = next(tmp_path.glob("*-torchvision.md")).read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| tv_squeezenet1_1")]
+    assert len(rows) == 1 and "WRONG" not in rows[0] and "| True |" in rows[0]
+
+
 def test_peers_overhead_quick_run_times_revnets_beside_ordinary_autograd():
     out = run_quick("peers_overhead.py")
     assert "'library': 'none'" in out and "'library': 'revnets'" in out
