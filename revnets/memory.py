@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from revnets.replay.watch import operator_tensors
+from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 __all__ = ["MemoryReport", "MemoryTracker", "measure_memory"]
 
@@ -119,7 +119,6 @@ class _Storage:
         self.found = False
 
 
-_DEVICE_QUERY = torch.ops.prim.device.default
 # ``torch.tensor(...)`` makes its tensor outside the dispatcher and hands it to a lift, whose
 # output is the tensor the code holds: the same storage in a real run, a fake one in a prediction.
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -183,7 +182,9 @@ class MemoryTracker(TorchDispatchMode):
                 self._end_labels.setdefault(id(storage), label)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE_QUERY:  # asked of fake tensors only: not an operator of the run
+        if func is DEVICE_QUERY:  # NOTE [ Device queries ]
+            if isinstance(args[0], FakeTensor):
+                return args[0].device
             return func(*args, **(kwargs or {}))
         self._clock += 1
         for t in () if func in _LIFTS else operator_tensors(args, kwargs):

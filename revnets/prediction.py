@@ -56,7 +56,6 @@ from revnets.fake_copies import (
     tensor_to_fake,
 )
 from revnets.memory import (
-    _DEVICE_QUERY,
     MemoryReport,
     Watch,
     _device_of,
@@ -64,7 +63,7 @@ from revnets.memory import (
     _owners_in,
 )
 from revnets.replay.state import forked_rng
-from revnets.replay.watch import operator_tensors
+from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 __all__ = ["predict_memory"]
 
@@ -318,8 +317,8 @@ class _LikeTheDevice(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _DEVICE_QUERY:  # a fake tensor's device, asked at every operator
-            return func(*args, **kwargs)
+        if func is DEVICE_QUERY:  # NOTE [ Device queries ]
+            return args[0].device if isinstance(args[0], FakeTensor) else func(*args, **kwargs)
         tensors = operator_tensors(args, kwargs)
         if func in UNKNOWN_KERNELS:
             raise ValueError(

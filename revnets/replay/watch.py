@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from revnets.replay.known import kept_generator_state
@@ -112,6 +113,8 @@ class Watch(TorchDispatchMode):
         self.exempt_read: tuple[nn.Module, str] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_QUERY and isinstance(args[0], FakeTensor):
+            return args[0].device  # NOTE [ Device queries ]
         kwargs = kwargs or {}
         seeded, written, reads_exempt = _facts(func)
         if seeded and self.draws and _draws(func, args):
@@ -173,6 +176,15 @@ class Watch(TorchDispatchMode):
                     flat = t.detach().as_strided(
                         (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
                     self.external[key] = (flat, flat.clone())
+
+
+# NOTE [ Device queries ]
+# C++ asks a fake tensor for its device through the dispatcher (prim.device), several times per
+# operator of a prediction, and every mode on the stack would pass each query on down to the
+# fake mode. A mode answers it at once with what the fake mode answers: the device the tensor
+# stands for (FakeTensor.device; the fake mode's own kernels, which get "meta", run below the
+# modes and never ask them). Not an operator of the run: nothing is recorded.
+DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def _tensor_arguments(args: Any, kwargs: dict) -> Iterator[Tensor]:
