@@ -20,7 +20,16 @@ from revnets.replay.state import (
     _storage_key,
 )
 
-__all__ = ["Watch", "operator_tensors"]
+__all__ = ["DEVICE_QUERY", "Watch", "operator_tensors"]
+
+
+# NOTE [ Device queries ]
+# C++ asks a fake tensor for its device through the dispatcher (prim.device), several times per
+# operator of a prediction, and every mode on the stack would pass each query on down to the
+# fake mode. A mode answers it at once with what the fake mode answers: the device the tensor
+# stands for (FakeTensor.device; the fake mode's own kernels, which get "meta", run below the
+# modes and never ask them). Not an operator of the run: nothing is recorded.
+DEVICE_QUERY = torch.ops.prim.device.default
 
 
 _aten = torch.ops.aten
@@ -176,15 +185,6 @@ class Watch(TorchDispatchMode):
                     flat = t.detach().as_strided(
                         (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
                     self.external[key] = (flat, flat.clone())
-
-
-# NOTE [ Device queries ]
-# C++ asks a fake tensor for its device through the dispatcher (prim.device), several times per
-# operator of a prediction, and every mode on the stack would pass each query on down to the
-# fake mode. A mode answers it at once with what the fake mode answers: the device the tensor
-# stands for (FakeTensor.device; the fake mode's own kernels, which get "meta", run below the
-# modes and never ask them). Not an operator of the run: nothing is recorded.
-DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def _tensor_arguments(args: Any, kwargs: dict) -> Iterator[Tensor]:
