@@ -56,6 +56,31 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# NOTE [ Norms in a compiled selective checkpoint ]
+# Under torch.compile a selective checkpoint's tags go to the partitioner, which must recompute
+# what is tagged PREFER_RECOMPUTE: a norm so tagged is recomputed whole in the backward,
+# reductions over its input included (a batch norm's batch statistics), where compile's own
+# partitioner keeps the few statistics and recomputes only the pointwise normalisation, fused
+# into the backward's kernels. A norm is tagged PREFER_SAVE there instead, which leaves the
+# choice to the partitioner: where the norm's input is kept (a product's output, the region's
+# input) it keeps the statistics, not the normalised output, and recomputes that pointwise.
+# Eagerly PREFER_SAVE would keep the output: the eager policy keeps recomputing norms.
+_NORMS = frozenset({
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit.no_stats,
+    torch.ops.aten._native_batch_norm_legit_functional.default,
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten.native_layer_norm.default,
+    torch.ops.aten.native_group_norm.default,
+})
+
+
+def _compiled_selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op in _NORMS:
+        return CheckpointPolicy.PREFER_SAVE
+    return _selective_policy(ctx, op, *args, **kwargs)
+
+
 def checkpoint(
     module: nn.Module, *args: Any, preserve_rng_state: bool = True, selective: bool = False,
     **kwargs: Any,
@@ -78,7 +103,7 @@ def checkpoint(
         # the weights are the graph's own. It also accepts no custom context_fn.
         return torch.utils.checkpoint.checkpoint(
             module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-            **({"context_fn": _selective_contexts} if selective else {}), **kwargs,
+            **({"context_fn": _compiled_selective_contexts} if selective else {}), **kwargs,
         )
     # The first tensor's device, also inside the tuple a traced graph's steps hand on; None
     # where an input is not a plain value (NOTE [ Known calls ]): the run is then watched.
@@ -124,6 +149,10 @@ class _Replay:
 
 def _selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
     return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _compiled_selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+    return create_selective_checkpoint_contexts(_compiled_selective_policy)
 
 
 @contextlib.contextmanager

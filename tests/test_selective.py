@@ -8,6 +8,10 @@ import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
 
 import revnets
 from revnets import Checkpoint
@@ -164,3 +168,33 @@ def test_a_plan_for_a_compiled_model_recomputes_no_product_where_keeping_them_fi
     model.zero_grad(set_to_none=True)
     torch.compile(planned, backend="aot_eager")(x).sum().backward()  # as it is meant to run
     assert max_grad_error(model, reference) <= 1e-5
+
+
+def test_compiled_selective_checkpoint_keeps_norm_statistics_instead_of_recomputing_them():
+    # NOTE [ Norms in a compiled selective checkpoint ]: recomputing a norm whole would compute
+    # its batch statistics again (var_mean) in the backward; compile's partitioner keeps them.
+    graphs = {}
+
+    def keep(kind):
+        def compiler(graph, inputs):
+            graphs[kind] = graph
+            return make_boxed_func(graph.forward)
+        return compiler
+
+    # The partitioner and decompositions inductor uses, with the graphs kept to be read.
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
+    body = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Flatten(), nn.LayerNorm(4 * 36), nn.Linear(4 * 36, 8), nn.GELU())
+    model = revnets.Checkpointed(body, revnets.Checkpoint(selective=True)).double()
+    plain = twin(model)
+    x = torch.randn(3, 4, 6, 6, dtype=torch.float64)
+    torch.compile(model, backend=backend)(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    recomputed = {str(node.target) for node in graphs["backward"].graph.nodes}
+    assert "aten.var_mean.correction" not in recomputed
+    assert "aten.convolution.default" not in recomputed  # the product is kept, as eagerly
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name
