@@ -58,26 +58,33 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 
 # NOTE [ Norms in a compiled selective checkpoint ]
 # Under torch.compile a selective checkpoint's tags go to the partitioner, which must recompute
-# what is tagged PREFER_RECOMPUTE: a batch norm so tagged is recomputed whole in the backward,
-# its batch statistics included, where compile's own partitioner keeps the few statistics and
-# recomputes only the pointwise normalisation, fused into the backward's kernels. So a batch
-# norm is tagged PREFER_SAVE there, which leaves the choice to the partitioner: its input, a
-# convolution's output, is kept, and it keeps the statistics, not the normalised output
-# (ResNet-50 planned for compile, benchmarks/frontier.py: 1.04x -> 0.95x the eager step at the
-# same memory). Not layer norm: in a transformer its input is a residual sum the checkpoint
-# recomputes, and the partitioner keeps its output instead: more than the plan counts (a
-# GPT-like stack planned for compile peaked higher, run by hand). Eagerly PREFER_SAVE would
-# keep the output: the eager policy keeps recomputing every norm.
-_BATCH_NORMS = frozenset({
+# what is tagged PREFER_RECOMPUTE: a norm so tagged is recomputed whole in the backward, its
+# statistics included (a batch norm's reductions over the batch), where compile's own
+# partitioner keeps the few statistics and recomputes only the pointwise normalisation, fused
+# into the backward's kernels. That pays where the norm's input is kept anyway: the output of a
+# product the checkpoint keeps (conv -> batch norm). Such a norm is tagged PREFER_SAVE there,
+# which leaves the choice to the partitioner, and it keeps the statistics, not the output
+# (ResNet-50 planned for compile, benchmarks/frontier.py: level with compile's curve, where it
+# was 4 % above). A norm whose input the checkpoint recomputes (a pre-activation block's batch
+# norm, a transformer's layer norm after a residual sum) stays PREFER_RECOMPUTE: the partitioner
+# would keep its output, more than the plan counts (checked by hand on both). Eagerly
+# PREFER_SAVE would keep the output: the eager policy recomputes every norm.
+_NORMS = frozenset({
     torch.ops.aten._native_batch_norm_legit.default,
     torch.ops.aten._native_batch_norm_legit.no_stats,
     torch.ops.aten._native_batch_norm_legit_functional.default,
     torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten.native_layer_norm.default,
+    torch.ops.aten.native_group_norm.default,
+})
+# The autograd nodes of the products SELECTIVE_OPS keeps: a norm's input made by one is kept.
+_KEPT_PRODUCERS = frozenset({
+    "MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "ConvolutionBackward0",
 })
 
 
 def _compiled_selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op in _BATCH_NORMS:
+    if op in _NORMS and type(getattr(args[0], "grad_fn", None)).__name__ in _KEPT_PRODUCERS:
         return CheckpointPolicy.PREFER_SAVE
     return _selective_policy(ctx, op, *args, **kwargs)
 

@@ -170,9 +170,9 @@ def test_a_plan_for_a_compiled_model_recomputes_no_product_where_keeping_them_fi
     assert max_grad_error(model, reference) <= 1e-5
 
 
-def test_compiled_selective_checkpoint_keeps_batch_statistics_instead_of_recomputing_them():
-    # NOTE [ Norms in a compiled selective checkpoint ]: recomputing a batch norm whole would
-    # compute its batch statistics again (var_mean) in the backward; the partitioner keeps them.
+def _compiled_backward_ops(model: nn.Module, x: torch.Tensor) -> set[str]:
+    """The operators of ``model``'s compiled backward, with the decompositions and partitioner
+    inductor uses."""
     graphs = {}
 
     def keep(kind):
@@ -181,20 +181,38 @@ def test_compiled_selective_checkpoint_keeps_batch_statistics_instead_of_recompu
             return make_boxed_func(graph.forward)
         return compiler
 
-    # The partitioner and decompositions inductor uses, with the graphs kept to be read.
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                            partition_fn=min_cut_rematerialization_partition,
                            decompositions=select_decomp_table())
-    body = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(4 * 36, 8), nn.GELU())
-    model = revnets.Checkpointed(body, revnets.Checkpoint(selective=True)).double()
+    torch.compile(model, backend=backend)(x).square().sum().backward()
+    return {str(node.target) for node in graphs["backward"].graph.nodes}
+
+
+def test_compiled_selective_checkpoint_keeps_batch_statistics_instead_of_recomputing_them():
+    # NOTE [ Norms in a compiled selective checkpoint ]: a batch norm after a kept convolution
+    # keeps its statistics (var_mean is not run again in the backward); one after a residual
+    # sum the checkpoint recomputes is recomputed whole, its output never kept.
+    after_conv = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4),
+                               nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 8), nn.GELU())
+    model = revnets.Checkpointed(after_conv, revnets.Checkpoint(selective=True)).double()
     plain = twin(model)
     x = torch.randn(3, 4, 6, 6, dtype=torch.float64)
-    torch.compile(model, backend=backend)(x).square().sum().backward()
+    recomputed = _compiled_backward_ops(model, x)
     plain(x).square().sum().backward()
-    recomputed = {str(node.target) for node in graphs["backward"].graph.nodes}
     assert "aten.var_mean.correction" not in recomputed
     assert "aten.convolution.default" not in recomputed  # the product is kept, as eagerly
     assert max_grad_error(model, plain) <= 1e-10
     for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
         assert torch.allclose(a, b, rtol=0, atol=1e-12), name
+
+    class PreActivation(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.conv = nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            x = x + 1.0  # a sum the checkpoint recomputes
+            return self.conv(torch.relu(self.norm(x)))
+
+    model = revnets.Checkpointed(PreActivation(), revnets.Checkpoint(selective=True)).double()
+    assert "aten.var_mean.correction" in _compiled_backward_ops(model, x)
