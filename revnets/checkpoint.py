@@ -77,7 +77,8 @@ _NORMS = frozenset({
     torch.ops.aten.native_layer_norm.default,
     torch.ops.aten.native_group_norm.default,
 })
-# The autograd nodes of the products SELECTIVE_OPS keeps: a norm's input made by one is kept.
+# The autograd nodes of the matrix products and convolutions SELECTIVE_OPS keeps: a norm's
+# input made by one is kept (attention's output reaches a norm through a projection).
 _KEPT_PRODUCERS = frozenset({
     "MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "ConvolutionBackward0",
 })
