@@ -135,3 +135,33 @@ def test_compile_speed_counts_the_kernels_compiling_leaves_alone(monkeypatch):
     assert product_share(lambda: F.scaled_dot_product_attention(q, q, q)) > 0.5
     assert product_share(lambda: [a.exp().relu_() for _ in range(10)]) == 0.0
     assert 0.0 < product_share(lambda: (a @ a).exp().exp().exp()) < 1.0
+
+
+def test_cuda_peak_probe_names_the_allocation_that_set_the_peak(tmp_path):
+    """``cuda_peak_probe.py explain`` on a snapshot in the allocator's trace format: a tensor, a
+    cuDNN workspace that reaches the peak while the tensor lives, frees. The workspace is named as
+    the peak's maker and counted among the blocks no tensor holds; the tensor freed before the
+    peak is not alive there."""
+    import pickle
+
+    def frames(*names):
+        names = ("torch::unwind::unwind()", *names)
+        return [{"name": n, "filename": "??", "line": 0} for n in names]
+
+    tensor = frames("c10::cuda::CUDACachingAllocator::malloc", "at::detail::empty_generic(x)")
+    workspace = frames("at::native::run_conv_plan(cudnnContext*)", "at::native::run_single_conv()")
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 4096, "frames": tensor},
+        {"action": "free_requested", "addr": 1, "size": 4096, "frames": tensor},
+        {"action": "alloc", "addr": 2, "size": 2048, "frames": tensor},
+        {"action": "alloc", "addr": 3, "size": 3072, "frames": workspace},
+        {"action": "free_requested", "addr": 3, "size": 3072, "frames": workspace},
+        {"action": "free_requested", "addr": 2, "size": 2048, "frames": tensor},
+    ]
+    (tmp_path / "conv.pickle").write_bytes(pickle.dumps({"device_traces": [trace]}))
+    done = subprocess.run([sys.executable, "cuda_peak_probe.py", "explain", str(tmp_path)],
+                          cwd=BENCHMARKS, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ("alive together: 5120 B" in done.stdout
+            and "3072 B, cuDNN convolution workspace (`at::native::run_conv_plan`)" in done.stdout)
+    assert "no tensor holds: 1, 3072 B." in done.stdout
