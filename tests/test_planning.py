@@ -233,6 +233,34 @@ def test_optimal_segments_are_the_best_of_all_segmentations(seed, monkeypatch):
         assert cost(plan) == pytest.approx(min(cost(p) for p in fitting))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_plans_over_distinct_cuts_recompute_as_little_as_over_every_cut(seed, monkeypatch):
+    """Traced chains are mostly free steps (views, reshapes: nothing saved, kept or recomputed).
+    Of each run of cuts they join, the mixed programme visits only the cut with the fewest live
+    bytes; with free steps costing no time, its best plan recomputes exactly as little as the
+    best over every cut, under every budget, and fits where that one fits."""
+    monkeypatch.setattr(chain_module, "FRONT_CAP", 10**9)  # exact: no front is thinned
+    n, free = 9, {1, 2, 4, 5, 6}
+    generator = torch.Generator().manual_seed(200 + seed)
+    profiles = [replace(p, mutates_from=None, saved_bytes=0 if i in free else p.saved_bytes,
+                        forward_seconds=0.0 if i in free else p.forward_seconds,
+                        selective_bytes=0 if i in free else 8 * int(
+                            torch.randint(0, 3, (1,), generator=generator)))
+                for i, p in enumerate(synthetic_profiles(n, seed))]
+    arrays = chain_module._ChainArrays.of(profiles, None)
+    live = lambda cut: sum(profiles[cut - 1].state.values())  # noqa: E731
+    # Step k joins cuts k and k + 1: free steps 1-2 join cuts 1-3, free steps 4-6 cuts 4-7.
+    assert arrays.distinct_cuts() == [min(run, key=live) for run in ([1, 2, 3], [4, 5, 6, 7], [8])]
+    cost = lambda plan: sum(segment_cost(profiles, *segment) for segment in plan)  # noqa: E731
+    for budget in range(20, 600, 10):
+        everywhere = chain_module._optimal(arrays, budget, mixed=True)
+        distinct = chain_module._optimal(arrays, budget, mixed=True, cuts=arrays.distinct_cuts())
+        assert (distinct is None) == (everywhere is None)
+        if distinct is not None:
+            assert segments_peak(distinct, profiles) <= budget
+            assert cost(distinct) == pytest.approx(cost(everywhere))
+
+
 def segments_peak(plan, profiles):
     """optimal_segments' model: modelled_peak's, where a stored segment keeps what its steps
     save and a selective one what it keeps, both until their backward, and the values live at

@@ -3,8 +3,10 @@ within it, and the plan it follows."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -131,12 +133,29 @@ def auto_checkpoint(
     try:
         # Timing runs the model for real: its draws, from torch's generators, Python's and its
         # own (a layer holding a torch.Generator), never happened.
-        with forked_rng(_device_or_cpu(example_input), generators_held(model)):
+        with (forked_rng(_device_or_cpu(example_input), generators_held(model)),
+              _collector_paused()):
             return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer,
                                     measure_time, compiled)
     except BaseException:  # no plan, the user's loss function failing, an interrupt
         kept.restore()
         raise
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector paused while planning. The exact predictions make and drop
+    objects in reference cycles by the hundred thousand (fake tensors, autograd nodes, the dispatch
+    modes' records), and the collector's passes over everything alive took a fifth of the
+    planning time (Swin-V2-S at batch 2: 5.7 s with them, 4.5 s without). What the planning left
+    in cycles is collected at the first collection after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _device_or_cpu(example_input: Any) -> torch.device:
@@ -398,7 +417,6 @@ class _Planner:
             if peak <= budget:
                 return nested(schedule, peak)
         return nested(frugal, frugal_peak)
-        raise _no_fit(budget, low_peak, how)
 
     # -- the plan as an object --------------------------------------------------------------
     def _sequence_parts(
