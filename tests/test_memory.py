@@ -313,13 +313,17 @@ def test_prediction_refuses_cudnns_rnn_by_name():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_peak_leaves_out_tensors_the_call_never_sees():
+    """64 MiB on the device beside the call are not counted. The two measurements need not agree
+    to the byte: the caching allocator may serve a request from a larger cached block, and on an
+    H200 (2026-11-26) the second read 2,048 B more, gradients alive at its peak; they must
+    agree within a thousandth of what lies beside them."""
     step = _warm_cuda_step()
     alone = measure_memory(_train_step, *step)
     elsewhere = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")  # e.g. another model
     beside = measure_memory(_train_step, *step)
     del elsewhere
-    assert beside.peak_bytes == alone.peak_bytes
-    assert beside.above_model_state_bytes == alone.above_model_state_bytes
+    assert abs(beside.peak_bytes - alone.peak_bytes) <= 64 * KiB
+    assert abs(beside.above_model_state_bytes - alone.above_model_state_bytes) <= 64 * KiB
 
 
 def test_prediction_takes_the_cpus_fused_attention_kernel():
