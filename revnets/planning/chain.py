@@ -201,9 +201,10 @@ class _ChainArrays:
         (steps that save, keep and change nothing for backward: views, reshapes, getattr), the
         allowed one with the fewest live bytes. Any cut of a run bounds segments of the same
         saved and kept bytes (the free steps only move from one segment to the next), so the
-        others offer the same plans at more live bytes, or at the free steps' few microseconds
-        of recomputation less. Long traced chains are mostly such steps (1,158 of MaxViT-T's
-        1,587), and the mixed programme's work grows with the square of the cuts it visits."""
+        others bound the same segments with no fewer bytes live at the cut, or save the free
+        steps' few microseconds of recomputation. Long traced chains are mostly such steps
+        (1,158 of MaxViT-T's 1,587), and the mixed programme's work grows with the square of the
+        cuts it visits."""
         free = ((np.diff(self.saved) == 0) & (np.diff(self.kept_prefix) == 0)
                 & (np.diff(self.unsafe_prefix) == 0))
         chosen: list[int] = []
