@@ -502,3 +502,18 @@ def test_an_input_with_a_history_is_refused_by_name(made):
         predict_memory(train_step, nn.Linear(x.shape[-1], 3), x)
     leaf = x.detach().requires_grad_()
     assert_predicted_exactly(train_step, nn.Linear(x.shape[-1], 3), leaf)
+
+
+def test_a_prediction_registers_nothing_on_the_real_modules():
+    """The predicted call runs on copies of the modules, their hook registries new ones too
+    (made up front where empty, for speed): a hook the call registers stays on the copy."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def step(m, x):
+        m[0].register_forward_hook(lambda *args: None)
+        m[1].register_full_backward_hook(lambda *args: None)
+        m(x).sum().backward()
+
+    predict_memory(step, model, torch.randn(2, 4))
+    assert not model[0]._forward_hooks and not model[1]._backward_hooks
+    model(torch.randn(2, 4)).sum().backward()  # and the model runs as before
