@@ -127,7 +127,7 @@ def auto_checkpoint(
     itself (same weights, same outputs), or as itself when storing everything fits. Models that
     cannot be traced: a zoo model gets the cheapest preset that fits; anything else is refused
     naming why. Raises :class:`PlanningError` stating the smallest reachable budget when no plan
-    fits.
+    fits. Python's cycle collector is paused while it plans, and resumed as it was.
     """
     kept = ModelState(model)
     try:
