@@ -57,6 +57,7 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 MiB = 2**20
 LossFn = Callable[[Any], Tensor]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
+NESTED_SLOTS = 512  # and O(slots): memory in 1/512ths of the room, each term rounded up
 SELECTIVE_SHARES = (0.8, 0.9, 1.0, 1.1, 1.25)  # of the budget left for activations
 
 
@@ -405,10 +406,12 @@ class _Planner:
             if frugal_peak < low_peak:
                 low_peak, how = frugal_peak, f"nested checkpoints {frugal.tree}"
             raise _no_fit(budget, low_peak, how)
-        # The schedule's memory model leaves out transients: shrink its budget until the exact
-        # prediction fits, recomputing less than the frugal schedule where it does.
+        # Rotor's model leaves out transients and counts values freed sooner: corrected where it
+        # counted more than the frugal schedule's exact peak, the room shrinks until a schedule
+        # recomputing less than the frugal one fits exactly.
+        room = budget - model_state + max(frugal.modelled_bytes - frugal_peak + model_state, 0)
         for share in (1.0, 0.8, 0.6):
-            schedule = nested_schedule(grouped, int(share * (budget - model_state)))
+            schedule = nested_schedule(grouped, int(share * room), slots=NESTED_SLOTS)
             if schedule is None:
                 break
             peak = self.peak(schedule.apply(layers))

@@ -42,9 +42,11 @@ class NestedSchedule:
     (a checkpointed run, itself a schedule of its recomputation). ``apply(layers)`` builds it.
     """
 
-    def __init__(self, tree: list, recompute_cost: float) -> None:
+    def __init__(self, tree: list, recompute_cost: float, modelled_bytes: int | None = None
+                 ) -> None:
         self.tree = tree
         self.recompute_cost = recompute_cost
+        self.modelled_bytes = modelled_bytes  # what it needs in rotor's model, where known
 
     def apply(self, layers: Sequence[nn.Module]) -> nn.Sequential:
         """An ``nn.Sequential`` over the same layers that runs this schedule."""
@@ -243,4 +245,4 @@ def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | N
             return [s, *tree(s + 1, t)]
         return [tree(s, k - 1), *tree(k, t)]
 
-    return NestedSchedule(tree(0, n - 1), float(steps[0, n - 1] - n))
+    return NestedSchedule(tree(0, n - 1), float(steps[0, n - 1] - n), int(need[0, n - 1]))
