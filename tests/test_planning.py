@@ -87,7 +87,9 @@ def test_auto_checkpoint_meets_the_budget_with_identical_gradients():
     full = training_peak(model, x)
     budget = int(0.5 * full)
     planned = revnets.auto_checkpoint(model, x, budget)
-    assert isinstance(planned[0], revnets.Checkpointed)
+    # Which steps are checkpointed follows the forward times measured (on a busy machine the
+    # first step was once stored); that some are is what the budget needs.
+    assert any(isinstance(step, revnets.Checkpointed) for step in planned)
     assert training_peak(planned, x) <= budget  # measured, on this CPU
     model.zero_grad(set_to_none=True)
     reference = copy.deepcopy(model)
