@@ -22,7 +22,6 @@ ones.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,6 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
 from revnets.fake_copies import (
+    empty_containers_copied,
     generators_shared,
     is_cpu_scalar,
     kept_as_found,
@@ -167,7 +167,7 @@ class Predictor:
             memo.update((id(b), scalar_to_fake(b, mode)) for b in obj.buffers()
                         if is_cpu_scalar(b) and id(b) not in memo)
             generators_shared(obj, memo)
-            _empty_containers_copied(obj, memo)
+            empty_containers_copied(obj, memo)
             with FakeCopyMode(mode):
                 fake = copy.deepcopy(obj, memo)
             self._made_once(obj.named_buffers(remove_duplicate=False),
@@ -221,20 +221,6 @@ class Predictor:
         self._made.update((id(old), (old, new, _layout(old))) for old, new in pairs
                           if not is_cpu_scalar(old))
         return pairs
-
-
-def _empty_containers_copied(module: nn.Module, memo: dict[int, Any]) -> None:
-    """New empty dicts and sets in ``memo`` for the empty ones ``module``'s modules hold (most of
-    their hook registries), as ``copy.deepcopy`` would make them: its generic path takes tens of
-    microseconds for each, and a traced chain of a few thousand steps holds tens of thousands
-    (a fifth to a third of a MaxViT-T prediction's time)."""
-    for m in module.modules():
-        for value in vars(m).values():
-            if type(value) in _EMPTY_COPIES and not value and id(value) not in memo:
-                memo[id(value)] = type(value)()
-
-
-_EMPTY_COPIES = (dict, OrderedDict, set)
 
 
 def _layout(tensor: Tensor) -> tuple:

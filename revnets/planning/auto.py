@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from revnets.checkpoint import Checkpointed
 from revnets.models.switchable import SwitchableMemory
@@ -41,8 +41,10 @@ from revnets.planning.profile import (
     LayerProfile,
     _device,
     _nbytes,
+    meta_like,
     on_meta,
     profile_chain,
+    timing_input,
 )
 from revnets.planning.search import Option, Segments, modelled_peak_of, search
 from revnets.planning.trace import GraphStep, as_graph_chain
@@ -231,7 +233,7 @@ class _Planner:
         self.sequences = {i: s for i, step in enumerate(chain)
                           if (s := _sequence_of(step)) is not None}
         self.original = {i: _decision_of(s) for i, s in self.sequences.items()}
-        meta_input = _meta_like(example_input)
+        meta_input = meta_like(example_input)
         self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
         # One profile with every reversible sequence stored, one with every one reconstructing
         # (when there are any); other steps profile the same in both. Sizes come from the meta
@@ -246,7 +248,7 @@ class _Planner:
         if measure_time and _device(example_input).type != "meta":
             self._store_all()
             # Once: times only order the plans.
-            times = profile_chain(list(chain), _timing_input(example_input), repeats=1)
+            times = profile_chain(list(chain), timing_input(example_input), repeats=1)
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=t.forward_seconds)
                                        for p, t in zip(profiles, times)]
@@ -465,30 +467,6 @@ def _choose_preset(
     model.set_memory(original)
     best = min(peaks, key=peaks.get)
     raise _no_fit(budget, peaks[best], f"memory plan {best!r}")
-
-
-def _meta_like(value: Any) -> Any:
-    """Meta tensors shaped like ``value`` (a tensor or a tuple of tensors), keeping
-    requires_grad."""
-    return tree_map(
-        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
-        if isinstance(t, Tensor) else t,
-        value,
-    )
-
-
-TIMED_BATCH = 8
-
-
-def _timing_input(example_input: Any) -> Any:
-    """What forward times are measured on: the first ``TIMED_BATCH`` samples of a large batch
-    (a tensor's first dimension), since times only order plans and scale alike with the batch;
-    anything else as given."""
-    if isinstance(example_input, Tensor) and example_input.dim() and (
-        example_input.shape[0] > TIMED_BATCH
-    ):
-        return example_input[:TIMED_BATCH]
-    return example_input
 
 
 def _first_input(chain: nn.Sequential) -> str:

@@ -19,7 +19,7 @@ from revnets.checkpoint import SELECTIVE_OPS
 from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
-__all__ = ["LayerProfile", "on_meta", "profile_chain"]
+__all__ = ["LayerProfile", "meta_like", "on_meta", "profile_chain", "timing_input"]
 
 
 @dataclass(frozen=True)
@@ -295,3 +295,27 @@ def _as_leaf(value: Any) -> Any:
     if isinstance(value, Tensor) and value.is_floating_point():
         return value.detach().requires_grad_()
     return value
+
+
+def meta_like(value: Any) -> Any:
+    """Meta tensors shaped like ``value`` (a tensor or a tuple of tensors), keeping
+    requires_grad."""
+    return tree_map(
+        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        if isinstance(t, Tensor) else t,
+        value,
+    )
+
+
+TIMED_BATCH = 8
+
+
+def timing_input(example_input: Any) -> Any:
+    """What forward times are measured on: the first ``TIMED_BATCH`` samples of a large batch
+    (a tensor's first dimension), since times only order plans and scale alike with the batch;
+    anything else as given."""
+    if isinstance(example_input, Tensor) and example_input.dim() and (
+        example_input.shape[0] > TIMED_BATCH
+    ):
+        return example_input[:TIMED_BATCH]
+    return example_input
