@@ -575,3 +575,16 @@ def test_sizes_are_profiled_on_meta_copies_of_the_models_own_tensors():
     with pytest.raises(RuntimeError, match="profile failed"), on_meta(list(model)):
         raise RuntimeError("profile failed")
     assert [(id(t), t.device) for t in (*model.parameters(), *model.buffers())] == before
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_candidate_plans_reach_the_least_modelled_peak_of_all_plans(seed):
+    # A search names and tries the lowest candidate as the floor of one-level plans: it must be
+    # the lowest plan there is (to a thousandth), not the lowest of a coarse grid of budgets.
+    n = 12
+    profiles = synthetic_profiles(n, seed)
+    forbidden = forbidden_cuts(profiles)
+    allowed = [p for p in all_plans(n) if not any(a in forbidden for a, _ in p[1:])]
+    floor = min(modelled_peak(p, profiles) for p in allowed)
+    lowest = min(modelled_peak(p, profiles) for p in candidate_plans(profiles))
+    assert floor <= lowest <= floor * (1 + 1 / 1000)

@@ -417,7 +417,8 @@ def candidate_plans(
 ) -> list[Plan]:
     """Distinct plans from no checkpointing to one layer a segment, in order of increasing
     recomputation (measured time, else layers): Chen's budgeted plan over a geometric grid of
-    segment budgets, sqrt(n), and :func:`optimal_plan` over a geometric grid of peak budgets."""
+    segment budgets, sqrt(n), and :func:`optimal_plan` over a geometric grid of peak budgets
+    and at the least budget any plan fits (the floor of this model)."""
     n = len(profiles)
     total = sum(p.saved_bytes for p in profiles) or 1
     smallest = max(min(p.saved_bytes for p in profiles), 1)
@@ -457,4 +458,27 @@ def _optimal_over_grid(chain: _ChainArrays, low: int, high: int, steps: int) -> 
             between(middle, hi)
 
     between(0, steps)
-    return [found[k] for k in sorted(found)]
+    plans = [found[k] for k in sorted(found)]
+    first = next((k for k in sorted(found) if found[k] is not None), 0)
+    if first > 0:  # the lowest fitting budget solved can lie grid steps above the floor
+        unfit = max(k for k in found if k < first)
+        plans.append(_floor_plan(chain, budgets[unfit], budgets[first], found[first]))
+    return plans
+
+
+FLOOR_PRECISION = 1000  # the least modelled peak is found to within a thousandth
+
+
+def _floor_plan(chain: _ChainArrays, unfit: int, fit: int, plan: Plan) -> Plan:
+    """The plan of :func:`optimal_plan` at the least budget any plan fits in the model, to
+    within ``fit / FLOOR_PRECISION``, by bisection between a budget no plan fits (``unfit``)
+    and one ``plan`` fits: the lowest one-level plan there is, where a search looks when the
+    budget asked is close to it."""
+    while fit - unfit > max(fit // FLOOR_PRECISION, 1):
+        middle = (unfit + fit) // 2
+        found = _one_level(_optimal(chain, middle, mixed=False))
+        if found is None:
+            unfit = middle
+        else:
+            fit, plan = middle, found
+    return plan
