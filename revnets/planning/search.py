@@ -18,10 +18,9 @@ predictions decide.
 # - candidates come from sizes alone (Chen's and optimal plans counting steps) and, where times
 #   were measured, from times too (selective plans: storing the slow steps, recomputing the
 #   cheap ones); only the first kind can be a floor;
-# - when nothing fitted that way, each choice's floors (its ``FLOORS`` options of least modelled
-#   peak, ties broken by the plan itself: sizes only, never timings; the model's error differs
-#   from plan to plan, so the lowest modelled is not always the lowest exact) are predicted, in
-#   order of cost, and the first that fits is kept; with the budget it leaves
+# - when nothing fitted that way, each choice's floor
+#   (the option of least modelled peak, ties broken by the plan itself: sizes only, never timings)
+#   is predicted, in order of cost, and the first that fits is kept; with the budget it leaves
 #   spare, up to ``MAX_GUESSES`` more predictions try options that recompute less, each choice's
 #   estimate corrected by the largest error seen for it. A refusal names the smallest floor
 #   predicted, so asked for that budget the search predicts that floor again and it fits.
@@ -39,7 +38,6 @@ __all__ = ["MAX_GUESSES", "Option", "Segments", "modelled_peak_of", "search"]
 
 Segments = tuple[Segment, ...]  # (start, stop, recompute) covering the chain
 MAX_GUESSES = 6
-FLOORS = 2  # per choice of reconstructing sequences
 
 
 @dataclass(frozen=True)
@@ -140,12 +138,14 @@ def _guesses(
 
 
 def floors(options: Sequence[Option]) -> list[Option]:
-    """Each choice's ``FLOORS`` options of least modelled peak among those chosen on sizes
-    alone, in order of cost."""
-    lowest: dict[frozenset[int], list[Option]] = {}
+    """Each choice's option of least modelled peak among those chosen on sizes alone, in order
+    of cost."""
+    best: dict[frozenset[int], Option] = {}
     for option in options:
-        if option.sized:
-            lowest.setdefault(option.reconstructed, []).append(option)
-    chosen = [o for held in lowest.values()
-              for o in sorted(held, key=lambda o: (o.modelled, o.segments))[:FLOORS]]
-    return sorted(chosen, key=lambda o: (o.cost, o.modelled))
+        if not option.sized:
+            continue
+        key = (option.modelled, option.segments)
+        held = best.get(option.reconstructed)
+        if held is None or key < (held.modelled, held.segments):
+            best[option.reconstructed] = option
+    return sorted(best.values(), key=lambda o: (o.cost, o.modelled))
