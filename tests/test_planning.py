@@ -60,6 +60,14 @@ def test_profile_counts_what_autograd_saves():
     assert [p.saved_bytes for p in meta] == [p.saved_bytes for p in profiles]
 
 
+def test_a_profile_counts_the_memory_a_layer_adds_apart_from_what_it_passes_on():
+    layers = [nn.Flatten(), nn.Linear(64, 32), nn.ReLU(inplace=True), nn.Linear(32, 8)]
+    profiles = profile_chain(layers, torch.randn(2, 4, 4, 4))
+    # A view (Flatten) and an in-place layer pass on their input's memory and add none.
+    assert [p.output_bytes for p in profiles] == [2 * 64 * 4, 2 * 32 * 4, 2 * 32 * 4, 2 * 8 * 4]
+    assert [p.made_bytes for p in profiles] == [0, 2 * 32 * 4, 0, 2 * 8 * 4]
+
+
 def test_chen_plans():
     assert sqrt_plan(16) == [(0, 4), (4, 8), (8, 12), (12, 16)]
     profiles = profile_chain(list(chain(4)), torch.randn(1, 8, 4, 4))  # 12 layers of 512 B each
@@ -451,7 +459,7 @@ def all_nested_trees(s, t, forbidden):
 
 def nested_memory(items, s, profiles):
     """rotor's model of a tree's memory, written out from its definition: a layer kept whole
-    holds what it saves and the values it makes while the rest runs; a checkpointed run holds
+    holds what it saves and the memory its values add while the rest runs; a checkpointed run holds
     the values live at its end that it made (older ones are its input, held already) while the
     rest runs, then is run again under its own schedule; a last layer's backward holds the
     gradients of every value live at its output and at its input."""
@@ -461,9 +469,14 @@ def nested_memory(items, s, profiles):
     def bytes_of(names, i):
         return sum(profiles[i].state[name] for name in names)
 
+    def adds(i):  # a view adds no memory
+        made_bytes = profiles[i].made_bytes
+        return bytes_of(made[i], i) if made_bytes is None else min(bytes_of(made[i], i),
+                                                                   made_bytes)
+
     first, rest = items[0], items[1:]
     if isinstance(first, int):
-        whole = profiles[first].saved_intermediate_bytes + bytes_of(made[first], first)
+        whole = profiles[first].saved_intermediate_bytes + adds(first)
         if not rest:
             return (whole + bytes_of(profiles[first].state, first)
                     + (bytes_of(profiles[first - 1].state, first - 1) if first else 0))
@@ -482,7 +495,7 @@ def flatten(items):
 
 def crossing_profiles(n, seed):
     """Synthetic graph-chain profiles whose values stay live across one to three cuts, as a
-    residual stream's skip does."""
+    residual stream's skip does, some of them views (adding no memory) or adding part of it."""
     generator = torch.Generator().manual_seed(200 + seed)
 
     def draw(low, high):
@@ -490,6 +503,7 @@ def crossing_profiles(n, seed):
 
     lives = [(f"v{i}", draw(1, 50), i + draw(0, 3)) for i in range(n)]
     return [replace(p, saved_intermediate_bytes=draw(0, 60),
+                    made_bytes=[None, 0, lives[p.index][1] // 2][draw(0, 3)],
                     state={name: nbytes for j, (name, nbytes, last) in enumerate(lives)
                            if j <= p.index <= last})
             for p in synthetic_profiles(n, seed)]

@@ -81,10 +81,11 @@ class NestedSchedule:
         return f"NestedSchedule({self.tree}, recompute_cost={self.recompute_cost:.3g})"
 
 
-def _held_bytes(profiles: Sequence[LayerProfile]) -> tuple[np.ndarray, np.ndarray]:
+def _held_bytes(profiles: Sequence[LayerProfile]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``held[s, k]``: bytes live after layer ``k`` that appeared at layer ``s`` or later (NOTE
-    [ Values live across cuts ]), and ``out[k]``: every value live there (whose gradients the
-    backward holds). A layer without a live set passes on its output alone."""
+    [ Values live across cuts ]); ``out[k]``: every value live there (whose gradients the
+    backward holds); ``made[s]``: the memory layer ``s`` adds, its values' new storages (a
+    view adds none). A layer without a live set passes on its output alone."""
     states = [p.state or {f"output {i}": p.output_bytes} for i, p in enumerate(profiles)]
     first_seen: dict[str, int] = {}
     for k, state in enumerate(states):
@@ -96,7 +97,9 @@ def _held_bytes(profiles: Sequence[LayerProfile]) -> tuple[np.ndarray, np.ndarra
         for name, nbytes in state.items():
             held[: first_seen[name] + 1, k] += nbytes
     out = np.array([sum(state.values()) for state in states], dtype=np.int64)
-    return held, out
+    made = np.array([held[i, i] if p.made_bytes is None else min(held[i, i], p.made_bytes)
+                     for i, p in enumerate(profiles)], dtype=np.int64)
+    return held, out, made
 
 
 def nested_schedule(
@@ -119,11 +122,11 @@ def nested_schedule(
     if any(math.isnan(t) for t in times):
         times = [1.0] * n
     prefix = np.concatenate([[0.0], np.cumsum(times)])
-    held_bytes, out_bytes = _held_bytes(profiles)
+    held_bytes, out_bytes, made = _held_bytes(profiles)
     held = np.ceil(held_bytes / slot).astype(np.int64)
     out = [math.ceil(b / slot) for b in out_bytes]
     # Keeping a layer whole adds what it saves besides its input (kept already) and what it makes.
-    whole = [math.ceil(p.saved_intermediate_bytes / slot) + int(held[i, i])
+    whole = [math.ceil((p.saved_intermediate_bytes + made[i]) / slot)
              for i, p in enumerate(profiles)]
     memory = np.arange(slots + 1)
 
@@ -212,13 +215,19 @@ def group_chain(
                 # Unmeasured (meta) layers count one each, as everywhere else.
                 sum(1.0 if math.isnan(p.forward_seconds) else p.forward_seconds for p in run),
                 state=run[-1].state,
-                # Inside a run, every output but the last is an intermediate.
+                # Inside a run, every output but the last is an intermediate (the memory it
+                # adds: a view adds none).
                 saved_intermediate_bytes=sum(
-                    p.saved_intermediate_bytes + p.output_bytes for p in run[:-1]
+                    p.saved_intermediate_bytes + _made(p) for p in run[:-1]
                 ) + run[-1].saved_intermediate_bytes,
+                made_bytes=run[-1].made_bytes,
             )
         )
     return merged_layers, merged_profiles
+
+
+def _made(profile: LayerProfile) -> int:
+    return profile.output_bytes if profile.made_bytes is None else profile.made_bytes
 
 
 def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | None:
@@ -239,8 +248,8 @@ def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | N
     if n == 0:
         return None
     forbidden = forbidden_cuts(profiles)
-    held, out = _held_bytes(profiles)
-    whole = np.array([p.saved_intermediate_bytes for p in profiles], dtype=np.int64) + held.diagonal()
+    held, out, made = _held_bytes(profiles)
+    whole = np.array([p.saved_intermediate_bytes for p in profiles], dtype=np.int64) + made
     need = np.zeros((n, n), dtype=np.int64)
     steps = np.zeros((n, n), dtype=np.int64)  # forward runs of layers, recomputations included
     choice = np.full((n, n), -1, dtype=np.int64)
