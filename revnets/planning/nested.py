@@ -9,17 +9,10 @@ programming over memory discretised into slots::
 
     cost(s, t, m) = least forward time to run layers s..t forward and backward, their input kept,
                     with m slots for everything else
-                  = min( forward(s) + cost(s+1, t, m - saved(s) - new(s))        keep layer s whole
+                  = min( forward(s) + cost(s+1, t, m - saved(s) - out(s))        keep layer s whole
                          min over s < k <= t of
-                           forward(s..k-1) + cost(k, t, m - held(s, k-1))         checkpoint at k,
+                           forward(s..k-1) + cost(k, t, m - out(k-1))             checkpoint at k,
                            + cost(s, k-1, m)                                     recompute s..k-1 )
-
-NOTE [ Values live across cuts ]: in a graph chain the values live at a cut include those that
-cross it unchanged (a residual stream's skip, the chain's input): a checkpoint at k holds
-``held(s, k-1)``, the values live there that appeared since the run's input (the older ones are
-that input, held already), and a layer kept whole adds ``new(s)``, the values it makes. Counting
-every live value at every cut (rotor's own ``out``, made for plain chains) counted a skip once
-per layer it crosses.
 
 A schedule is applied as nested modules: a checkpointed run is a ``Checkpointed`` segment whose
 own contents are the schedule of its recomputation (non-reentrant checkpoints nest).
@@ -81,33 +74,12 @@ class NestedSchedule:
         return f"NestedSchedule({self.tree}, recompute_cost={self.recompute_cost:.3g})"
 
 
-def _held_bytes(profiles: Sequence[LayerProfile]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``held[s, k]``: bytes live after layer ``k`` that appeared at layer ``s`` or later (NOTE
-    [ Values live across cuts ]); ``out[k]``: every value live there (whose gradients the
-    backward holds); ``made[s]``: the memory layer ``s`` adds, its values' new storages (a
-    view adds none). A layer without a live set passes on its output alone."""
-    states = [p.state or {f"output {i}": p.output_bytes} for i, p in enumerate(profiles)]
-    first_seen: dict[str, int] = {}
-    for k, state in enumerate(states):
-        for name in state:
-            first_seen.setdefault(name, k)
-    n = len(profiles)
-    held = np.zeros((n, n), dtype=np.int64)
-    for k, state in enumerate(states):
-        for name, nbytes in state.items():
-            held[: first_seen[name] + 1, k] += nbytes
-    out = np.array([sum(state.values()) for state in states], dtype=np.int64)
-    made = np.array([held[i, i] if p.made_bytes is None else min(held[i, i], p.made_bytes)
-                     for i, p in enumerate(profiles)], dtype=np.int64)
-    return held, out, made
-
-
 def nested_schedule(
     profiles: Sequence[LayerProfile], budget: int, slots: int = 64
 ) -> NestedSchedule | None:
     """The schedule recomputing the least forward time (measured, else layers counted) whose
-    activations fit ``budget`` bytes in rotor's model: what each kept layer saves and makes,
-    what each checkpoint adds to its run's input (NOTE [ Values live across cuts ]), the gradients of a layer's input and output during its backward,
+    activations fit ``budget`` bytes in rotor's model: what each kept layer saves, each
+    checkpoint's output, the gradients of a layer's input and output during its backward,
     memory rounded up to ``budget / slots``. None if nothing fits.
 
     Runs in O(n^3 * slots) (numpy over the slots): meant for chains of up to a few hundred
@@ -122,13 +94,12 @@ def nested_schedule(
     if any(math.isnan(t) for t in times):
         times = [1.0] * n
     prefix = np.concatenate([[0.0], np.cumsum(times)])
-    held_bytes, out_bytes, made = _held_bytes(profiles)
-    held = np.ceil(held_bytes / slot).astype(np.int64)
-    out = [math.ceil(b / slot) for b in out_bytes]
-    # Keeping a layer whole adds what it saves besides its input (kept already) and what it makes.
-    whole = [math.ceil((p.saved_intermediate_bytes + made[i]) / slot)
-             for i, p in enumerate(profiles)]
+    out = [math.ceil(sum(p.state.values()) / slot) if p.state else math.ceil(p.output_bytes / slot)
+           for p in profiles]
+    # Keeping a layer whole adds what it saves besides its input (kept already) and its output.
+    whole = [math.ceil(p.saved_intermediate_bytes / slot) + out[i] for i, p in enumerate(profiles)]
     memory = np.arange(slots + 1)
+    out_array = np.array(out, dtype=np.int64)
 
     # cost[s, t]: array over m = 0..slots; choice[s, t]: per m, -1 = keep s whole, k = checkpoint
     # layers s..k-1 and continue from k. All checkpoints k of one (s, t) at once, as rows.
@@ -150,7 +121,7 @@ def nested_schedule(
             # A checkpointed run starting at a forbidden cut would keep a value overwritten later.
             if s not in forbidden:
                 ks = np.arange(s + 1, t + 1)
-                kept = held[s, ks - 1]
+                kept = out_array[ks - 1]
                 # after[r, m]: the rest from k = ks[r] with the checkpoint's output held.
                 index = memory[None, :] - kept[:, None]
                 after = np.where(
@@ -178,7 +149,7 @@ def nested_schedule(
             return [s]
         if k == -1:
             return [s, *tree(s + 1, t, m - whole[s])]
-        return [tree(s, k - 1, m), *tree(k, t, m - int(held[s, k - 1]))]
+        return [tree(s, k - 1, m), *tree(k, t, m - out[k - 1])]
 
     forward_once = float(prefix[n])
     return NestedSchedule(tree(0, n - 1, slots), float(total) - forward_once)
@@ -215,19 +186,13 @@ def group_chain(
                 # Unmeasured (meta) layers count one each, as everywhere else.
                 sum(1.0 if math.isnan(p.forward_seconds) else p.forward_seconds for p in run),
                 state=run[-1].state,
-                # Inside a run, every output but the last is an intermediate (the memory it
-                # adds: a view adds none).
+                # Inside a run, every output but the last is an intermediate.
                 saved_intermediate_bytes=sum(
-                    p.saved_intermediate_bytes + _made(p) for p in run[:-1]
+                    p.saved_intermediate_bytes + p.output_bytes for p in run[:-1]
                 ) + run[-1].saved_intermediate_bytes,
-                made_bytes=run[-1].made_bytes,
             )
         )
     return merged_layers, merged_profiles
-
-
-def _made(profile: LayerProfile) -> int:
-    return profile.output_bytes if profile.made_bytes is None else profile.made_bytes
 
 
 def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | None:
@@ -240,16 +205,17 @@ def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | N
     that each run the whole recursion: with ``need(s, t)`` the least memory that runs layers
     ``s..t`` forward and backward, their input kept,
 
-        need(s, t) = min( saved(s) + new(s) + need(s+1, t),                keep layer s whole
+        need(s, t) = min( whole(s) + need(s+1, t),                         keep layer s whole
                           min over s < k <= t of
-                            max(held(s, k-1) + need(k, t), need(s, k-1)) )  checkpoint at k
+                            max(out(k-1) + need(k, t), need(s, k-1)) )      checkpoint at k
     """
     n = len(profiles)
     if n == 0:
         return None
     forbidden = forbidden_cuts(profiles)
-    held, out, made = _held_bytes(profiles)
-    whole = np.array([p.saved_intermediate_bytes for p in profiles], dtype=np.int64) + made
+    out = np.array([sum(p.state.values()) if p.state else p.output_bytes for p in profiles],
+                   dtype=np.int64)
+    whole = np.array([p.saved_intermediate_bytes for p in profiles], dtype=np.int64) + out
     need = np.zeros((n, n), dtype=np.int64)
     steps = np.zeros((n, n), dtype=np.int64)  # forward runs of layers, recomputations included
     choice = np.full((n, n), -1, dtype=np.int64)
@@ -263,7 +229,7 @@ def most_frugal_schedule(profiles: Sequence[LayerProfile]) -> NestedSchedule | N
             best = (int(whole[s] + need[s + 1, t]), int(1 + steps[s + 1, t]))
             if s not in forbidden:  # a run starting at a forbidden cut: see nested_schedule
                 ks = np.arange(s + 1, t + 1)
-                memory = np.maximum(held[s, ks - 1] + need[ks, t], need[s, ks - 1])
+                memory = np.maximum(out[ks - 1] + need[ks, t], need[s, ks - 1])
                 runs = (ks - s) + steps[ks, t] + steps[s, ks - 1]
                 least = memory.min()
                 row = int(np.flatnonzero(memory == least)[runs[memory == least].argmin()])

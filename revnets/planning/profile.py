@@ -45,9 +45,6 @@ class LayerProfile:
     # None of those outputs is modified in place afterwards, inside the layer or by a later one
     # (a selective checkpoint over it would be refused in backward).
     selective_safe: bool = True
-    # The memory its output adds, storages its input does not hold (a view, a getattr: none);
-    # None: unknown, counted as its output.
-    made_bytes: int | None = None
 
 
 def _nbytes(output: Any) -> int:
@@ -178,11 +175,8 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 ):
                     y = layer(x)
             seconds = min(seconds, now() - start)
-        inputs = _storage_ids(x)
-        ends = inputs | _storage_ids(y)
+        ends = _storage_ids(x) | _storage_ids(y)
         intermediate = sum(nbytes for key, nbytes in saved.items() if key not in ends)
-        made = _nbytes([t for t in tree_flatten(y)[0] if isinstance(t, Tensor)
-                        and id(t.untyped_storage()) not in inputs])
         inplace = bool(getattr(layer, "inplace", False))
         profiles.append(
             LayerProfile(
@@ -197,7 +191,6 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 intermediate,
                 kept.nbytes(),
                 kept.intact(),
-                made_bytes=made,
             )
         )
         for t, _ in kept.outputs:
