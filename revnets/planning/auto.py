@@ -229,7 +229,7 @@ class _Planner:
         compiled: bool = False,
     ) -> None:
         self.model, self.chain, self.example_input = model, chain, example_input
-        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.loss_fn, self.optimizer, self.compiled = loss_fn, optimizer, compiled
         self.sequences = {i: s for i, step in enumerate(chain)
                           if (s := _sequence_of(step)) is not None}
         self.original = {i: _decision_of(s) for i, s in self.sequences.items()}
@@ -314,7 +314,8 @@ class _Planner:
             smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
                         f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
             return self._nested(frozenset(self.sequences), budget, smallest)
-        found = self._refined(found, peaks, budget)
+        if self.compiled:  # its selective checkpoints recompute no product: worth a prediction
+            found = self._refined(found, peaks, budget)
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
         plan = describe_plan(self.chain, self.sequences, self.original, self.input_state,

@@ -23,7 +23,12 @@ predictions decide.
 #   is predicted, in order of cost, and the first that fits is kept; with the budget it leaves
 #   spare, up to ``MAX_GUESSES`` more predictions try options that recompute less, each choice's
 #   estimate corrected by the largest error seen for it. A refusal names the smallest floor
-#   predicted, so asked for that budget the search predicts that floor again and it fits.
+#   predicted, so asked for that budget the search predicts that floor again and it fits;
+# - planned for torch.compile, the plan found is retried once against the selective plan made
+#   for the room its own error leaves (``auto_checkpoint``'s planner; selective candidates were
+#   made for the room the model state leaves, before any error was known). Compiled, a selective
+#   checkpoint recomputes no product, so the retry can save most of the recomputation; eager,
+#   the one more prediction it costs on most plans was not repaid.
 """
 
 from __future__ import annotations
