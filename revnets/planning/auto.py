@@ -149,7 +149,7 @@ def auto_checkpoint(
 def _collector_paused() -> Iterator[None]:
     """Python's cycle collector paused while planning: the predictions make and drop objects in
     cycles by the hundred thousand, and its passes over everything alive took a fifth of the
-    time (Swin-V2-S: 5.7 s, 4.5 s without). Their cycles go at the next collection after it."""
+    time. Their cycles go at the next collection after it."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -314,8 +314,7 @@ class _Planner:
             smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
                         f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
             return self._nested(frozenset(self.sequences), budget, smallest)
-        if self.compiled:  # its selective checkpoints recompute no product: worth a prediction
-            found = self._refined(found, peaks, budget)
+        found = self._refined(found, peaks, budget) if self.compiled else found
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
         plan = describe_plan(self.chain, self.sequences, self.original, self.input_state,
@@ -323,20 +322,18 @@ class _Planner:
         return planned, plan
 
     def _refined(self, found: Option, peaks: dict[Option, int], budget: int) -> Option:
-        """Selective candidates were made for the room the model state leaves; the plan found
-        has since measured what the chain model leaves out of plans like it. The cheapest
-        selective plan for the room that leaves, if it recomputes less and was not predicted,
-        is predicted, and replaces the plan found where it fits."""
-        profiles = self._profiles_of(found.reconstructed)
-        extra = sum(_seconds(profiles, i) for i in found.reconstructed)
+        """The cheapest selective plan for the room the found plan's own prediction measured
+        (the candidates were made for the room the model state leaves), predicted where it
+        recomputes less, and taken where it fits (NOTE [ Modelled search, exact acceptance ])."""
+        chosen, profiles = found.reconstructed, self._profiles_of(found.reconstructed)
         room = budget - (peaks[found] - found.modelled)
-        known = {(o.reconstructed, o.segments) for o in peaks}
-        plans = {self._cut_around(p, found.reconstructed)
+        plans = {self._cut_around(p, chosen)
                  for p in selective_plans(profiles, [room], self.input_state)}
-        better = min((Option(found.reconstructed, plan, self._recompute(plan, profiles) + extra,
+        plans -= {o.segments for o in peaks if o.reconstructed == chosen}  # predicted already
+        extra = sum(_seconds(profiles, i) for i in chosen)
+        better = min((Option(chosen, plan, self._recompute(plan, profiles) + extra,
                              modelled_peak_of(plan, profiles, self.input_state), sized=False)
-                      for plan in plans if (found.reconstructed, plan) not in known),
-                     key=lambda o: (o.cost, o.modelled), default=None)
+                      for plan in plans), key=lambda o: (o.cost, o.modelled), default=None)
         if better is None or better.cost >= found.cost:
             return found
         peaks[better] = self._predict(better)
