@@ -9,7 +9,8 @@ from torch import nn
 import revnets
 import revnets.planning.auto as auto
 from revnets.memory import measure_memory
-from revnets.planning.search import MAX_GUESSES
+from revnets.planning.nested import NestedSchedule
+from revnets.planning.search import MAX_GUESSES, search_nested
 from revnets.prediction import Predictor
 
 from conftest import activation_budget, make_stack, train_step
@@ -103,3 +104,50 @@ def test_forward_times_are_measured_on_at_most_eight_samples(monkeypatch):
     model, x = conv_chain(4), torch.randn(32, 3, 16, 16)
     revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.8))
     assert [s for s in seen if s is not None] == [8]
+
+
+# Rotor's schedules of a five-layer chain by the room they are given: the more room, the less
+# they recompute. The most frugal one recomputes the most (three deep) and costs the most to
+# predict.
+FRUGAL = NestedSchedule([[[[0, 1], 2], 3], 4], recompute_cost=6.0, modelled_bytes=50)
+GUESS = NestedSchedule([[[0, 1], 2], 3, 4], recompute_cost=4.0)
+ROOMY = NestedSchedule([[[0], 1, 2], 3, 4], recompute_cost=3.0)
+
+
+def schedule_for(room):
+    return FRUGAL if room < 60 else GUESS if room < 150 else ROOMY
+
+
+def predicted(peaks):
+    """A predictor of the peaks given by schedule, and the schedules it was asked for."""
+    asked = []
+
+    def predict(schedule):
+        asked.append(schedule)
+        return peaks[id(schedule)]
+
+    return predict, asked
+
+
+def test_below_the_floors_a_fitting_guess_is_taken_without_predicting_the_most_frugal_schedule():
+    """The lowest one-level floor's prediction showed 900 bytes more than the chain model: rotor
+    is given the budget less that (100), and its schedule there fits with 50 to spare. The room
+    grows by that slack once (to 150), and the schedule there fits too and is taken. The most
+    frugal schedule is never predicted."""
+    predict, asked = predicted({id(GUESS): 950, id(ROOMY): 990, id(FRUGAL): 800})
+    found = search_nested(FRUGAL, schedule_for, 1000, predict, error=900, most=10_000)
+    assert found == (ROOMY, 990)
+    assert asked == [GUESS, ROOMY]
+
+
+def test_below_the_floors_the_most_frugal_schedule_decides_where_the_guess_misses():
+    # The guess misses: the most frugal schedule fits, and the room corrected by its error
+    # (750) leaves 250, where the roomier schedule fits.
+    predict, asked = predicted({id(GUESS): 1010, id(ROOMY): 990, id(FRUGAL): 800})
+    found = search_nested(FRUGAL, schedule_for, 1000, predict, error=900, most=10_000)
+    assert found == (ROOMY, 990) and asked == [GUESS, FRUGAL, ROOMY]
+    # Where even the most frugal schedule's estimate (50 modelled, 980 of error) does not fit,
+    # nothing else is predicted, and a refusal names its exact peak.
+    predict, asked = predicted({id(GUESS): 950, id(ROOMY): 990, id(FRUGAL): 1200})
+    found = search_nested(FRUGAL, schedule_for, 1000, predict, error=980, most=10_000)
+    assert found == (None, 1200) and asked == [FRUGAL]

@@ -31,7 +31,6 @@ from revnets.planning.describe import (
     step_name,
 )
 from revnets.planning.nested import (
-    NestedSchedule,
     group_chain,
     most_frugal_schedule,
     nested_schedule,
@@ -46,7 +45,7 @@ from revnets.planning.profile import (
     profile_chain,
     timing_input,
 )
-from revnets.planning.search import Option, Segments, modelled_peak_of, search
+from revnets.planning.search import Option, Segments, modelled_peak_of, search, search_nested
 from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.traced import refuse_hooks
 from revnets.planning.untouched import ModelState
@@ -313,7 +312,8 @@ class _Planner:
             low = min(peaks, key=peaks.get)
             smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
                         f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
-            return self._nested(frozenset(self.sequences), budget, smallest)
+            return self._nested(frozenset(self.sequences), budget, smallest,
+                                peaks[low] - low.modelled)
         found = self._refined(found, peaks, budget) if self.compiled else found
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
@@ -403,42 +403,30 @@ class _Planner:
         return nn.Sequential(*steps)
 
     def _nested(
-        self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str]
+        self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str], error: int
     ) -> tuple[nn.Module, MemoryPlan]:
-        """Below what one level of checkpoints reaches: checkpoints within recomputations."""
+        """Below what one level of checkpoints reaches: checkpoints within recomputations
+        (NOTE [ Modelled search, exact acceptance ]); ``error``: the lowest one-level floor's
+        exact peak less its modelled one."""
         profiles = self._assign(reconstructed)
         layers, grouped = group_chain(list(self.chain), profiles, NESTED_GROUPS)
-        model_state = self.model_state
         low_peak, how = smallest
-
-        def nested(schedule: NestedSchedule, peak: int) -> tuple[nn.Module, MemoryPlan]:
-            parts = [*self._sequence_parts(profiles, reconstructed),
-                     PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),
-                              recompute_seconds=math.nan)]
-            return schedule.apply(layers), memory_plan(parts, reconstructed, True, peak, budget)
-
         # The most frugal schedule there is, found from sizes alone (not from the budget, not
         # from measured times): always the same, so the budget a refusal names plans when asked.
         frugal = most_frugal_schedule(grouped)
         if frugal is None:
             raise _no_fit(budget, low_peak, how)
-        frugal_peak = self.peak(frugal.apply(layers))
-        if frugal_peak > budget:
-            if frugal_peak < low_peak:
-                low_peak, how = frugal_peak, f"nested checkpoints {frugal.tree}"
+        schedule, peak = search_nested(
+            frugal, lambda room: nested_schedule(grouped, room, slots=NESTED_SLOTS), budget,
+            lambda schedule: self.peak(schedule.apply(layers)), error, self.model_state)
+        if schedule is None:
+            if peak < low_peak:
+                low_peak, how = peak, f"nested checkpoints {frugal.tree}"
             raise _no_fit(budget, low_peak, how)
-        # Rotor's model leaves out transients and counts values freed sooner: corrected where it
-        # counted more than the frugal schedule's exact peak, the room shrinks until a schedule
-        # recomputing less than the frugal one fits exactly.
-        room = budget - model_state + max(frugal.modelled_bytes - frugal_peak + model_state, 0)
-        for share in (1.0, 0.8, 0.6):
-            schedule = nested_schedule(grouped, int(share * room), slots=NESTED_SLOTS)
-            if schedule is None:
-                break
-            peak = self.peak(schedule.apply(layers))
-            if peak <= budget:
-                return nested(schedule, peak)
-        return nested(frugal, frugal_peak)
+        parts = [*self._sequence_parts(profiles, reconstructed),
+                 PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),
+                          recompute_seconds=math.nan)]
+        return schedule.apply(layers), memory_plan(parts, reconstructed, True, peak, budget)
 
     # -- the plan as an object --------------------------------------------------------------
     def _sequence_parts(

@@ -28,7 +28,17 @@ predictions decide.
 #   for the room its own error leaves (``auto_checkpoint``'s planner; selective candidates were
 #   made for the room the model state leaves, before any error was known). Compiled, a selective
 #   checkpoint recomputes no product, so the retry can save most of the recomputation; eager,
-#   the one more prediction it costs on most plans was not repaid.
+#   the one more prediction it costs on most plans was not repaid;
+# - below every one-level floor, nested schedules (rotor's recursion over a grouped chain) are
+#   tried alike: rotor is given the budget less the error the lowest floor's prediction showed
+#   (exact minus modelled, at most the model state). The schedule found there is predicted;
+#   where it fits, its prediction measured the slack it leaves, and the room grows by that once
+#   more (a schedule needs at most its room in rotor's model, so its error is at least its exact
+#   peak less the room). Only where the first guess misses, or where even the most frugal
+#   schedule's estimate does not fit, is that schedule (the least memory of rotor's model, found
+#   from sizes alone) predicted: a refusal names its peak, and the room is corrected by its error
+#   and shrunk until a schedule fits. Predicting it first cost the most of all nested
+#   predictions (it recomputes the most) where a fitting schedule did not need it.
 """
 
 from __future__ import annotations
@@ -37,9 +47,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from revnets.planning.chain import SELECTIVE, Segment
+from revnets.planning.nested import NestedSchedule
 from revnets.planning.profile import LayerProfile
 
-__all__ = ["MAX_GUESSES", "Option", "Segments", "modelled_peak_of", "search"]
+__all__ = ["MAX_GUESSES", "Option", "Segments", "modelled_peak_of", "search", "search_nested"]
 
 Segments = tuple[Segment, ...]  # (start, stop, recompute) covering the chain
 MAX_GUESSES = 6
@@ -154,3 +165,46 @@ def floors(options: Sequence[Option]) -> list[Option]:
         if held is None or key < (held.modelled, held.segments):
             best[option.reconstructed] = option
     return sorted(best.values(), key=lambda o: (o.cost, o.modelled))
+
+
+def search_nested(
+    frugal: NestedSchedule,
+    schedule_for: Callable[[int], NestedSchedule | None],
+    budget: int,
+    predict: Callable[[NestedSchedule], int],
+    error: int,
+    most: int,
+) -> tuple[NestedSchedule | None, int]:
+    """The nested schedule the NOTE above picks for ``budget`` and its exact peak, or None and
+    the exact peak of ``frugal`` (the schedule of least modelled memory) where even that does
+    not fit. ``schedule_for(room)`` is rotor's schedule for a room; ``error`` the lowest
+    one-level floor's exact peak less its modelled one; no error counts more than ``most``."""
+    peaks: dict[str, int] = {}
+
+    def exact(schedule: NestedSchedule) -> int:
+        key = repr(schedule.tree)
+        if key not in peaks:
+            peaks[key] = predict(schedule)
+        return peaks[key]
+
+    if frugal.modelled_bytes is not None and frugal.modelled_bytes + min(error, most) <= budget:
+        found, room = None, budget - min(error, most)
+        for _ in range(2):  # the guess, then the room grown by the slack it measured
+            schedule = schedule_for(room)
+            # One level deep, it is a one-level plan, which the floors already bound from below.
+            if schedule is None or schedule.depth() < 2 or exact(schedule) > budget:
+                break
+            found = schedule
+            room = budget - min(exact(schedule) - room, most)
+        if found is not None:
+            return found, exact(found)
+    if exact(frugal) > budget:
+        return None, exact(frugal)
+    room = budget - min(exact(frugal) - (frugal.modelled_bytes or 0), most)
+    for share in (1.0, 0.8, 0.6):
+        schedule = schedule_for(int(share * room))
+        if schedule is None:
+            break
+        if exact(schedule) <= budget:
+            return schedule, exact(schedule)
+    return frugal, exact(frugal)
