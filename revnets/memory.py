@@ -14,6 +14,7 @@ not counted; on CUDA it is included in the allocator peak.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -124,6 +125,17 @@ class _Storage:
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
+def _storage_freed(tracker: weakref.ref, key: int, index: int, _ref: weakref.ref) -> None:
+    """A tracked storage was freed: its record (``index`` in the tracker's history) ends now."""
+    self = tracker()
+    if self is None:
+        return
+    record = self._history[index]
+    record.freed = self._clock
+    if self._storages.get(key) is record:
+        del self._storages[key]
+
+
 class MemoryTracker(TorchDispatchMode):
     """Context manager recording every tensor storage alive while it is active.
 
@@ -159,6 +171,7 @@ class MemoryTracker(TorchDispatchMode):
         # id(real storage): a fake tensor whose storage stands for it (a prediction's copy of a
         # model's parameter, reached through a closure too).
         self.stand_ins: dict[int, tuple[Any, Tensor]] = {}
+        self._weak_self = weakref.ref(self)
 
     # -- recording -------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
@@ -246,18 +259,14 @@ class MemoryTracker(TorchDispatchMode):
         record = _Storage(nbytes, allocated, None, device)  # type: ignore[arg-type]
         record.found = found and key not in self._storages
         record.module = self.module
-        record.ref = weakref.ref(storage, self._freed_callback(key, record))
+        # The callback holds the tracker weakly and the record by its place in the history: a
+        # record holding its own callback would make a reference cycle per storage, left for the
+        # cycle collector to find (auto_checkpoint pauses it while predicting, then pays for all).
+        record.ref = weakref.ref(storage, functools.partial(
+            _storage_freed, self._weak_self, key, len(self._history)))
         self._storages[key] = record
         self._history.append(record)
         return record
-
-    def _freed_callback(self, key: int, record: _Storage):
-        def freed(_ref) -> None:
-            record.freed = self._clock
-            if self._storages.get(key) is record:
-                del self._storages[key]
-
-        return freed
 
     # -- reporting -------------------------------------------------------------------------------
     def _label(self, record: _Storage) -> str:
