@@ -479,8 +479,8 @@ class _LikeTheDevice(TorchDispatchMode):
             return self._uncached(func, args, kwargs)
         if len(tensors) == 1 and func not in _KEEP_DISPATCH_KEYS:
             # A view of one fake tensor is on its device: what the fake mode's wrapping finds,
-            # without its search of the arguments for a common device (views are a third of a
-            # windowed transformer's operators).
+            # without its search of the arguments for a common device (a windowed transformer's
+            # operators are largely views).
             fake = functools.partial(self.mode.fake_tensor_converter.from_meta_and_device,
                                      self.mode, device=tensors[0].device)
             return fake(out) if isinstance(out, Tensor) else type(out)(map(fake, out))
