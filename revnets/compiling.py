@@ -30,7 +30,8 @@ __all__ = ["compile_model", "compile_options"]
 # as eager code does. A user who wants channels_last converts the model and the input
 # (``model.to(memory_format=torch.channels_last)``), as in eager, and inductor's choice is then
 # left on (it converts nothing). On a GPU inductor's heuristic is left alone: it was not
-# measured here to cost anything.
+# measured here to cost anything (on an H200 preact_resnet101 compiled took 1.14x of eager at
+# 64x64, batch 4, docs/compile.md; whether the layout is why was not measured).
 _LAYOUT_KEPT = {"layout_optimization": False}
 
 
