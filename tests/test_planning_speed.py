@@ -92,6 +92,20 @@ def test_a_smaller_budget_never_gives_a_higher_measured_peak():
     assert peaks == sorted(peaks, reverse=True)
 
 
+def test_below_the_one_level_floor_a_smaller_budget_never_gives_a_higher_measured_peak():
+    # Budgets between the most frugal nested schedule's peak and the one-level floor of a tanh
+    # chain, in pairs a few kB apart where the larger one used to get the most frugal schedule
+    # (checkpoints 46 deep) and the smaller one a cheaper plan peaking higher.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(48)))
+    x = torch.randn(512, 64)
+    peaks = []
+    for budget in (2_380_000, 2_395_000, 2_425_000, 2_440_000, 2_545_000, 2_560_000):
+        planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+        peaks.append(measure_memory(train_step, planned, x).peak_bytes)
+    assert peaks == sorted(peaks)
+
+
 def test_forward_times_are_measured_on_at_most_eight_samples(monkeypatch):
     seen = []
     profile = auto.profile_chain
@@ -151,3 +165,20 @@ def test_below_the_floors_the_most_frugal_schedule_decides_where_the_guess_misse
     predict, asked = predicted({id(GUESS): 950, id(ROOMY): 990, id(FRUGAL): 1200})
     found = search_nested(FRUGAL, schedule_for, 1000, predict, error=980, most=10_000)
     assert found == (None, 1200) and asked == [FRUGAL]
+
+
+def test_below_the_floors_a_schedule_that_misses_shrinks_the_room_by_its_overshoot():
+    """After the most frugal schedule's correction (room 250), the roomy schedule misses by 3:
+    the room shrinks by that (once more where rotor gives the same schedule) to 244, where a
+    schedule between it and the guess fits. Fixed shares of the room (0.8, 0.6) jumped past it to
+    the guess and then to the most frugal schedule, so a larger budget could get a plan
+    recomputing more, and peaking lower, than a smaller one."""
+    middle = NestedSchedule([[[0, 1], 2], [3], 4], recompute_cost=3.5)
+
+    def schedule_for(room):
+        return FRUGAL if room < 60 else GUESS if room < 210 else middle if room < 245 else ROOMY
+
+    predict, asked = predicted({id(GUESS): 1010, id(ROOMY): 1003, id(middle): 995,
+                                id(FRUGAL): 800})
+    found = search_nested(FRUGAL, schedule_for, 1000, predict, error=900, most=10_000)
+    assert found == (middle, 995) and asked == [GUESS, FRUGAL, ROOMY, middle]

@@ -36,9 +36,12 @@ predictions decide.
 #   more (a schedule needs at most its room in rotor's model, so its error is at least its exact
 #   peak less the room). Only where the first guess misses, or where even the most frugal
 #   schedule's estimate does not fit, is that schedule (the least memory of rotor's model, found
-#   from sizes alone) predicted: a refusal names its peak, and the room is corrected by its error
-#   and shrunk until a schedule fits. Predicting it first cost the most of all nested
-#   predictions (it recomputes the most) where a fitting schedule did not need it.
+#   from sizes alone) predicted: a refusal names its peak, and the room is corrected by its error;
+#   a schedule that misses shrinks the room by what its prediction overshot (fixed shares of the
+#   room jumped from a schedule just over the budget to the frugal one, so a larger budget could
+#   get the frugal schedule where a smaller one got a cheaper plan). Predicting the frugal
+#   schedule first cost the most of all nested predictions (it recomputes the most) where a
+#   fitting schedule did not need it.
 """
 
 from __future__ import annotations
@@ -201,10 +204,15 @@ def search_nested(
     if exact(frugal) > budget:
         return None, exact(frugal)
     room = budget - min(exact(frugal) - (frugal.modelled_bytes or 0), most)
-    for share in (1.0, 0.8, 0.6):
-        schedule = schedule_for(int(share * room))
-        if schedule is None:
+    # Each miss shrinks the room by what its prediction overshot, until a schedule fits, rotor
+    # finds none, or three more have missed (a room that gives a schedule already predicted
+    # shrinks again at no cost).
+    predicted = len(peaks)
+    for _ in range(MAX_GUESSES * 4):
+        schedule = schedule_for(room)
+        if schedule is None or len(peaks) - predicted >= 3 and repr(schedule.tree) not in peaks:
             break
         if exact(schedule) <= budget:
             return schedule, exact(schedule)
+        room -= exact(schedule) - budget
     return frugal, exact(frugal)
