@@ -131,7 +131,8 @@ def _storage_freed(tracker: weakref.ref, key: int, index: int, _ref: weakref.ref
     if self is None:
         return
     record = self._history[index]
-    record.freed = self._clock
+    if record.freed is None:  # a storage resized in place ended its old allocation already
+        record.freed = self._clock
     if self._storages.get(key) is record:
         del self._storages[key]
 

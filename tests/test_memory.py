@@ -367,3 +367,16 @@ def test_a_measurement_leaves_no_reference_cycle_per_tensor(meter):
         gc.garbage.clear()
         gc.enable()
     assert cycles == []
+
+
+@pytest.mark.parametrize("meter", [measure_memory, predict_memory])
+def test_a_storage_resized_in_place_counts_its_old_size_only_until_the_resize(meter):
+    def step(x):
+        t = torch.empty(1000)  # 4000 bytes
+        t.resize_(2000)  # a new 8000-byte allocation; the 4000 end here
+        u = torch.empty(1500)  # 6000 bytes, while t holds 8000
+        return t.sum() + u.sum()
+
+    # t and u with the input (4 bytes), the two sums and their total (4 bytes each). The old
+    # 4000 used to count again from the resize until t was freed.
+    assert meter(step, torch.zeros(1)).peak_bytes == 8000 + 6000 + 4 + 3 * 4
