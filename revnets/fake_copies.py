@@ -4,7 +4,7 @@
 schedulers and GradScalers among its arguments are copied here over fake tensors, so the call
 steps the copies; optimizers and schedulers it reaches any other way (a closure) are kept as
 found. The arguments' tensors stand in for the real ones where the call reaches those otherwise
-(NOTE [ Real tensors in a prediction ] in revnets/prediction.py has the tensors' rules).
+(NOTE [ Real tensors in a prediction ] in revnets/fake_device.py has the tensors' rules).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """predict_memory against measure_memory where the call reaches state outside the model and
 inputs it is given: tensors a closure holds (written too), scalars it makes from numbers, a
 learning-rate scheduler, a GradScaler. NOTE [ Real tensors in a prediction ] in
-revnets/prediction.py is the rule these check: the prediction writes none of the user's tensors
+revnets/fake_device.py is the rule these check: the prediction writes none of the user's tensors
 and counts each as a real run does."""
 
 import copy

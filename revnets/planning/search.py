@@ -208,7 +208,7 @@ def search_nested(
     # finds none, or three more have missed (a room that gives a schedule already predicted
     # shrinks again at no cost).
     predicted = len(peaks)
-    for _ in range(MAX_GUESSES * 4):
+    for _ in range(4 * MAX_GUESSES):  # rotor calls (each shrinks the room), not predictions
         schedule = schedule_for(room)
         if schedule is None or len(peaks) - predicted >= 3 and repr(schedule.tree) not in peaks:
             break
