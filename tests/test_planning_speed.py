@@ -10,7 +10,8 @@ import revnets
 import revnets.planning.auto as auto
 from revnets.memory import measure_memory
 from revnets.planning.nested import NestedSchedule
-from revnets.planning.search import MAX_GUESSES, search_nested
+from revnets.planning.chain import SELECTIVE
+from revnets.planning.search import MAX_GUESSES, Option, lowest_floor, search, search_nested
 from revnets.prediction import Predictor
 
 from conftest import activation_budget, make_stack, train_step
@@ -182,3 +183,25 @@ def test_below_the_floors_a_schedule_that_misses_shrinks_the_room_by_its_oversho
                                 id(FRUGAL): 800})
     found = search_nested(FRUGAL, schedule_for, 1000, predict, error=900, most=10_000)
     assert found == (middle, 995) and asked == [GUESS, FRUGAL, ROOMY, middle]
+
+
+def test_a_refusal_names_the_lowest_floor_not_a_guess_that_missed_lower():
+    """A guess that is not a floor (here the selective plan S) may be predicted below every
+    floor and still miss. Asked for its peak, the search takes another path (B's estimate now
+    fits, and its error rules S out) and refuses again; the lowest floor's peak plans when asked,
+    every time, because the search predicts every floor before it refuses."""
+    nothing = frozenset()
+    a = Option(nothing, ((0, 2, False),), cost=1.0, modelled=100)
+    b = Option(nothing, ((0, 1, True), (1, 2, False)), cost=2.0, modelled=84)
+    s = Option(nothing, ((0, 2, SELECTIVE),), cost=3.0, modelled=60, sized=False)
+    floor = Option(nothing, ((0, 1, True), (1, 2, True)), cost=4.0, modelled=50)
+    options = [a, b, s, floor]
+    exact = {a: 520, b: 540, s: 505, floor: 530}
+
+    found, peaks = search(options, 500, exact.__getitem__, offset=400)
+    assert found is None and set(peaks) == {a, s, floor}
+    named = lowest_floor(options, peaks)
+    assert named is floor and min(peaks.values()) == exact[s] < peaks[named]
+    assert search(options, exact[s], exact.__getitem__, offset=400)[0] is None
+    found, _ = search(options, peaks[named], exact.__getitem__, offset=400)
+    assert found is not None and exact[found] <= peaks[named]

@@ -45,7 +45,9 @@ from revnets.planning.profile import (
     profile_chain,
     timing_input,
 )
-from revnets.planning.search import Option, Segments, modelled_peak_of, search, search_nested
+from revnets.planning.search import (
+    Option, Segments, lowest_floor, modelled_peak_of, search, search_nested,
+)
 from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.traced import refuse_hooks
 from revnets.planning.untouched import ModelState
@@ -309,7 +311,7 @@ class _Planner:
         options.sort(key=lambda o: (o.cost, o.modelled))
         found, peaks = search(options, budget, self._predict, self.model_state)
         if found is None:
-            low = min(peaks, key=peaks.get)
+            low = lowest_floor(options, peaks)
             smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
                         f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
             return self._nested(frozenset(self.sequences), budget, smallest,

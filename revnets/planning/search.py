@@ -53,7 +53,10 @@ from revnets.planning.chain import SELECTIVE, Segment
 from revnets.planning.nested import NestedSchedule
 from revnets.planning.profile import LayerProfile
 
-__all__ = ["MAX_GUESSES", "Option", "Segments", "modelled_peak_of", "search", "search_nested"]
+__all__ = [
+    "MAX_GUESSES", "Option", "Segments", "lowest_floor", "modelled_peak_of", "search",
+    "search_nested",
+]
 
 Segments = tuple[Segment, ...]  # (start, stop, recompute) covering the chain
 MAX_GUESSES = 6
@@ -168,6 +171,14 @@ def floors(options: Sequence[Option]) -> list[Option]:
         if held is None or key < (held.modelled, held.segments):
             best[option.reconstructed] = option
     return sorted(best.values(), key=lambda o: (o.cost, o.modelled))
+
+
+def lowest_floor(options: Sequence[Option], peaks: dict[Option, int]) -> Option:
+    """The floor of least exact peak, after ``search`` found nothing (it predicted every floor
+    then). A refusal names its peak: asked for that, the search predicts the floors again and
+    this one fits. A guess that missed may have peaked lower, but asked for its peak the search
+    can take another path and never predict it again."""
+    return min(floors(options), key=lambda floor: (peaks[floor], floor.cost))
 
 
 def search_nested(
