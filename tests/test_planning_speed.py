@@ -9,8 +9,8 @@ from torch import nn
 import revnets
 import revnets.planning.auto as auto
 from revnets.memory import measure_memory
-from revnets.planning.nested import NestedSchedule
 from revnets.planning.chain import SELECTIVE
+from revnets.planning.nested import NestedSchedule
 from revnets.planning.search import MAX_GUESSES, Option, lowest_floor, search, search_nested
 from revnets.prediction import Predictor
 

@@ -46,7 +46,12 @@ from revnets.planning.profile import (
     timing_input,
 )
 from revnets.planning.search import (
-    Option, Segments, lowest_floor, modelled_peak_of, search, search_nested,
+    Option,
+    Segments,
+    lowest_floor,
+    modelled_peak_of,
+    search,
+    search_nested,
 )
 from revnets.planning.trace import GraphStep, as_graph_chain
 from revnets.planning.traced import refuse_hooks
