@@ -338,3 +338,44 @@ def test_what_a_traced_graph_froze_is_refused_by_name_when_changed_after_plannin
     model.load_state_dict(state, assign=True)  # other tensors: the graph would keep the old
     with pytest.raises(RuntimeError, match=r"blocks\.0\.norm\.weight .*assign=True"):
         train_step(planned, x)
+
+
+class SharedAndDirect(nn.Module):
+    """Parameters and a buffer read directly in the model's code, one parameter under two
+    names (a tied head), another reassigned by hand before tracing."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((8,), 2.0))
+        self.gate = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x)) * self.scale
+        h = torch.nn.functional.linear(h, self.head.weight) * self.gate
+        return self.head(h + self.scale)
+
+
+def test_the_trace_names_parameters_and_buffers_as_torch_fx_does(monkeypatch):
+    """The planner's tracer finds a tensor's name by its identity, where torch.fx walks every
+    parameter and buffer of the model at each access: both give the same graphs."""
+    from revnets.planning import trace
+
+    def graphs():
+        seen = []
+        original = trace._Tracer.trace
+        with monkeypatch.context() as patch:
+            patch.setattr(trace._Tracer, "trace", lambda self, root, concrete_args=None: (
+                seen.append(str(graph := original(self, root, concrete_args))), graph)[1])
+            chain = as_graph_chain(model)
+        return seen, chain
+
+    model = SharedAndDirect()
+    model.gate = nn.Parameter(torch.full((8,), 3.0))  # a new object under an old name
+    fast, chain = graphs()
+    monkeypatch.setattr(trace._Tracer, "_name_of", lambda self, value: None)
+    walked, _ = graphs()
+    assert fast == walked and "embed_weight" in fast[0] and "scale" in fast[0]
+    x = torch.randn(2, 8)
+    assert torch.equal(chain(x), model(x))

@@ -267,7 +267,44 @@ class _Tracer(torch.fx.Tracer):
 
     def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
         self.modes = grad_and_autocast()
+        self.names: dict[bool, dict[int, str]] | None = None
         return super().trace(root, concrete_args)
+
+    # torch.fx names a parameter or buffer it meets by walking all of the root's, at every
+    # access: a third of tracing a model of a few hundred layers. Looked up by identity here,
+    # each name checked against the model as it is then; what is not found takes fx's walk.
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        name = self._name_of(attr_val)
+        if name is None or not (isinstance(attr_val, nn.Parameter)
+                                or self.proxy_buffer_attributes):
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def create_arg(self, a: Any) -> Any:
+        name = self._name_of(a)
+        return super().create_arg(a) if name is None else self.create_node("get_attr", name, (), {})
+
+    def _name_of(self, value: Any) -> str | None:
+        """The name fx's walk finds for a parameter (among the root's parameters) or another
+        tensor (among its buffers), or None."""
+        if not isinstance(value, torch.Tensor) or not isinstance(getattr(self, "root", None),
+                                                                 nn.Module):
+            return None
+        if self.names is None:
+            self.names = {True: {}, False: {}}
+            for parameters, named in ((True, self.root.named_parameters()),
+                                      (False, self.root.named_buffers())):
+                for name, tensor in named:  # the first name of a shared one, as fx's walk
+                    self.names[parameters].setdefault(id(tensor), name)
+        parameter = isinstance(value, nn.Parameter)
+        name = self.names[parameter].get(id(value))
+        if name is None:
+            return None
+        owner, _, slot = name.rpartition(".")
+        slots = vars(self.root.get_submodule(owner))["_parameters" if parameter else "_buffers"]
+        return name if slots.get(slot) is value else None  # reassigned since: fx's walk decides
 
     def get_fresh_qualname(self, prefix: str) -> str:
         # The name of a constant torch.fx stores on the model for its graph to read.
