@@ -517,3 +517,26 @@ def test_a_prediction_registers_nothing_on_the_real_modules():
     predict_memory(step, model, torch.randn(2, 4))
     assert not model[0]._forward_hooks and not model[1]._backward_hooks
     model(torch.randn(2, 4)).sum().backward()  # and the model runs as before
+
+
+@pytest.mark.parametrize("layout", ["own storage", "views of one buffer"])
+def test_gradients_left_by_an_earlier_step_are_predicted_as_measured(layout):
+    """A step that accumulates into the gradients an earlier one left: each its own storage, as
+    autograd makes them, or all views of one larger buffer (DDP's gradient_as_bucket_view), which
+    counts whole."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if layout == "own storage":
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    else:
+        bucket, start = torch.zeros(sum(p.numel() for p in model.parameters()) + 1000), 0
+        for p in model.parameters():
+            p.grad = bucket[start:start + p.numel()].view_as(p)
+            start += p.numel()
+        del bucket
+
+    def step(model, x):
+        model(x).sum().backward()
+
+    x = torch.randn(4, 16)
+    assert predict_memory(step, model, x).peak_bytes == measure_memory(step, model, x).peak_bytes
