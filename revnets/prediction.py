@@ -157,7 +157,10 @@ class Predictor:
             for old, new in self._made_once(obj.named_parameters(remove_duplicate=False),
                                             fake.named_parameters(remove_duplicate=False)):
                 # Gradients left from an earlier step are alive until zero_grad, or accumulate.
-                new.grad = None if old.grad is None else self._gradient_to_fake(old.grad)
+                # Made from a new object each time: the fake mode remembers fakes by object, and
+                # ``module.double()`` changes a gradient under the same one.
+                new.grad = None if old.grad is None else mode.from_tensor(
+                    old.grad.detach(), static_shapes=True)
                 new.requires_grad_(old.requires_grad)
                 # Its hooks (a gradient freed once accumulated, an optimizer run in the
                 # backward), for this prediction.
@@ -191,19 +194,6 @@ class Predictor:
         memo[id(obj)] = fake
         return fake
 
-    def _gradient_to_fake(self, grad: Tensor) -> Tensor:
-        """A new fake of a gradient each time: the fake mode remembers fakes by object, and
-        ``module.double()`` changes a gradient under the same one. A gradient that owns its
-        whole storage, as autograd makes them, is made from its metadata alone (five times
-        faster than the fake mode's copy, which describes any view of any storage)."""
-        plain = (type(grad) is Tensor and grad.layout == torch.strided and grad._base is None
-                 and grad.storage_offset() == 0 and grad.untyped_storage().nbytes()
-                 == _strided_nbytes(grad))
-        if not plain:
-            return self.mode.from_tensor(grad.detach(), static_shapes=True)
-        meta = torch.empty_strided(grad.shape, grad.stride(), dtype=grad.dtype, device="meta")
-        return self.mode.fake_tensor_converter.from_meta_and_device(self.mode, meta, grad.device)
-
     def _made_once(
         self, real: Iterator[tuple[str, Tensor]], fake: Iterator[tuple[str, Tensor]]
     ) -> list[tuple[Tensor, Tensor]]:
@@ -213,11 +203,3 @@ class Predictor:
         self._made.update((id(old), (old, new, layout_of(old))) for old, new in pairs
                           if not is_cpu_scalar(old))
         return pairs
-
-
-def _strided_nbytes(tensor: Tensor) -> int:
-    """The bytes a tensor's shape and strides reach from offset 0."""
-    if tensor.numel() == 0:
-        return 0
-    reach = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return reach * tensor.element_size()

@@ -519,24 +519,50 @@ def test_a_prediction_registers_nothing_on_the_real_modules():
     model(torch.randn(2, 4)).sum().backward()  # and the model runs as before
 
 
-@pytest.mark.parametrize("layout", ["own storage", "views of one buffer"])
+class SummedPair(nn.Module):
+    """Two weights summed before use: autograd gives both one gradient storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(16, 16)), nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        return x @ torch.stack([self.a, self.b]).sum(0)
+
+
+@pytest.mark.parametrize("layout", ["own storage", "views of one buffer", "one storage shared",
+                                    "one tensor on two parameters", "also an argument"])
 def test_gradients_left_by_an_earlier_step_are_predicted_as_measured(layout):
-    """A step that accumulates into the gradients an earlier one left: each its own storage, as
-    autograd makes them, or all views of one larger buffer (DDP's gradient_as_bucket_view), which
-    counts whole."""
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    """A step that accumulates into the gradients an earlier one left, however they lie: each
+    its own storage, as autograd makes them; views of one larger buffer (DDP's
+    gradient_as_bucket_view), which counts whole; one storage under two gradients, as autograd
+    leaves it for weights summed before use; one tensor set on two parameters; gradients the
+    step is also given as an argument. A storage counts once, as in the real step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     if layout == "own storage":
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-    else:
+    elif layout == "views of one buffer":
         bucket, start = torch.zeros(sum(p.numel() for p in model.parameters()) + 1000), 0
         for p in model.parameters():
             p.grad = bucket[start:start + p.numel()].view_as(p)
             start += p.numel()
         del bucket
+    elif layout == "one storage shared":
+        model = SummedPair()
+        model(torch.randn(4, 16)).sum().backward()
+        assert model.a.grad.data_ptr() == model.b.grad.data_ptr()
+    elif layout == "one tensor on two parameters":
+        model[0].weight.grad = model[2].weight.grad = torch.zeros(16, 16)
+    grads = []
+    if layout == "also an argument":
+        model(torch.randn(4, 16)).sum().backward()
+        grads = [p.grad for p in model.parameters()]
 
-    def step(model, x):
+    def step(model, grads, x):
         model(x).sum().backward()
 
     x = torch.randn(4, 16)
-    assert predict_memory(step, model, x).peak_bytes == measure_memory(step, model, x).peak_bytes
+    assert predict_memory(step, model, grads, x).peak_bytes == measure_memory(
+        step, model, grads, x).peak_bytes
