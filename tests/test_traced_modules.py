@@ -379,3 +379,25 @@ def test_the_trace_names_parameters_and_buffers_as_torch_fx_does(monkeypatch):
     assert fast == walked and "embed_weight" in fast[0] and "scale" in fast[0]
     x = torch.randn(2, 8)
     assert torch.equal(chain(x), model(x))
+
+
+class Renaming(nn.Module):
+    """Moves a submodule to another name in its forward, after reading a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.old = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x):
+        x = x * self.scale
+        if "old" in self._modules:
+            self.new = self._modules.pop("old")
+        return x @ self.new.weight
+
+
+def test_a_forward_moving_its_submodules_is_refused_by_name_as_assigning_attributes():
+    """The names the trace looked up before the move no longer lead anywhere: torch.fx's own
+    walk decides, and the model is refused for what its forward assigns."""
+    with pytest.raises(revnets.planning.NotAChainError, match="assign"):
+        as_graph_chain(Renaming())

@@ -303,7 +303,11 @@ class _Tracer(torch.fx.Tracer):
         if name is None:
             return None
         owner, _, slot = name.rpartition(".")
-        slots = vars(self.root.get_submodule(owner))["_parameters" if parameter else "_buffers"]
+        try:
+            module = self.root.get_submodule(owner)
+        except AttributeError:  # moved or removed since (by a forward): fx's walk decides
+            return None
+        slots = vars(module)["_parameters" if parameter else "_buffers"]
         return name if slots.get(slot) is value else None  # reassigned since: fx's walk decides
 
     def get_fresh_qualname(self, prefix: str) -> str:
