@@ -12,6 +12,12 @@ one meter. Time: median of interleaved steps, over the eager step's.
     python benchmarks/frontier.py --quick    # small sizes, to check that it runs
     python benchmarks/frontier.py --only gpt
     python benchmarks/frontier.py --device cuda   # on a GPU: the caching allocator's peak
+    python benchmarks/frontier.py --only resnet --processes 3
+        # each model in three fresh processes: a compiled step's speed moves by a few percent
+        # from process to process (where its memory lands), which interleaving cannot remove
+
+Each row says which torch.compile point of the same process, if any, reaches no more memory in
+less time (``beaten_by``): a revnets point with none is at or below compile's curve there.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import argparse
 import copy
 import functools
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +54,7 @@ from common import (
     MiB,
     interleaved_times,
     provenance,
+    read_csv,
     results_stem,
     write_csv,
     write_markdown,
@@ -218,8 +227,32 @@ def frontier(
         peaks[key] = revnets.allocator_peak(step, device)
     times = interleaved_times(steps, repeats).seconds
     eager = statistics.median(times["eager"])
-    return [{"model": name, "method": key, "peak_mib": round(peaks[key] / MiB, 2),
+    rows = [{"model": name, "method": key, "peak_mib": round(peaks[key] / MiB, 2),
              "time_ratio": round(statistics.median(times[key]) / eager, 3)} for key in steps]
+    for row in rows:
+        row["beaten_by"] = beaten_by(row, rows)
+    return rows
+
+
+def beaten_by(row: dict, rows: list[dict]) -> str:
+    """The fastest torch.compile point of ``rows`` that reaches no more memory than ``row`` in
+    less time, or "" (``row`` is at or below compile's curve, or lower than it reaches)."""
+    better = [r for r in rows if family_of(r["method"]) == "compile" and r is not row
+              and r["peak_mib"] <= row["peak_mib"] and r["time_ratio"] < row["time_ratio"]]
+    return min(better, key=lambda r: r["time_ratio"])["method"] if better else ""
+
+
+def in_processes(name: str, processes: int, argv: list[str]) -> list[dict]:
+    """One model's rows measured in ``processes`` fresh processes of this script, each row
+    with the process it came from."""
+    rows = []
+    for run in range(processes):
+        with tempfile.TemporaryDirectory() as folder:
+            subprocess.run([sys.executable, __file__, *argv, "--only", name, "--processes", "1",
+                            "--results", folder], check=True)
+            found = read_csv(next(Path(folder).glob("*.csv")))
+        rows += [{"process": run, **row} for row in found]
+    return rows
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -236,11 +269,15 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, name in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == name]
-        for family in FAMILIES:
-            points = sorted((r["peak_mib"], r["time_ratio"], r["method"]) for r in mine
-                            if family_of(r["method"]) == family)
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=family)
+        for color, family in enumerate(FAMILIES):
+            for process in sorted({r.get("process", 0) for r in mine}):
+                points = sorted((r["peak_mib"], r["time_ratio"]) for r in mine
+                                if family_of(r["method"]) == family
+                                and r.get("process", 0) == process)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], "o-",
+                            color=f"C{color}", alpha=1.0 if process == 0 else 0.5,
+                            label=family if process == 0 else None)
         ax.set_title(name)
         ax.set_xlabel("step peak above parameters (MiB)")
         ax.set_ylabel("step time / eager")
@@ -265,14 +302,19 @@ def main(argv: list[str] | None = None) -> None:
                              "--quick)")
     parser.add_argument("--batch-scale", type=int, default=1,
                         help="each model's batch times this (default: %(default)s)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="fresh processes each model is measured in (default: %(default)s)")
     args = parser.parse_args(argv)
     keeps = args.keeps or (KEEPS[::2] if args.quick else KEEPS)
     fractions = args.fractions or (FRACTIONS[::2] if args.quick else FRACTIONS)
     device = torch.device(args.device)
     rows = []
+    argv = sys.argv[1:] if argv is None else argv
     for name, build in cases(args.quick, args.batch_scale).items():
         if args.only in name:
-            for row in frontier(name, build, args.repeats, device, keeps, fractions):
+            found = (in_processes(name, args.processes, argv) if args.processes > 1 else
+                     frontier(name, build, args.repeats, device, keeps, fractions))
+            for row in found:
                 print("  ", row, flush=True)
                 rows.append(row)
     stem = results_stem("frontier", device.type) + ("-quick" if args.quick else "") + (
@@ -283,8 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         "# Step time against peak memory",
         "",
-        provenance(" ".join(["frontier.py", *(sys.argv[1:] if argv is None else argv)]),
-                   args.device),
+        provenance(" ".join(["frontier.py", *argv]), args.device),
         "",
         (
             "Peak: the CUDA caching allocator's peak during one training step above its count "
@@ -302,13 +343,15 @@ def main(argv: list[str] | None = None) -> None:
         "products kept, cheap steps recomputed) under `torch.compile` (default budget); compile: "
         "`torch.compile` under `torch._functorch.config.activation_memory_budget`; torch "
         "checkpoint: `torch.utils.checkpoint` around each repeated block, all recomputed or "
-        "selectively (matmul, convolution and attention outputs kept).",
+        "selectively (matmul, convolution and attention outputs kept). Beaten by: the fastest "
+        "torch.compile point of the same process that reaches no more memory in less time.",
         "",
         f"![frontier]({stem}.png)",
         "",
-        "| model | method | peak (MiB) | time / eager |",
-        "|---|---|---|---|",
-        *[f"| {r['model']} | {r['method']} | {r['peak_mib']} | {r['time_ratio']} |" for r in rows],
+        "| model | process | method | peak (MiB) | time / eager | beaten by |",
+        "|---|---|---|---|---|---|",
+        *[f"| {r['model']} | {r.get('process', 0)} | {r['method']} | {r['peak_mib']} | "
+          f"{r['time_ratio']} | {r['beaten_by']} |" for r in rows],
     ]
     write_markdown(args.results / f"{stem}.md", lines)
 

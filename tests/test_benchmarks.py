@@ -99,13 +99,37 @@ def test_peers_overhead_quick_run_times_revnets_beside_ordinary_autograd():
     assert "'library': 'none'" in out and "'library': 'revnets'" in out
 
 
-@pytest.mark.slow  # compiles the model at each budget
+@pytest.mark.slow  # compiles the model at each budget, in two processes
 def test_frontier_quick_run_measures_every_family(tmp_path):
-    out = run_quick("frontier.py", "--only", "gpt", "--results", str(tmp_path))
+    out = run_quick("frontier.py", "--only", "gpt", "--processes", "2", "--results",
+                    str(tmp_path))
     for family in ("'eager'", "'revnets ", "'revnets + compile ", "'torch checkpoint per block'",
                    "'compile budget 0.3'"):
         assert family in out
+    assert "'process': 0" in out and "'process': 1" in out
     assert list(tmp_path.glob("frontier-*-quick-gpt.png"))
+
+
+def test_a_frontier_point_is_beaten_only_by_compile_reaching_no_more_memory_faster(
+        monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from frontier import beaten_by
+
+    def point(method, peak, time):
+        return {"method": method, "peak_mib": peak, "time_ratio": time}
+
+    compile_points = [point("compile budget 0.7", 224.0, 0.95),
+                      point("compile budget 0.5", 212.0, 0.97)]
+    rows = [*compile_points, point("revnets + compile keep 0.7", 221.0, 0.98),
+            point("revnets + compile keep 0.5", 197.0, 1.00),
+            point("revnets + compile keep 0.9", 230.0, 0.96),
+            point("revnets keep 0.7", 220.0, 0.96)]
+    assert [beaten_by(r, rows) for r in rows[2:]] == [
+        "compile budget 0.5",  # 212 MiB in 0.97x: less memory, less time
+        "",                    # lower than compile reaches
+        "compile budget 0.7",  # 224 MiB in 0.95x
+        "",                    # the only faster point needs more memory
+    ]
 
 
 def test_gradient_sensitivity_compares_a_moved_input_with_float64(tmp_path):
