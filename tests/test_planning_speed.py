@@ -93,20 +93,19 @@ def test_a_smaller_budget_never_gives_a_higher_measured_peak():
     assert peaks == sorted(peaks, reverse=True)
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation: the chain model's error differs "
-                   "between plans of one choice, and an option whose corrected estimate does "
-                   "not fit is not predicted")
 def test_a_smaller_budget_than_one_a_cheaper_plan_fits_finds_that_plan():
-    """The lowest one-level plan fits 1 093 869 bytes (peak 1 075 000), with guesses to spare;
-    a plan recomputing three steps fewer peaks lower still (1 065 144), but its estimate (the
-    chain model plus the error the lowest plan's prediction showed, the larger one) exceeds
-    this budget, so it is not tried. Asked for 1 140 706 bytes, the search tries and takes it:
-    the larger budget gets the lower peak. Found by an adversarial review; it passes when the
-    search finds the cheaper plan at the smaller budget too."""
+    """Found by an adversarial review: the chain model's error differed from plan to plan of
+    this chain (it counted a storage two steps save twice, and every parameter gradient at
+    every peak), so asked for 1 093 869 bytes the search took a plan peaking at 1 075 000,
+    the estimate of one peaking at 1 065 144 not fitting, and asked for 1 140 706 bytes it took
+    that one: the larger budget got the lower peak. Budgets a few kB apart across the range
+    where one-level plans fit, now that the model's error is one constant here (test_memory_
+    model.py), get peaks that never rise as the budget falls."""
     model, x = conv_chain(), torch.randn(4, 3, 16, 16)
-    peaks = [measure_memory(train_step, revnets.auto_checkpoint(
-        model, x, budget, measure_time=False), x).peak_bytes for budget in (1_093_869, 1_140_706)]
-    assert peaks == sorted(peaks)
+    budgets = [1_093_869, 1_140_706] + list(range(1_060_000, 1_200_000, 20_000))
+    peaks = {budget: measure_memory(train_step, revnets.auto_checkpoint(
+        model, x, budget, measure_time=False), x).peak_bytes for budget in sorted(budgets)}
+    assert list(peaks.values()) == sorted(peaks.values())
 
 
 def test_below_the_one_level_floor_a_smaller_budget_never_gives_a_higher_measured_peak():
@@ -205,7 +204,8 @@ def test_a_refusal_names_the_lowest_floor_not_a_guess_that_missed_lower():
     """A guess that is not a floor (here the selective plan S) may be predicted below every
     floor and still miss. Asked for its peak, the search takes another path (B's estimate now
     fits, and its error rules S out) and refuses again; the lowest floor's peak plans when asked,
-    every time, because the search predicts every floor before it refuses."""
+    every time, because the search predicts every floor before it refuses (the plan of least
+    modelled peak and the cheapest)."""
     nothing = frozenset()
     a = Option(nothing, ((0, 2, False),), cost=1.0, modelled=100)
     b = Option(nothing, ((0, 1, True), (1, 2, False)), cost=2.0, modelled=84)
@@ -216,8 +216,8 @@ def test_a_refusal_names_the_lowest_floor_not_a_guess_that_missed_lower():
 
     found, peaks = search(options, 500, exact.__getitem__, offset=400)
     assert found is None and set(peaks) == {a, s, floor}
-    named = lowest_floor(options, peaks)
-    assert named is floor and min(peaks.values()) == exact[s] < peaks[named]
+    named = lowest_floor(options, peaks)  # of the floors, the cheapest plan A peaks lowest
+    assert named is a and min(peaks.values()) == exact[s] < peaks[named] < exact[floor]
     assert search(options, exact[s], exact.__getitem__, offset=400)[0] is None
     found, _ = search(options, peaks[named], exact.__getitem__, offset=400)
     assert found is not None and exact[found] <= peaks[named]

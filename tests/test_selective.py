@@ -20,9 +20,9 @@ from revnets import Checkpoint
 from revnets.memory import measure_memory
 from revnets.plan import parse_memory_plan, plan_from_options
 from revnets.planning import auto
-from revnets.planning.chain import selective_plans
+from revnets.planning.chain import modelled_peaks, selective_plans
 from revnets.planning.profile import profile_chain
-from revnets.planning.search import Option, modelled_peak_of
+from revnets.planning.search import Option
 
 from conftest import conv_unit, max_grad_error, rel_error, twin
 
@@ -237,7 +237,7 @@ def test_a_found_plan_is_retried_with_the_selective_plan_for_the_room_its_predic
     profiles = planner._profiles_of(frozenset())
     everything = ((0, len(model) - 1, True), (len(model) - 1, len(model), False))
     found = Option(frozenset(), everything, planner._recompute(everything, profiles),
-                   modelled_peak_of(everything, profiles, planner.input_state))
+                   modelled_peaks([everything], profiles, planner.input_state)[0])
     exact = planner._predict(found)
     stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
     taken = 0

@@ -6,6 +6,7 @@ from revnets.planning.chain import (
     candidate_plans,
     forbidden_cuts,
     modelled_peak,
+    modelled_peaks,
     optimal_plan,
     optimal_segments,
     recompute_cost,
@@ -13,11 +14,13 @@ from revnets.planning.chain import (
     selective_plans,
     sqrt_plan,
 )
+from revnets.planning.memory_model import ChainModel
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, profile_chain
 from revnets.planning.trace import GraphStep, NotAChainError, as_graph_chain
 
 __all__ = [
+    "ChainModel",
     "GraphStep",
     "LayerProfile",
     "NestedSchedule",
@@ -31,6 +34,7 @@ __all__ = [
     "forbidden_cuts",
     "group_chain",
     "modelled_peak",
+    "modelled_peaks",
     "nested_schedule",
     "optimal_plan",
     "optimal_segments",

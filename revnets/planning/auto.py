@@ -21,6 +21,7 @@ from revnets.planning.chain import (
     SELECTIVE,
     Segment,
     candidate_plans,
+    modelled_peaks,
     selective_plans,
 )
 from revnets.planning.describe import (
@@ -49,7 +50,6 @@ from revnets.planning.search import (
     Option,
     Segments,
     lowest_floor,
-    modelled_peak_of,
     search,
     search_nested,
 )
@@ -268,12 +268,13 @@ class _Planner:
                     replace(p, forward_seconds=_seconds(profiles, i)
                             if i in self.sequences or p.selective_bytes else 0.0)
                     for i, p in enumerate(profiles)]
-        # What a step holds besides activations: the first guess of what an exact peak adds to
-        # a modelled one.
-        self.model_state = sum(
-            t.numel() * t.element_size() * (2 if getattr(t, "requires_grad", False) else 1)
-            for t in (*chain.parameters(), *chain.buffers())
-        )
+        # What a step holds besides activations and parameter gradients (which the chain model
+        # counts, NOTE [ Gradients in flight ]): the first guess of what an exact peak adds to a
+        # modelled one. Rotor's model counts no gradients: they are in its share.
+        tensors = (*chain.parameters(), *chain.buffers())
+        self.model_state = sum(t.numel() * t.element_size() for t in tensors)
+        self.state_and_gradients = self.model_state + sum(
+            t.numel() * t.element_size() for t in tensors if getattr(t, "requires_grad", False))
         self.predictions = 0
         self.predictor = Predictor()  # every plan's parameters and buffers made fake once
 
@@ -310,17 +311,22 @@ class _Planner:
         for reconstructed in (frozenset(order[:k]) for k in range(len(order) + 1)):
             profiles = self._profiles_of(reconstructed)
             extra = sum(_seconds(profiles, i) for i in reconstructed)
+            candidates = self._candidates(profiles, reconstructed, budget)
+            modelled = modelled_peaks([plan for plan, _ in candidates], profiles,
+                                      self.input_state)
             options += [Option(reconstructed, plan, self._recompute(plan, profiles) + extra,
-                               modelled_peak_of(plan, profiles, self.input_state), sized)
-                        for plan, sized in self._candidates(profiles, reconstructed, budget)]
+                               peak, sized)
+                        for (plan, sized), peak in zip(candidates, modelled)]
         options.sort(key=lambda o: (o.cost, o.modelled))
         found, peaks = search(options, budget, self._predict, self.model_state)
         if found is None:
             low = lowest_floor(options, peaks)
             smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
                         f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
+            activations = modelled_peaks([low.segments], self._profiles_of(low.reconstructed),
+                                         self.input_state, gradients=False)[0]
             return self._nested(frozenset(self.sequences), budget, smallest,
-                                peaks[low] - low.modelled)
+                                peaks[low] - activations)
         found = self._refined(found, peaks, budget) if self.compiled else found
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
@@ -330,17 +336,21 @@ class _Planner:
 
     def _refined(self, found: Option, peaks: dict[Option, int], budget: int) -> Option:
         """The cheapest selective plan for the room the found plan's own prediction measured
-        (the candidates were made for the room the model state leaves), predicted where it
-        recomputes less, and taken where it fits (NOTE [ Modelled search, exact acceptance ])."""
+        (the candidates were made for the room the parameters and buffers leave), predicted
+        where it recomputes less, and taken where it fits (NOTE [ Modelled search, exact
+        acceptance ])."""
         chosen, profiles = found.reconstructed, self._profiles_of(found.reconstructed)
         room = budget - (peaks[found] - found.modelled)
         plans = {self._cut_around(p, chosen)
                  for p in selective_plans(profiles, [room], self.input_state)}
         plans -= {o.segments for o in peaks if o.reconstructed == chosen}  # predicted already
         extra = sum(_seconds(profiles, i) for i in chosen)
-        better = min((Option(chosen, plan, self._recompute(plan, profiles) + extra,
-                             modelled_peak_of(plan, profiles, self.input_state), sized=False)
-                      for plan in plans), key=lambda o: (o.cost, o.modelled), default=None)
+        plans = sorted(plans, key=repr)
+        modelled = modelled_peaks(plans, profiles, self.input_state)
+        better = min((Option(chosen, plan, self._recompute(plan, profiles) + extra, peak,
+                             sized=False)
+                      for plan, peak in zip(plans, modelled)),
+                     key=lambda o: (o.cost, o.modelled), default=None)
         if better is None or better.cost >= found.cost:
             return found
         peaks[better] = self._predict(better)
@@ -368,8 +378,8 @@ class _Planner:
                              reconstructed)
             for plan in candidate_plans(unmeasured, input_state=self.input_state)
         }
-        # Selective plans for the budget asked, the model state taken off as a first guess of
-        # what an exact peak adds, with some slack for what the chain model leaves out.
+        # Selective plans for the budget asked, the parameters and buffers taken off as a first
+        # guess of what an exact peak adds, with some slack for what the chain model leaves out.
         room = budget - self.model_state
         timed = {self._cut_around(plan, reconstructed) for plan in selective_plans(
             profiles, [int(share * room) for share in SELECTIVE_SHARES], self.input_state)}
@@ -425,7 +435,8 @@ class _Planner:
             raise _no_fit(budget, low_peak, how)
         schedule, peak = search_nested(
             frugal, lambda room: nested_schedule(grouped, room, slots=NESTED_SLOTS), budget,
-            lambda schedule: self.peak(schedule.apply(layers)), error, self.model_state)
+            lambda schedule: self.peak(schedule.apply(layers)), error,
+            self.state_and_gradients)
         if schedule is None:
             if peak < low_peak:
                 low_peak, how = peak, f"nested checkpoints {frugal.tree}"

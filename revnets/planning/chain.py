@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from revnets.checkpoint import segment_bounds
+from revnets.planning.memory_model import (
+    SELECTIVE,
+    ChainModel,
+    Recompute,
+    Segment,
+    forbidden_cuts,
+    step_costs,
+)
 from revnets.planning.profile import LayerProfile
 
 __all__ = [
@@ -27,6 +34,7 @@ __all__ = [
     "candidate_plans",
     "forbidden_cuts",
     "modelled_peak",
+    "modelled_peaks",
     "optimal_plan",
     "optimal_segments",
     "recompute_cost",
@@ -57,17 +65,6 @@ def budget_plan(profiles: Sequence[LayerProfile], segment_budget: int) -> Plan:
     return plan
 
 
-def forbidden_cuts(profiles: Sequence[LayerProfile]) -> set[int]:
-    """Cuts a checkpoint must not be placed at: between a value's producer and a layer that
-    overwrites it in place, the checkpoint would keep a value that is changed before the
-    recomputation reads it (ReLU(inplace=True) right after a cut; ``out += identity``)."""
-    forbidden: set[int] = set()
-    for p in profiles:
-        if p.mutates_from is not None:
-            forbidden.update(range(p.mutates_from + 1, p.index + 1))
-    return forbidden
-
-
 def respect_inplace(plan: Plan, profiles: Sequence[LayerProfile]) -> Plan:
     """Move every cut off the :func:`forbidden_cuts` (to the next allowed one)."""
     n = len(profiles)
@@ -82,17 +79,10 @@ def respect_inplace(plan: Plan, profiles: Sequence[LayerProfile]) -> Plan:
     return list(zip(bounds, bounds[1:]))
 
 
-def _step_costs(profiles: Sequence[LayerProfile]) -> list[float]:
-    """Measured forward seconds per layer; one per layer when not measured (meta device)."""
-    if any(math.isnan(p.forward_seconds) for p in profiles):
-        return [1.0] * len(profiles)
-    return [p.forward_seconds for p in profiles]
-
-
 def recompute_cost(plan: Plan, profiles: Sequence[LayerProfile]) -> float:
     """What a plan recomputes in backward: the forward time of every checkpointed segment
     (in layers, when times were not measured)."""
-    costs = _step_costs(profiles)
+    costs = step_costs(profiles)
     return sum(sum(costs[a:b]) for a, b in plan[:-1])
 
 
@@ -109,7 +99,7 @@ def optimal_plan(
     time). Returns None when no plan fits. The model ignores transient buffers, so callers check
     the chosen plan's real peak (``revnets.predict_memory``) and tighten ``budget`` if needed.
     """
-    return _one_level(_optimal(_ChainArrays.of(profiles, input_state), budget, mixed=False))
+    return _one_level(_optimal(ChainModel.of(profiles, input_state), budget, mixed=False))
 
 
 def _one_level(segments: list[Segment] | None) -> Plan | None:
@@ -126,14 +116,7 @@ def optimal_segments(
     The model counts the values live at every cut as kept, a stored segment's input too (its
     steps save what they need of it: a slight over-count, on the safe side), and each front is
     thinned to ``FRONT_CAP`` points, so it is exact only for short chains."""
-    return _optimal(_ChainArrays.of(profiles, input_state), budget, mixed=True)
-
-
-# A segment: (start, stop, recompute), recompute False (stored), True (checkpointed) or
-# "selective" (a selective checkpoint).
-Recompute = bool | str
-Segment = tuple[int, int, Recompute]
-SELECTIVE = "selective"
+    return _optimal(ChainModel.of(profiles, input_state), budget, mixed=True)
 
 
 def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
@@ -141,130 +124,65 @@ def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
     """What one segment recomputes in backward (seconds, or layers when not measured)."""
     if not recompute:
         return 0.0
-    costs = _step_costs(profiles)
+    costs = step_costs(profiles)
     return sum(costs[i] for i in range(start, stop)
                if recompute != SELECTIVE or not profiles[i].selective_bytes)
 
 
-@dataclass(frozen=True)
-class _ChainArrays:
-    """What the dynamic programme reads of a chain, whatever the budget (made once for the many
-    budgets a search asks about): prefix sums over the steps of what they save, cost, keep
-    selectively and skip recomputing, and for each cut the values live there."""
-
-    n: int
-    forbidden: frozenset[int]
-    saved: np.ndarray
-    times: np.ndarray
-    kept_prefix: np.ndarray
-    skipped_prefix: np.ndarray
-    unsafe_prefix: np.ndarray
-    # For cut k: the values live there sorted by the cut they first appeared at, so that what a
-    # checkpoint at k adds to one at i (values that appeared after i) is a suffix sum.
-    appeared: list[np.ndarray]
-    added_after: list[np.ndarray]
-    state_bytes: list[int]
-
-    @classmethod
-    def of(
-        cls, profiles: Sequence[LayerProfile], input_state: dict[str, int] | None
-    ) -> _ChainArrays:
-        costs = _step_costs(profiles)
-        selective = [p.selective_bytes for p in profiles]
-        states = [input_state or {"input": 0}] + [p.state for p in profiles]
-        first_seen: dict[str, int] = {}
-        for c, state in enumerate(states):
-            for name in state:
-                first_seen.setdefault(name, c)
-        appeared, added_after = [], []
-        for state in states:
-            pairs = sorted((first_seen[name], nbytes) for name, nbytes in state.items())
-            appeared.append(np.array([c for c, _ in pairs], dtype=np.int64))
-            nbytes = np.array([b for _, b in pairs] + [0], dtype=np.int64)
-            added_after.append(np.cumsum(nbytes[::-1])[::-1])
-        return cls(
-            n=len(profiles),
-            forbidden=frozenset(forbidden_cuts(profiles)),
-            saved=np.cumsum([0] + [p.saved_bytes for p in profiles], dtype=np.int64),
-            times=np.cumsum([0.0, *costs], dtype=np.float64),
-            kept_prefix=np.cumsum([0, *selective], dtype=np.int64),
-            skipped_prefix=np.cumsum(
-                [0.0] + [cost if b else 0.0 for b, cost in zip(selective, costs)]),
-            unsafe_prefix=np.cumsum([0] + [not p.selective_safe for p in profiles]),
-            appeared=appeared,
-            added_after=added_after,
-            state_bytes=[sum(state.values()) for state in states],
-        )
-
-    def distinct_cuts(self) -> list[int]:
-        """The cuts worth a mixed plan's choosing: of each run of cuts joined by free steps
-        (steps that save, keep and change nothing for backward: views, reshapes, getattr), the
-        allowed one with the fewest live bytes. Any cut of a run bounds segments of the same
-        saved and kept bytes (the free steps only move from one segment to the next), so the
-        others bound the same segments with no fewer bytes live at the cut, or save the free
-        steps' few microseconds of recomputation. Long traced chains are mostly such steps
-        (1,158 of MaxViT-T's 1,587), and the mixed programme's work grows with the square of the
-        cuts it visits."""
-        free = ((np.diff(self.saved) == 0) & (np.diff(self.kept_prefix) == 0)
-                & (np.diff(self.unsafe_prefix) == 0))
-        chosen: list[int] = []
-        run: list[int] = []
-        for k in range(1, self.n + 1):
-            if k < self.n and k not in self.forbidden:
-                run.append(k)
-            if k == self.n or not free[k]:  # step k is not free: the run of cuts ends at k
-                if run:
-                    chosen.append(min(run, key=lambda c: self.state_bytes[c]))
-                run = []
-        return chosen
-
-
-def _optimal(chain: _ChainArrays, budget: int, mixed: bool,
+def _optimal(chain: ChainModel, budget: int, mixed: bool,
              cuts: Sequence[int] | None = None) -> list[Segment] | None:
     """The programme of :func:`optimal_plan` (``mixed``: of :func:`optimal_segments`), over
     every allowed cut or only ``cuts``."""
     n = chain.n
     if n == 0:
         return [(0, 0, False)]
-    forbidden, saved, times = chain.forbidden, chain.saved, chain.times
+    forbidden, saved, times = chain.forbidden, chain.first_saved, chain.times
     kept_prefix, skipped_prefix = chain.kept_prefix, chain.skipped_prefix
     unsafe_prefix, state_bytes = chain.unsafe_prefix, chain.state_bytes
     appeared, added_after = chain.appeared, chain.added_after
+    live, backward = chain.live_saved, chain.backward
+    if state_bytes[0] + chain.grads_after[0] > budget:  # the end of the backward does not fit
+        return None
+    # The chain model's segment [i, k) (memory_model.py): once run, it holds
+    # saved[k] - saved[i] - live[i]; while backpropagated, with the gradients in flight, the
+    # most of backward[i:k] less saved[i] + live[i]. So each point carries its kept bytes less
+    # saved + live at its cut (base) and the most of backward over its segment so far (top).
+    last_limit = budget - (chain.backward_from - saved[:n] - live[:n])  # [k, n) stored, last
 
     # Every Pareto point found, in the order the cuts are reached (then by bytes): the cut it
-    # ends at, kept bytes, recompute time, the room left for the next segment (the next cut's
-    # saved prefix and live values must stay within it), the point it came from and how the
+    # ends at, kept bytes, recompute time, base, top, the point it came from and how the
     # segment that ended there runs.
     # The points live in buffers that grow by doubling (concatenating at every cut copied them
     # all, quadratic in the chain's length).
     points = _Points(4 * n)
-    cut, kept, spent, room, parent, kind = points.arrays
+    cut, kept, spent, base, top, parent, kind = points.arrays
     cut[0], kept[0], spent[0], parent[0], kind[0] = 0, state_bytes[0], 0.0, -1, _STORE
-    room[0] = budget - kept[0] + saved[0]
+    base[0], top[0] = kept[0] - saved[0] - live[0], _NOTHING
     active = np.array([0], dtype=np.int64)  # points whose next segment can still end ahead
-    best = _best_last_segment(None, kept[:1], spent[:1], budget - (saved[n] - saved[0]), 0, 0)
+    best = _best_last_segment(None, kept[:1], spent[:1], last_limit[0], 0, 0)
+    reached = 0
     for k in range(1, n) if cuts is None else cuts:
-        # Segment [cut, k) from a point: it fits while kept + saved[cut:k] <= budget, and
-        # saved grows with k, so a point that cannot reach k cannot reach anything after it.
-        active = active[room[active] >= saved[k]]
+        top[active] = np.maximum(top[active], backward[reached:k].max())
+        reached = k
+        # Segment [cut, k) from a point: it fits while base + top <= budget, and top grows
+        # with k, so a point that cannot reach k cannot reach anything after it.
+        active = active[base[active] + top[active] <= budget]
         if k in forbidden or not len(active):
             continue
-        fits = active[room[active] >= saved[k] + state_bytes[k]]
-        if not len(fits):
-            continue
+        fits = active
         at = cut[fits]
         adds = added_after[k][np.searchsorted(appeared[k], at, side="right")]
         new_kept = kept[fits] + adds
         new_spent = spent[fits] + times[k] - times[at]
         new_parent, new_kind = fits, np.full(len(fits), _CHECKPOINT)
         if mixed:
-            # The same segments stored (their saved bytes stay, nothing is recomputed), and
+            # The same segments stored (what they hold stays, nothing is recomputed), and
             # selective where no kept output is modified in place.
             selective = fits[unsafe_prefix[k] == unsafe_prefix[at]]
             s_at = cut[selective]
             s_adds = added_after[k][np.searchsorted(appeared[k], s_at, side="right")]
             new_kept = np.concatenate([
-                new_kept, new_kept + saved[k] - saved[at],
+                new_kept, new_kept + saved[k] - saved[at] - live[at],
                 kept[selective] + s_adds + kept_prefix[k] - kept_prefix[s_at]])
             new_spent = np.concatenate([
                 new_spent, spent[fits],
@@ -285,17 +203,18 @@ def _optimal(chain: _ChainArrays, budget: int, mixed: bool,
             active = active[_undominated(kept[active], spent[active],
                                          new_kept[front], new_spent[front])]
         first = points.size
-        cut, kept, spent, room, parent, kind = points.grow(len(front))
+        cut, kept, spent, base, top, parent, kind = points.grow(len(front))
         added = slice(first, points.size)
         cut[added] = k
         kept[added] = new_kept[front]
         spent[added] = new_spent[front]
-        room[added] = budget - kept[added] + saved[k]
+        base[added] = kept[added] - saved[k] - live[k]
+        top[added] = _NOTHING
         parent[added] = new_parent[front]
         kind[added] = new_kind[front]
         active = np.concatenate([active, np.arange(first, points.size)])
         best = _best_last_segment(
-            best, new_kept[front], new_spent[front], budget - (saved[n] - saved[k]), first, k)
+            best, new_kept[front], new_spent[front], last_limit[k], first, k)
     if best is None:
         return None
     point = best[1]
@@ -307,13 +226,13 @@ def _optimal(chain: _ChainArrays, budget: int, mixed: bool,
 
 
 class _Points:
-    """The dynamic programme's points (cut, kept bytes, time, room, parent, kind) in buffers
-    that double when full."""
+    """The dynamic programme's points (cut, kept bytes, time, base, top, parent, kind) in
+    buffers that double when full."""
 
     def __init__(self, capacity: int) -> None:
         capacity = max(capacity, 16)
         self.arrays = [np.empty(capacity, dtype=t) for t in
-                       (np.int64, np.int64, np.float64, np.int64, np.int64, np.int64)]
+                       (np.int64, np.int64, np.float64, np.int64, np.int64, np.int64, np.int64)]
         self.size = 1
 
     def grow(self, added: int) -> list[np.ndarray]:
@@ -324,6 +243,7 @@ class _Points:
 
 
 _CHECKPOINT, _STORE, _SELECTIVE = 0, 1, 2
+_NOTHING = -(2**62)  # the most of an empty segment's backward
 FRONT_CAP = 8  # points kept per cut by optimal_segments
 _KINDS: tuple[Recompute, ...] = (True, False, SELECTIVE)
 
@@ -377,16 +297,21 @@ def _best_last_segment(
 def modelled_peak(
     plan: Plan, profiles: Sequence[LayerProfile], input_state: dict[str, int] | None = None
 ) -> int:
-    """The activation peak of ``plan`` in the model :func:`optimal_plan` minimises over."""
-    states = [input_state or {"input": 0}] + [p.state for p in profiles]
-    kept: dict[str, int] = {}
-    peak = 0
-    for number, (start, stop) in enumerate(plan):
-        kept.update(states[start])
-        internal = sum(kept.values()) + sum(p.saved_bytes for p in profiles[start:stop])
-        last = number == len(plan) - 1
-        peak = max(peak, internal + (0 if last else sum(states[stop].values())))
-    return peak
+    """The peak of ``plan`` in the model :func:`optimal_plan` minimises over (activations and
+    parameter gradients, NOTE [ Gradients in flight ])."""
+    segments = [(a, b, number < len(plan) - 1) for number, (a, b) in enumerate(plan)]
+    return ChainModel.of(profiles, input_state).peak(segments)
+
+
+def modelled_peaks(
+    plans: Sequence[Sequence[Segment]], profiles: Sequence[LayerProfile],
+    input_state: dict[str, int] | None = None, gradients: bool = True,
+) -> list[int]:
+    """The peak of each of ``plans`` (segments) in the model :func:`optimal_segments`
+    minimises over, the chain's arrays made once; without ``gradients``, of activations
+    alone."""
+    chain = ChainModel.of(profiles, input_state)
+    return [chain.peak(plan, gradients) for plan in plans]
 
 
 def selective_plans(
@@ -398,7 +323,7 @@ def selective_plans(
     selectively)."""
     if not profiles or any(math.isnan(p.forward_seconds) for p in profiles):
         return []
-    chain = _ChainArrays.of(profiles, input_state)
+    chain = ChainModel.of(profiles, input_state)
     cuts = chain.distinct_cuts()
     plans = {tuple(plan) for budget in budgets
              if (plan := _optimal(chain, budget, mixed=True, cuts=cuts)) is not None}
@@ -428,7 +353,7 @@ def candidate_plans(
         proposals.append(budget_plan(profiles, int(budget)))
     low = max(max(sum(p.state.values()) for p in profiles), 1)
     high = max(total, low)
-    chain = _ChainArrays.of(profiles, input_state)
+    chain = ChainModel.of(profiles, input_state)
     proposals += [p for p in _optimal_over_grid(chain, low, high, steps) if p is not None]
     plans = {tuple(respect_inplace(p, profiles)) for p in proposals}
     return sorted(
@@ -437,13 +362,15 @@ def candidate_plans(
     )
 
 
-def _optimal_over_grid(chain: _ChainArrays, low: int, high: int, steps: int) -> list[Plan | None]:
+def _optimal_over_grid(chain: ChainModel, low: int, high: int, steps: int) -> list[Plan | None]:
     """:func:`optimal_plan` at each of ``steps + 1`` budgets from ``low`` to ``high`` (a
     geometric grid), solving only where a plan can differ: where two budgets get the same plan,
     every budget between them gets a plan of the same recompute cost (it is no slower than the
     lower one's plan, which fits it, and no faster than the higher one's, which it would then
     beat), and the lower one's, fitting the smaller budget, stands for them all."""
-    budgets = [int(low * (high / low) ** (k / steps)) for k in range(steps + 1)]
+    # Over the activations: the gradients made by the end of the backward come on top.
+    budgets = [int(low * (high / low) ** (k / steps)) + int(chain.grads_after[0])
+               for k in range(steps + 1)]
     found: dict[int, Plan | None] = {}
 
     def solve(k: int) -> Plan | None:
@@ -469,7 +396,7 @@ def _optimal_over_grid(chain: _ChainArrays, low: int, high: int, steps: int) -> 
 FLOOR_PRECISION = 1000  # the least modelled peak is found to within a thousandth
 
 
-def _floor_plan(chain: _ChainArrays, unfit: int, fit: int, plan: Plan) -> Plan:
+def _floor_plan(chain: ChainModel, unfit: int, fit: int, plan: Plan) -> Plan:
     """The plan of :func:`optimal_plan` at the least budget any plan fits in the model, to
     within ``fit / FLOOR_PRECISION``, by bisection between a budget no plan fits (``unfit``)
     and one ``plan`` fits: the lowest one-level plan there is, where a search looks when the

@@ -45,6 +45,15 @@ class LayerProfile:
     # None of those outputs is modified in place afterwards, inside the layer or by a later one
     # (a selective checkpoint over it would be refused in backward).
     selective_safe: bool = True
+    # Of what it saves, the storages of values passed between layers, keyed by (the name of the
+    # value that first carried the storage, its place among that value's storages), with their
+    # bytes: two layers saving one storage (ReLU its output, the next convolution its input)
+    # save one tensor (NOTE [ A storage saved twice is held once ]).
+    saved_values: dict[tuple[str, int], int] = field(default_factory=dict)
+    # The parameter gradients its backward makes: of the parameters it uses that need one, those
+    # no later layer uses (a parameter two layers share gets its gradient in the later one's
+    # backward, which runs first).
+    grad_bytes: int = 0
 
 
 def _nbytes(output: Any) -> int:
@@ -133,13 +142,20 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
     kept_by_storage: dict[int, int] = {}
     held: list[Tensor] = []
     unsafe: set[int] = set()
+    # The storages of the values passed to the layer, by address: the key the first value that
+    # carried each has in ``saved_values`` (an alias passed on keeps its key). The values are
+    # alive while their addresses are looked up, so no address is reused meanwhile.
+    first_names = list(getattr(layers[0], "inputs", None) or ["input"]) if layers else []
+    carried = _carriers(leaf, first_names, {})
     for index, layer in enumerate(layers):
         saved: dict[int, int] = {}  # storages by identity: views of one storage count once
+        saved_addresses: dict[int, int] = {}
 
         def pack(t: Tensor) -> Tensor:
             storage = t.untyped_storage()
             if id(storage) not in params:
                 saved[id(storage)] = storage.nbytes()
+                saved_addresses[storage._cdata] = storage.nbytes()
             return t
 
         seconds = math.inf
@@ -153,6 +169,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
             unsafe |= _keepers(kept_by_storage, _written(layer, leaf))
         for _ in range(repeats if timed else 1):
             saved.clear()
+            saved_addresses.clear()
             x = _writable(layer, leaf) if copies else leaf
             start = now()
             try:
@@ -167,6 +184,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 copies = True
                 unsafe |= _keepers(kept_by_storage, _written(layer, leaf, everything=True))
                 saved.clear()
+                saved_addresses.clear()
                 x = _writable(layer, leaf, everything=True)
                 kept = _SelectiveOutputs(meta=not timed)
                 start = now()
@@ -178,6 +196,13 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
         ends = _storage_ids(x) | _storage_ids(y)
         intermediate = sum(nbytes for key, nbytes in saved.items() if key not in ends)
         inplace = bool(getattr(layer, "inplace", False))
+        named = _named_bytes(y, getattr(layer, "state_names", None), index)
+        passed_on = _carriers(y, list(named), carried)
+        saved_values = {}
+        for address, nbytes in saved_addresses.items():
+            key = carried.get(address, passed_on.get(address))
+            if key is not None:
+                saved_values[key] = nbytes
         profiles.append(
             LayerProfile(
                 index,
@@ -186,17 +211,19 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 sum(saved.values()),
                 seconds if timed else math.nan,
                 inplace,
-                _named_bytes(y, getattr(layer, "state_names", None), index),
+                named,
                 getattr(layer, "mutates_from", index - 1 if inplace else None),
                 intermediate,
                 kept.nbytes(),
                 kept.intact(),
+                saved_values,
             )
         )
         for t, _ in kept.outputs:
             kept_by_storage.setdefault(_address(t), index)
             held.append(t)
         leaf = tree_map(_as_leaf, y)
+        carried = passed_on
     # A later layer that overwrites an earlier one's output in place makes that one unsafe (when
     # it keeps anything: kept outputs are not always tracked, and this errs on the safe side).
     for p in list(profiles):
@@ -204,7 +231,22 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
             unsafe.add(p.mutates_from)
     for i in unsafe - {p.index for p in profiles if not p.selective_bytes}:
         profiles[i] = replace(profiles[i], selective_safe=False)
-    return profiles
+    return _with_gradients(profiles, layers)
+
+
+def _with_gradients(
+    profiles: list[LayerProfile], layers: Sequence[nn.Module]
+) -> list[LayerProfile]:
+    """``profiles`` with the parameter gradients each layer's backward makes (``grad_bytes``)."""
+    last_user: dict[int, tuple[int, int]] = {}
+    for index, layer in enumerate(layers):
+        for parameter in layer.parameters():
+            if parameter.requires_grad:
+                last_user[id(parameter)] = (index, parameter.numel() * parameter.element_size())
+    made = [0] * len(profiles)
+    for index, nbytes in last_user.values():
+        made[index] += nbytes
+    return [replace(p, grad_bytes=nbytes) for p, nbytes in zip(profiles, made)]
 
 
 class _SelectiveOutputs(TorchDispatchMode):
@@ -289,6 +331,21 @@ def _named_bytes(output: Any, names: Sequence[str] | None, index: int) -> dict[s
     if names is None or len(names) != len(values):
         names = [f"{index}.{j}" for j in range(len(values))]
     return {name: _nbytes(value) for name, value in zip(names, values)}
+
+
+def _carriers(
+    output: Any, names: Sequence[str], carried: dict[int, tuple[str, int]]
+) -> dict[int, tuple[str, int]]:
+    """The storages of the values of ``output`` (named ``names``) by address, each keyed as in
+    ``carried`` where a value passed in already carried it, else by its value's name and place."""
+    values = output if isinstance(output, tuple) else (output,)
+    found: dict[int, tuple[str, int]] = {}
+    for name, value in zip(names, values):
+        tensors = [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+        for place, tensor in enumerate(tensors):
+            address = _address(tensor)
+            found.setdefault(address, carried.get(address, (name, place)))
+    return found
 
 
 def _as_leaf(value: Any) -> Any:

@@ -4,44 +4,45 @@ predictions decide.
 # NOTE [ Modelled search, exact acceptance ]
 # An exact prediction (``revnets.predict_memory`` on fake tensors) runs the whole training step:
 # tenths of a second for a small model, seconds for a thousand layers. A modelled peak is a sum
-# over the chain's profiles (what each step saves, the values live at each cut, the gradient in
-# flight) and costs microseconds, but leaves out transients (workspaces, a gradient and its
-# accumulation alive together) and may count a storage twice that two steps save. So:
+# over the chain's profiles (memory_model.py: what each step saves, each storage once, the
+# values live at each cut, the gradients in flight) and costs microseconds, but leaves out
+# transients (workspaces, what the loss's backward makes, a recomputation's own). So:
 #
-# - every option (a choice of reconstructing sequences and a segmentation) gets a modelled peak;
-#   its estimated peak is that plus an offset per choice: the model state to begin with, then
+# - every option (a choice of reconstructing sequences and a segmentation) gets a modelled peak; its
+#   estimated peak is that plus an offset per choice: the parameters and buffers to begin with, then
 #   the error of the last option of the choice predicted;
-# - options are tried in order of what they recompute; the first whose estimate fits is
-#   predicted exactly, and accepted only if the prediction fits: a plan is never accepted on a
-#   model's word. Once one fits, cheaper options whose estimates now fit are tried, up to
-#   ``MAX_GUESSES`` predictions in all;
-# - candidates come from sizes alone (Chen's and optimal plans counting steps) and, where times
-#   were measured, from times too (selective plans: storing the slow steps, recomputing the
-#   cheap ones); only the first kind can be a floor;
-# - when nothing fitted that way, each choice's floor
-#   (the option of least modelled peak, ties broken by the plan itself: sizes only, never timings)
-#   is predicted, in order of cost, and the first that fits is kept; with the budget it leaves
-#   spare, up to ``MAX_GUESSES`` more predictions try options that recompute less, each choice's
-#   estimate corrected by the largest error seen for it. A refusal names the smallest floor
-#   predicted, so asked for that budget the search predicts that floor again and it fits;
-# - planned for torch.compile, the plan found is retried once against the selective plan made
-#   for the room its own error leaves (``auto_checkpoint``'s planner; selective candidates were
-#   made for the room the model state leaves, before any error was known). Compiled, a selective
-#   checkpoint recomputes no product, so the retry can save most of the recomputation; eager,
-#   the one more prediction it costs on most plans was not repaid;
-# - below every one-level floor, nested schedules (rotor's recursion over a grouped chain) are
-#   tried alike: rotor is given the budget less the error the lowest floor's prediction showed
-#   (exact minus modelled, at most the model state). The schedule found there is predicted;
-#   where it fits, its prediction measured the slack it leaves, and the room grows by that once
-#   more (a schedule needs at most its room in rotor's model, so its error is at least its exact
-#   peak less the room). Only where the first guess misses, or where even the most frugal
-#   schedule's estimate does not fit, is that schedule (the least memory of rotor's model, found
-#   from sizes alone) predicted: a refusal names its peak, and the room is corrected by its error;
-#   a schedule that misses shrinks the room by what its prediction overshot (fixed shares of the
-#   room jumped from a schedule just over the budget to the frugal one, so a larger budget could
-#   get the frugal schedule where a smaller one got a cheaper plan). Predicting the frugal
-#   schedule first cost the most of all nested predictions (it recomputes the most) where a
-#   fitting schedule did not need it.
+# - options are tried in order of what they recompute; the first whose estimate fits is predicted
+#   exactly, and accepted only if the prediction fits: a plan is never accepted on a model's word.
+#   Once one fits, cheaper options whose estimates now fit are tried, up to ``MAX_GUESSES``
+#   predictions in all;
+# - candidates come from sizes alone (Chen's and optimal plans counting steps) and, where times were
+#   measured, from times too (selective plans: storing the slow steps, recomputing the cheap ones);
+#   only the first kind can be a floor;
+# - when nothing fitted that way, each choice's floors (the option of least modelled peak, ties
+#   broken by the plan itself, and the cheapest option, which where activations are few peaks lower
+#   than any checkpoint: sizes only, never timings) are predicted, in order of cost, and the first
+#   that fits is kept; with the budget it leaves spare, up to ``MAX_GUESSES`` more predictions try
+#   options that recompute less, each choice's estimate corrected by the largest error seen for it.
+#   A refusal names the smallest floor predicted, so asked for that budget the search predicts that
+#   floor again and it fits;
+# - planned for torch.compile, the plan found is retried once against the selective plan made for
+#   the room its own error leaves (``auto_checkpoint``'s planner; selective candidates were made for
+#   the room the parameters and buffers leave, before any error was known). Compiled, a selective
+#   checkpoint recomputes no product, so the retry can save most of the recomputation; eager, the
+#   one more prediction it costs on most plans was not repaid;
+# - below every one-level floor, nested schedules (rotor's recursion over a grouped chain) are tried
+#   alike: rotor is given the budget less the error the lowest floor's prediction showed (exact
+#   minus modelled, at most the model state with its gradients, which rotor's model leaves out). The
+#   schedule found there is predicted; where it fits, its prediction measured the slack it leaves,
+#   and the room grows by that once more (a schedule needs at most its room in rotor's model, so its
+#   error is at least its exact peak less the room). Only where the first guess misses, or where
+#   even the most frugal schedule's estimate does not fit, is that schedule (the least memory of
+#   rotor's model, found from sizes alone) predicted: a refusal names its peak, and the room is
+#   corrected by its error; a schedule that misses shrinks the room by what its prediction overshot
+#   (fixed shares of the room jumped from a schedule just over the budget to the frugal one, so a
+#   larger budget could get the frugal schedule where a smaller one got a cheaper plan). Predicting
+#   the frugal schedule first cost the most of all nested predictions (it recomputes the most) where
+#   a fitting schedule did not need it.
 """
 
 from __future__ import annotations
@@ -49,12 +50,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from revnets.planning.chain import SELECTIVE, Segment
+from revnets.planning.chain import Segment
 from revnets.planning.nested import NestedSchedule
-from revnets.planning.profile import LayerProfile
 
 __all__ = [
-    "MAX_GUESSES", "Option", "Segments", "lowest_floor", "modelled_peak_of", "search",
+    "MAX_GUESSES", "Option", "Segments", "lowest_floor", "search",
     "search_nested",
 ]
 
@@ -69,34 +69,8 @@ class Option:
     reconstructed: frozenset[int]
     segments: Segments
     cost: float  # forward seconds recomputed (steps counted where not measured)
-    modelled: int  # activation bytes at the peak in the chain model (see modelled_peak_of)
+    modelled: int  # activation bytes at the peak in the chain model (chain.modelled_peaks)
     sized: bool = True  # chosen on sizes alone, not on measured times: may be a floor
-
-
-def modelled_peak_of(
-    segments: Segments, profiles: Sequence[LayerProfile], input_state: dict[str, int] | None
-) -> int:
-    """The activation peak of a segmentation in the chain model: at the end of the forward,
-    every checkpoint, what stored segments save and what selective ones keep; while a
-    checkpointed segment is recomputed and backpropagated, the checkpoints up to it (the union of
-    their live values), what the stored and selective segments before it save or keep, what it
-    saves itself and the gradient arriving at its end."""
-    states = [input_state or {}] + [p.state for p in profiles]
-    saved = [0]
-    for p in profiles:
-        saved.append(saved[-1] + p.saved_bytes)
-    kept: dict[str, int] = {}
-    stored = peak = 0
-    for start, stop, recompute in segments:
-        inside = saved[stop] - saved[start]
-        if recompute:
-            kept.update(states[start])
-            peak = max(peak, sum(kept.values()) + stored + inside + sum(states[stop].values()))
-            if recompute == SELECTIVE:  # what it keeps stays until its backward
-                stored += sum(p.selective_bytes for p in profiles[start:stop])
-        else:
-            stored += inside
-    return max(peak, sum(kept.values()) + stored)
 
 
 def search(
@@ -107,7 +81,7 @@ def search(
 ) -> tuple[Option | None, dict[Option, int]]:
     """The option the NOTE above picks for ``budget``, or None, with every peak predicted.
     ``options`` come in order of cost; ``offset`` is the first guess of what an exact peak adds
-    to a modelled one (the model state)."""
+    to a modelled one (the parameters and buffers)."""
     peaks: dict[Option, int] = {}
 
     def exact(option: Option) -> int:
@@ -160,9 +134,11 @@ def _guesses(
 
 
 def floors(options: Sequence[Option]) -> list[Option]:
-    """Each choice's option of least modelled peak among those chosen on sizes alone, in order
-    of cost."""
+    """Each choice's option of least modelled peak among those chosen on sizes alone, and its
+    cheapest (where activations are few, checkpoints can cost more than they save, which the
+    model does not see), in order of cost."""
     best: dict[frozenset[int], Option] = {}
+    cheapest: dict[frozenset[int], Option] = {}
     for option in options:
         if not option.sized:
             continue
@@ -170,7 +146,11 @@ def floors(options: Sequence[Option]) -> list[Option]:
         held = best.get(option.reconstructed)
         if held is None or key < (held.modelled, held.segments):
             best[option.reconstructed] = option
-    return sorted(best.values(), key=lambda o: (o.cost, o.modelled))
+        held = cheapest.get(option.reconstructed)
+        if held is None or (option.cost, key) < (held.cost, (held.modelled, held.segments)):
+            cheapest[option.reconstructed] = option
+    both = dict.fromkeys([*best.values(), *cheapest.values()])  # in a fixed order
+    return sorted(both, key=lambda o: (o.cost, o.modelled))
 
 
 def lowest_floor(options: Sequence[Option], peaks: dict[Option, int]) -> Option:

@@ -1,0 +1,213 @@
+"""The chain model: what a segmentation of a chain holds at its peak, from the chain's profiles.
+
+A search ranks plans by this model and exact predictions decide (NOTE [ Modelled search, exact
+acceptance ] in ``search.py``); the closer it follows the real step, the fewer predictions a
+search needs and the more alike its errors are from plan to plan.
+
+# NOTE [ A storage saved twice is held once ]
+# A value passed between steps may be saved by several of them (ReLU saves its output and the
+# next convolution its input; the step after a cut saves, as its input, the value the checkpoint
+# at that cut keeps). It is one tensor. The model counts each such storage once: a segment
+# [a, b) holds what its steps save of the values made from cut a on, once each, and what they
+# save of their own intermediates; the values live at cut a are the checkpoint's. In prefix
+# sums, held(a, b) = G[b] - G[a] - Y[a]: G[k] counts each saved storage at the first step that
+# saves it (intermediates at their step), Y[a] the storages live at cut a that a step from a on
+# is the first to save. (Where that step lies beyond b, the value is live at b too and the
+# model counts it once short; values saved far from where they were made, past a cut, are
+# rare: a skip connection is added, not saved.)
+#
+# NOTE [ Gradients in flight ]
+# A training step starts from freed gradients. While step j of segment [a, b) is
+# backpropagated, the segment still holds what steps a..j saved (what the steps after j first
+# saved is freed), the parameter gradients of steps j.. exist (grads_after[j], each gradient
+# counted at the last step that uses its parameter, whose backward runs first), and so do the
+# gradients of the values live after step j and the ones it makes of those before it (a stem's
+# gradients inside a segment outweigh the one arriving at its end). The model takes the most
+# of that over j; after the whole backward, every parameter gradient and the input.
+# Counting the gradients as a constant instead made the model's error depend on where the peak
+# falls: a ResNet's last stage holds most of its parameters, whose gradients are made while
+# the early stages' activations still wait for their backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from revnets.planning.profile import LayerProfile
+
+__all__ = ["SELECTIVE", "ChainModel", "Recompute", "Segment", "forbidden_cuts", "step_costs"]
+
+# A segment: (start, stop, recompute), recompute False (stored), True (checkpointed) or
+# "selective" (a selective checkpoint).
+Recompute = bool | str
+Segment = tuple[int, int, Recompute]
+SELECTIVE = "selective"
+
+
+def forbidden_cuts(profiles: Sequence[LayerProfile]) -> set[int]:
+    """Cuts a checkpoint must not be placed at: between a value's producer and a layer that
+    overwrites it in place, the checkpoint would keep a value that is changed before the
+    recomputation reads it (ReLU(inplace=True) right after a cut; ``out += identity``)."""
+    forbidden: set[int] = set()
+    for p in profiles:
+        if p.mutates_from is not None:
+            forbidden.update(range(p.mutates_from + 1, p.index + 1))
+    return forbidden
+
+
+def step_costs(profiles: Sequence[LayerProfile]) -> list[float]:
+    """Measured forward seconds per layer; one per layer when not measured (meta device)."""
+    if any(math.isnan(p.forward_seconds) for p in profiles):
+        return [1.0] * len(profiles)
+    return [p.forward_seconds for p in profiles]
+
+
+@dataclass(frozen=True)
+class ChainModel:
+    """What a plan of a chain holds, as arrays made once for the many plans and budgets a
+    search asks about: prefix sums over the steps of what they save (NOTE [ A storage saved
+    twice is held once ]), their parameter gradients (NOTE [ Gradients in flight ]), cost, what
+    they keep selectively and skip recomputing, and for each cut the values live there."""
+
+    n: int
+    forbidden: frozenset[int]
+    step_saved: np.ndarray  # what each step saves, counted alone
+    first_saved: np.ndarray  # G
+    live_saved: np.ndarray  # Y
+    grads_after: np.ndarray
+    # While step j is backpropagated: G[j + 1] + grads_after[j] + the gradients of the values
+    # live at cuts j and j + 1, and its suffix maxima.
+    backward: np.ndarray
+    backward_from: np.ndarray
+    times: np.ndarray
+    kept_prefix: np.ndarray
+    skipped_prefix: np.ndarray
+    unsafe_prefix: np.ndarray
+    # For cut k: the values live there sorted by the cut they first appeared at, so that what a
+    # checkpoint at k adds to one at i (values that appeared after i) is a suffix sum.
+    appeared: list[np.ndarray]
+    added_after: list[np.ndarray]
+    states: list[dict[str, int]]
+    state_bytes: list[int]
+    selective_bytes: np.ndarray
+
+    @classmethod
+    def of(
+        cls, profiles: Sequence[LayerProfile], input_state: dict[str, int] | None
+    ) -> ChainModel:
+        n = len(profiles)
+        costs = step_costs(profiles)
+        selective = [p.selective_bytes for p in profiles]
+        states = [input_state or {"input": 0}] + [p.state for p in profiles]
+        first_seen: dict[str, int] = {}
+        for c, state in enumerate(states):
+            for name in state:
+                first_seen.setdefault(name, c)
+        appeared, added_after = [], []
+        for state in states:
+            pairs = sorted((first_seen[name], nbytes) for name, nbytes in state.items())
+            appeared.append(np.array([c for c, _ in pairs], dtype=np.int64))
+            nbytes = np.array([b for _, b in pairs] + [0], dtype=np.int64)
+            added_after.append(np.cumsum(nbytes[::-1])[::-1])
+        counted = []  # per step: its intermediates and the storages it is the first to save
+        live = np.zeros(n + 2, dtype=np.int64)  # Y, as differences
+        first_step: set[tuple[str, int]] = set()
+        for p in profiles:
+            new = 0
+            for key, nbytes in p.saved_values.items():
+                if key not in first_step:
+                    first_step.add(key)
+                    new += nbytes
+                    seen = first_seen.get(key[0], 0)
+                    if seen <= p.index:  # live at cuts seen..p.index, first saved by p
+                        live[seen] += nbytes
+                        live[p.index + 1] -= nbytes
+            counted.append(p.saved_bytes - sum(p.saved_values.values()) + new)
+        first_saved = np.cumsum([0, *counted], dtype=np.int64)
+        grads_after = np.cumsum([0] + [p.grad_bytes for p in profiles][::-1],
+                                dtype=np.int64)[::-1]
+        state_bytes = np.array([sum(state.values()) for state in states], dtype=np.int64)
+        backward = first_saved[1:] + grads_after[:-1] + state_bytes[:-1] + state_bytes[1:]
+        return cls(
+            n=n,
+            forbidden=frozenset(forbidden_cuts(profiles)),
+            step_saved=np.array([p.saved_bytes for p in profiles], dtype=np.int64),
+            first_saved=first_saved,
+            live_saved=np.cumsum(live)[:n + 1],
+            grads_after=grads_after,
+            backward=backward,
+            backward_from=np.maximum.accumulate(backward[::-1])[::-1] if n else backward,
+            times=np.cumsum([0.0, *costs], dtype=np.float64),
+            kept_prefix=np.cumsum([0, *selective], dtype=np.int64),
+            skipped_prefix=np.cumsum(
+                [0.0] + [cost if b else 0.0 for b, cost in zip(selective, costs)]),
+            unsafe_prefix=np.cumsum([0] + [not p.selective_safe for p in profiles]),
+            appeared=appeared,
+            added_after=added_after,
+            states=states,
+            state_bytes=state_bytes.tolist(),
+            selective_bytes=np.array(selective, dtype=np.int64),
+        )
+
+    def held(self, a: int, b: int) -> int:
+        """What segment [a, b) holds once it has run forward (NOTE [ A storage saved twice is
+        held once ])."""
+        return int(self.first_saved[b] - self.first_saved[a] - self.live_saved[a])
+
+    def while_backpropagated(self, a: int, b: int, gradients: bool = True) -> int:
+        """The most segment [a, b) holds with the gradients in flight while it is
+        backpropagated (NOTE [ Gradients in flight ]); without ``gradients``, what it holds and
+        the gradient arriving at its end (the model before parameter gradients were counted,
+        which rotor's schedules are calibrated on)."""
+        if not gradients or a == b:
+            return self.held(a, b) + self.state_bytes[b]
+        return int(self.backward[a:b].max() - self.first_saved[a] - self.live_saved[a])
+
+    def peak(self, segments: Sequence[Segment], gradients: bool = True) -> int:
+        """The peak of ``segments`` (activations, and with ``gradients`` the parameter gradients
+        in flight): while a segment is recomputed (or first run, if stored) and
+        backpropagated, the values live at every cut so far (a value crossing several cuts is
+        one tensor), what stored segments before it save and selective ones keep, and what it
+        holds while it is backpropagated, with the gradients in flight; after the backward,
+        every parameter gradient and the input."""
+        kept: dict[str, int] = {}
+        held = peak = 0
+        for start, stop, recompute in segments:
+            kept.update(self.states[start])
+            peak = max(peak, sum(kept.values()) + held
+                       + self.while_backpropagated(start, stop, gradients))
+            if recompute == SELECTIVE:  # what it keeps stays until its backward
+                held += int(self.selective_bytes[start:stop].sum())
+            elif not recompute:
+                held += self.held(start, stop)
+        return max(peak, self.state_bytes[0] + (int(self.grads_after[0]) if gradients else 0))
+
+    def distinct_cuts(self) -> list[int]:
+        """The cuts worth a mixed plan's choosing: of each run of cuts joined by free steps
+        (steps that save, keep, make and change nothing for backward: views, reshapes), the
+        allowed one with the fewest live bytes, and of those the one whose live values the
+        steps after it save the most of (a segment starting there holds them once). Where free
+        steps pass on their input's storage (views), any cut of a run bounds segments of the
+        same saved and kept bytes (the free steps only move from one segment to the next), so
+        the others bound the same segments with no fewer bytes live at the cut, or save the
+        free steps' few microseconds of recomputation; where one copies (``contiguous``), the
+        choice is a good one, not always the best. Long traced chains are mostly such steps
+        (1,158 of MaxViT-T's 1,587), and the mixed programme's work grows with the square of
+        the cuts it visits."""
+        free = ((self.step_saved == 0) & (np.diff(self.kept_prefix) == 0)
+                & (np.diff(self.unsafe_prefix) == 0) & (np.diff(self.grads_after) == 0))
+        chosen: list[int] = []
+        run: list[int] = []
+        for k in range(1, self.n + 1):
+            if k < self.n and k not in self.forbidden:
+                run.append(k)
+            if k == self.n or not free[k]:  # step k is not free: the run of cuts ends at k
+                if run:
+                    chosen.append(min(run, key=lambda c: (
+                        self.state_bytes[c], -int(self.live_saved[c]))))
+                run = []
+        return chosen

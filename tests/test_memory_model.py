@@ -1,0 +1,49 @@
+"""The chain model a search ranks plans by (revnets/planning/memory_model.py): on chains whose
+steps save what they are known to save, it is the exact peak less one constant, the same for
+every plan, so a search's first exact prediction calibrates it for all the others."""
+
+import torch
+from test_planning_speed import conv_chain
+from torch import nn
+
+import revnets.planning.auto as auto
+from revnets.planning.chain import modelled_peaks
+from revnets.planning.search import Option
+
+
+def errors(model: nn.Sequential, x: torch.Tensor, plans: list[list[tuple[int, int]]]) -> list:
+    """Exact peak less modelled peak of one-level ``plans`` (checkpointed segments; the rest of
+    the chain stored), as the planner predicts and models them."""
+    loss = lambda out: out.square().mean()  # noqa: E731
+    planner = auto._Planner(model, model, x, loss, None, measure_time=False)
+    profiles = planner._profiles_of(frozenset())
+    segmentations = [tuple((a, b, True) for a, b in plan)
+                     + ((plan[-1][1] if plan else 0, len(model), False),) for plan in plans]
+    modelled = modelled_peaks(segmentations, profiles, planner.input_state)
+    return [planner._predict(Option(frozenset(), s, 0.0, m)) - m
+            for s, m in zip(segmentations, modelled)]
+
+
+def test_a_storage_two_steps_save_is_counted_once():
+    """BatchNorm saves the convolution's output, ReLU its own output and the next convolution
+    the same tensor as its input; a checkpoint keeps the value the step after it saves. Counted
+    twice, the model's error grew with the longest segment's length (by 728 kB between these
+    plans)."""
+    plans = [[], [(0, 13)], [(0, 12), (12, 24)], [(0, 7), (7, 18), (18, 28)],
+             [(0, 8), (8, 15), (15, 22), (22, 28), (28, 34)]]
+    found = errors(conv_chain(), torch.randn(4, 3, 16, 16), plans)
+    assert len(set(found)) == 1, found
+
+
+def test_parameter_gradients_are_counted_where_the_backward_makes_them():
+    """A step starts from freed gradients: a segment late in the chain is backpropagated with
+    few parameter gradients made, an early one with most. Counted as a constant, the error
+    differed by 40 % of the parameters' bytes between the first two of these plans. (The
+    model leaves out what the loss's own backward makes: a plan whose peak falls there, with
+    the last segment held, is off by that too.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(48)))
+    plans = [[(0, 8), (8, 17), (17, 25), (25, 32), (32, 38), (38, 43)], [(0, 24)],
+             [(0, 46)], [(0, 47)]]
+    found = errors(model, torch.randn(512, 64), plans)
+    assert len(set(found)) == 1, found
