@@ -200,6 +200,29 @@ def test_below_the_floors_a_schedule_that_misses_shrinks_the_room_by_its_oversho
     assert found == (middle, 995) and asked == [GUESS, FRUGAL, ROOMY, middle]
 
 
+def test_a_refusal_names_a_plan_modelled_above_the_floors_that_peaks_below_them():
+    """The chain model's error differs a little from plan to plan (torchvision's swin_t at a
+    70 % cut: the floor peaked 0.18 MB above a plan modelled 0.75 MB above it, which a larger
+    budget then got, so the larger budget's peak lay below the one the refusal named). Before
+    refusing, the search predicts the plans whose modelled peak, with the least error the
+    floors showed, lies below the lowest floor's exact peak; a refusal names the lowest of all,
+    and asked for that, the search walks the same plans and one fits."""
+    nothing = frozenset()
+    cheapest = Option(nothing, ((0, 3, False),), cost=0.0, modelled=200)
+    near = Option(nothing, ((0, 1, True), (1, 3, False)), cost=1.0, modelled=105)
+    floor = Option(nothing, ((0, 2, True), (2, 3, False)), cost=2.0, modelled=100)
+    far = Option(nothing, ((0, 1, True), (1, 2, True), (2, 3, False)), cost=3.0, modelled=150)
+    options = [cheapest, near, floor, far]
+    exact = {cheapest: 550, near: 498, floor: 500, far: 540}
+
+    found, peaks = search(options, 450, exact.__getitem__, offset=400)
+    # The floors' least error is 550 - 200: near is estimated at 455, far at 500, not below.
+    assert found is None and list(peaks) == [cheapest, floor, near]
+    assert lowest_floor(options, peaks) is near
+    found, _ = search(options, exact[near], exact.__getitem__, offset=400)
+    assert found is near
+
+
 def test_a_refusal_names_the_lowest_floor_not_a_guess_that_missed_lower():
     """A guess that is not a floor (here the selective plan S) may be predicted below every
     floor and still miss. Asked for its peak, the search takes another path (B's estimate now
@@ -215,7 +238,7 @@ def test_a_refusal_names_the_lowest_floor_not_a_guess_that_missed_lower():
     exact = {a: 520, b: 540, s: 505, floor: 530}
 
     found, peaks = search(options, 500, exact.__getitem__, offset=400)
-    assert found is None and set(peaks) == {a, s, floor}
+    assert found is None and set(peaks) == {a, b, s, floor}  # b: a near floor
     named = lowest_floor(options, peaks)  # of the floors, the cheapest plan A peaks lowest
     assert named is a and min(peaks.values()) == exact[s] < peaks[named] < exact[floor]
     assert search(options, exact[s], exact.__getitem__, offset=400)[0] is None

@@ -21,10 +21,12 @@ predictions decide.
 # - when nothing fitted that way, each choice's floors (the option of least modelled peak, ties
 #   broken by the plan itself, and the cheapest option, which where activations are few peaks lower
 #   than any checkpoint: sizes only, never timings) are predicted, in order of cost, and the first
-#   that fits is kept; with the budget it leaves spare, up to ``MAX_GUESSES`` more predictions try
-#   options that recompute less, each choice's estimate corrected by the largest error seen for it.
-#   A refusal names the smallest floor predicted, so asked for that budget the search predicts that
-#   floor again and it fits;
+#   that fits is kept; where none fits, the near floors (``near_floors``: those the floors' own
+#   errors estimate below the lowest floor, found from sizes and the floors' peaks alone) are
+#   predicted alike. With the budget the one kept leaves spare, up to ``MAX_GUESSES`` more
+#   predictions try options that recompute less, each choice's estimate corrected by the largest
+#   error seen for it. A refusal names the smallest floor or near floor predicted, so asked for
+#   that budget the search predicts the same floors and near floors again and one fits;
 # - planned for torch.compile, the plan found is retried once against the selective plan made for
 #   the room its own error leaves (``auto_checkpoint``'s planner; selective candidates were made for
 #   the room the parameters and buffers leave, before any error was known). Compiled, a selective
@@ -54,7 +56,7 @@ from revnets.planning.chain import Segment
 from revnets.planning.nested import NestedSchedule
 
 __all__ = [
-    "MAX_GUESSES", "Option", "Segments", "lowest_floor", "search",
+    "MAX_GUESSES", "Option", "Segments", "lowest_floor", "near_floors", "search",
     "search_nested",
 ]
 
@@ -93,6 +95,8 @@ def search(
     if best is not None:
         return best, peaks
     best = next((floor for floor in floors(options) if exact(floor) <= budget), None)
+    if best is None:
+        best = next((near for near in near_floors(options, peaks) if exact(near) <= budget), None)
     if best is None:
         return None, peaks
     # The model guessed low everywhere it was asked: the floor fits, with budget to spare. Spend
@@ -153,12 +157,37 @@ def floors(options: Sequence[Option]) -> list[Option]:
     return sorted(both, key=lambda o: (o.cost, o.modelled))
 
 
+def near_floors(options: Sequence[Option], peaks: dict[Option, int]) -> list[Option]:
+    """Options chosen on sizes alone that may peak below every floor, once every floor is
+    predicted (in ``peaks``) and none fitted: those whose modelled peak, with the least error
+    the floors of their choice showed, lies below the lowest floor's exact peak, from the least
+    such estimate, at most ``MAX_GUESSES``. The model's error differs a little from plan to plan
+    (a window attention's transients), so a plan modelled above a floor can peak below it. What
+    they are depends on sizes alone, never on the budget: asked for any budget whose floors all
+    miss, the search walks the same ones in the same order."""
+    lowest = floors(options)
+    least = min(peaks[floor] for floor in lowest)
+    error: dict[frozenset[int], int] = {}
+    for floor in lowest:
+        held = error.get(floor.reconstructed)
+        error[floor.reconstructed] = min(held, peaks[floor] - floor.modelled) if held is not None \
+            else peaks[floor] - floor.modelled
+    estimates = sorted(
+        ((option.modelled + error[option.reconstructed], option.cost, number)
+         for number, option in enumerate(options) if option.sized and option not in lowest
+         and option.modelled + error[option.reconstructed] < least),
+    )
+    return [options[number] for _, _, number in estimates[:MAX_GUESSES]]
+
+
 def lowest_floor(options: Sequence[Option], peaks: dict[Option, int]) -> Option:
-    """The floor of least exact peak, after ``search`` found nothing (it predicted every floor
-    then). A refusal names its peak: asked for that, the search predicts the floors again and
-    this one fits. A guess that missed may have peaked lower, but asked for its peak the search
-    can take another path and never predict it again."""
-    return min(floors(options), key=lambda floor: (peaks[floor], floor.cost))
+    """The floor or near floor of least exact peak, after ``search`` found nothing (it
+    predicted every floor and near floor then). A refusal names its peak: asked for that, the
+    search predicts the floors and near floors again, in the same order, and this one fits. A
+    guess that missed may have peaked lower, but asked for its peak the search can take
+    another path and never predict it again."""
+    return min([*floors(options), *near_floors(options, peaks)],
+               key=lambda floor: (peaks[floor], floor.cost))
 
 
 def search_nested(
