@@ -5,6 +5,7 @@
 """
 
 import accuracy
+import budget_sweep
 import compile_speed
 import exact_accuracy
 import exact_error_vs_depth
@@ -27,7 +28,7 @@ if __name__ == "__main__":
     # Timing-sensitive scripts first, while the allocator is fresh.
     for script in (reversible_stack, peers, peers_overhead, exact_step_time, compile_speed,
                    zoo_memory, vit_memory, memory_timeline, memory_vs_depth, accuracy,
-                   planning_torchvision, planning_lstm, plan_example, planner_zoo,
+                   planning_torchvision, planning_lstm, plan_example, planner_zoo, budget_sweep,
                    exact_error_vs_depth, exact_accuracy, frontier):
         print(f"== {script.__name__}", flush=True)
         script.main([])

@@ -62,6 +62,18 @@ def test_exact_accuracy_quick_run():
     assert "'model': 'revnet exact', 'precision': 'bf16'" in out
 
 
+def test_budget_sweep_finds_no_smaller_budget_with_a_higher_peak(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "budget_sweep.py", "--only", "conv_chain", "--steps", "4", "--results",
+         str(tmp_path)], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in next(tmp_path.glob("*.md")).read_text().splitlines()
+               if line.startswith("| conv_chain_12"))
+    budgets, violations = [cell.strip() for cell in row.strip("|").split("|")][3::2]
+    assert (budgets, violations) == ("5", "0")
+
+
 @pytest.mark.slow  # about a minute
 def test_planner_zoo_plans_or_refuses_every_row_correctly(tmp_path):
     done = subprocess.run(
