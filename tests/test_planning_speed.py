@@ -11,7 +11,15 @@ import revnets.planning.auto as auto
 from revnets.memory import measure_memory
 from revnets.planning.chain import SELECTIVE
 from revnets.planning.nested import NestedSchedule
-from revnets.planning.search import MAX_GUESSES, Option, lowest_floor, search, search_nested
+from revnets.planning.search import (
+    MAX_GUESSES,
+    Option,
+    floors,
+    lowest_floor,
+    near_floors,
+    search,
+    search_nested,
+)
 from revnets.prediction import Predictor
 
 from conftest import activation_budget, make_stack, train_step
@@ -221,6 +229,33 @@ def test_a_refusal_names_a_plan_modelled_above_the_floors_that_peaks_below_them(
     assert lowest_floor(options, peaks) is near
     found, _ = search(options, exact[near], exact.__getitem__, offset=400)
     assert found is near
+
+
+def test_the_floors_and_near_floors_do_not_depend_on_measured_times():
+    """Timed again on the next call, the same plans cost other seconds: were ties among near
+    floors broken by those (a review's case: eight plans estimated alike, the one a refusal
+    named measured cheapest, then seventh), the budget a refusal named could be refused when
+    asked for."""
+    nothing = frozenset()
+
+    def options(seconds):
+        store = Option(nothing, ((0, 10, False),), cost=0.0, modelled=100)
+        floor = Option(nothing, ((0, 1, True), (1, 10, False)), cost=50.0, modelled=50)
+        alike = [Option(nothing, ((0, k, True), (k, 10, False)), cost=c, modelled=60)
+                 for k, c in zip(range(2, 10), seconds)]
+        return sorted([store, floor, *alike], key=lambda o: (o.cost, o.modelled))
+
+    def exact(option):
+        return {100: 200, 50: 180}.get(option.modelled, 150 if option.segments[0][1] == 9 else 170)
+
+    first = options([3, 4, 5, 6, 7, 8, 9, 1.0])
+    found, peaks = search(first, 100, exact, offset=0)
+    named = peaks[lowest_floor(first, peaks)]
+    for seconds in ([3, 4, 5, 6, 7, 8, 9, 9.5], [9, 8, 7, 6, 5, 4, 3, 2]):
+        again = options(seconds)
+        assert found is None and search(again, named, exact, offset=0)[0] is not None
+        near = [[o.segments for o in near_floors(each, peaks)] for each in (first, again)]
+        assert floors(again) == floors(first) and near[0] == near[1]
 
 
 def test_a_refusal_names_the_lowest_floor_not_a_guess_that_missed_lower():

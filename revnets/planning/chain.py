@@ -140,14 +140,17 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     kept_prefix, skipped_prefix = chain.kept_prefix, chain.skipped_prefix
     unsafe_prefix, state_bytes = chain.unsafe_prefix, chain.state_bytes
     appeared, added_after = chain.appeared, chain.added_after
-    live, backward = chain.live_saved, chain.backward
+    backward = chain.backward
     if state_bytes[0] + chain.grads_after[0] > budget:  # the end of the backward does not fit
         return None
     # The chain model's segment [i, k) (memory_model.py): once run, it holds
-    # saved[k] - saved[i] - live[i]; while backpropagated, with the gradients in flight, the
-    # most of backward[i:k] less saved[i] + live[i]. So each point carries its kept bytes less
-    # saved + live at its cut (base) and the most of backward over its segment so far (top).
-    last_limit = budget - (chain.backward_from - saved[:n] - live[:n])  # [k, n) stored, last
+    # saved[k] - saved[i] - Y(i, k); while its step j is backpropagated, backward[j] less
+    # saved[i] + Y(i, j + 1). So each point carries its kept bytes less saved at its cut (base)
+    # and the most of backward[j] - Y(cut, j + 1) over its segment so far (top), which only
+    # grows; live[i] is Y(i, j + 1) for the step j reached.
+    live = np.zeros(n + 1, dtype=np.int64)
+    values = 0  # of chain.value_first, the values whose first saving step is reached
+    last_limit = budget - chain.last_backpropagated  # [k, n) stored, the last segment
 
     # Every Pareto point found, in the order the cuts are reached (then by bytes): the cut it
     # ends at, kept bytes, recompute time, base, top, the point it came from and how the
@@ -157,13 +160,21 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     points = _Points(4 * n)
     cut, kept, spent, base, top, parent, kind = points.arrays
     cut[0], kept[0], spent[0], parent[0], kind[0] = 0, state_bytes[0], 0.0, -1, _STORE
-    base[0], top[0] = kept[0] - saved[0] - live[0], _NOTHING
+    base[0], top[0] = kept[0] - saved[0], _NOTHING
     active = np.array([0], dtype=np.int64)  # points whose next segment can still end ahead
     best = _best_last_segment(None, kept[:1], spent[:1], last_limit[0], 0, 0)
-    reached = 0
+    step = 0  # the next step to fold into the points' tops
     for k in range(1, n) if cuts is None else cuts:
-        top[active] = np.maximum(top[active], backward[reached:k].max())
-        reached = k
+        while step < k:  # steps between events (first saves of live values) fold at once
+            while values < len(chain.value_first) and chain.value_first[values] == step:
+                live[chain.value_seen[values]:step + 1] += chain.value_bytes[values]
+                values += 1
+            end = min(int(chain.value_first[values]) if values < len(chain.value_first)
+                      else k, k)
+            end = max(end, step + 1)
+            top[active] = np.maximum(top[active],
+                                     backward[step:end].max() - live[cut[active]])
+            step = end
         # Segment [cut, k) from a point: it fits while base + top <= budget, and top grows
         # with k, so a point that cannot reach k cannot reach anything after it.
         active = active[base[active] + top[active] <= budget]
@@ -182,7 +193,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
             s_at = cut[selective]
             s_adds = added_after[k][np.searchsorted(appeared[k], s_at, side="right")]
             new_kept = np.concatenate([
-                new_kept, new_kept + saved[k] - saved[at] - live[at],
+                new_kept, new_kept + saved[k] - saved[at] - live[at],  # live[at] = Y(at, k)
                 kept[selective] + s_adds + kept_prefix[k] - kept_prefix[s_at]])
             new_spent = np.concatenate([
                 new_spent, spent[fits],
@@ -208,7 +219,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
         cut[added] = k
         kept[added] = new_kept[front]
         spent[added] = new_spent[front]
-        base[added] = kept[added] - saved[k] - live[k]
+        base[added] = kept[added] - saved[k]
         top[added] = _NOTHING
         parent[added] = new_parent[front]
         kind[added] = new_kind[front]
@@ -222,7 +233,10 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     while parent[point] >= 0:
         segments.append((int(cut[parent[point]]), int(cut[point]), _KINDS[kind[point]]))
         point = int(parent[point])
-    return _merged(segments[::-1])
+    # Consecutive stored segments stay apart: they run alike, but the model counts the values
+    # live at the cut between them as kept there, not held (NOTE [ A storage saved twice is
+    # held once ]), so joined they could model above the budget they were chosen for.
+    return segments[::-1]
 
 
 class _Points:
@@ -246,17 +260,6 @@ _CHECKPOINT, _STORE, _SELECTIVE = 0, 1, 2
 _NOTHING = -(2**62)  # the most of an empty segment's backward
 FRONT_CAP = 8  # points kept per cut by optimal_segments
 _KINDS: tuple[Recompute, ...] = (True, False, SELECTIVE)
-
-
-def _merged(segments: list[Segment]) -> list[Segment]:
-    """Consecutive stored segments as one (no cut between them)."""
-    out: list[Segment] = []
-    for start, stop, checkpointed in segments:
-        if out and not checkpointed and not out[-1][2]:
-            out[-1] = (out[-1][0], stop, False)
-        else:
-            out.append((start, stop, checkpointed))
-    return out
 
 
 def _undominated(kept: np.ndarray, spent: np.ndarray, front_kept: np.ndarray,

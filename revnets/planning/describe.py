@@ -41,8 +41,17 @@ def describe_plan(
     it)."""
     names = [step_name(step, i) for i, step in enumerate(chain)]
     parts: list[PartPlan] = []
+    run: list[int] = []  # stored steps, across consecutive stored segments
+
+    def stored_run() -> None:
+        if run:
+            parts.append(PartPlan(_span(names, run[0], run[-1] + 1), Store(),
+                                  sum(profiles[j].saved_bytes for j in run), 0.0))
+            run.clear()
+
     for start, stop, checkpointed in plan:
         if checkpointed:
+            stored_run()
             state = input_state if start == 0 else profiles[start - 1].state
             kept = sum((state or {}).values())
             if checkpointed == SELECTIVE:
@@ -51,13 +60,9 @@ def describe_plan(
                      if checkpointed != SELECTIVE or not profiles[i].selective_bytes]
             parts.append(PartPlan(_span(names, start, stop), checkpoint_decision(checkpointed),
                                   kept, measured_seconds(profiles, rerun)))
-        run: list[int] = []
-        for i in [*range(start, stop), None]:
-            if (i is None or i in sequences) and run and not checkpointed:
-                parts.append(PartPlan(_span(names, run[0], run[-1] + 1), Store(),
-                                      sum(profiles[j].saved_bytes for j in run), 0.0))
-                run = []
-            if i is not None and i in sequences:
+        for i in range(start, stop):
+            if i in sequences:
+                stored_run()
                 inside = " (inside the checkpoint)" if checkpointed else ""
                 parts.append(PartPlan(
                     names[i] + inside,
@@ -65,8 +70,9 @@ def describe_plan(
                     profiles[i].saved_bytes,
                     measured_seconds(profiles, range(i, i + 1)) if i in reconstructed else 0.0,
                 ))
-            elif i is not None:
+            elif not checkpointed:
                 run.append(i)
+    stored_run()
     checkpointed = any(isinstance(part.decision, Checkpoint) for part in parts)
     return memory_plan(parts, reconstructed, checkpointed, peak, budget)
 

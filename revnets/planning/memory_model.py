@@ -10,11 +10,10 @@ search needs and the more alike its errors are from plan to plan.
 # at that cut keeps). It is one tensor. The model counts each such storage once: a segment
 # [a, b) holds what its steps save of the values made from cut a on, once each, and what they
 # save of their own intermediates; the values live at cut a are the checkpoint's. In prefix
-# sums, held(a, b) = G[b] - G[a] - Y[a]: G[k] counts each saved storage at the first step that
-# saves it (intermediates at their step), Y[a] the storages live at cut a that a step from a on
-# is the first to save. (Where that step lies beyond b, the value is live at b too and the
-# model counts it once short; values saved far from where they were made, past a cut, are
-# rare: a skip connection is added, not saved.)
+# sums, held(a, b) = G[b] - G[a] - Y(a, b): G[k] counts each saved storage at the first step
+# that saves it (intermediates at their step), Y(a, b) the storages live at cut a that one of
+# steps a..b-1 is the first to save (a squeeze-excitation block's input, saved by its last
+# multiplication; a ViT's input, saved by the patch embedding several steps on).
 #
 # NOTE [ Gradients in flight ]
 # A training step starts from freed gradients. While step j of segment [a, b) is
@@ -31,6 +30,7 @@ search needs and the more alike its errors are from plan to plan.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,12 +77,15 @@ class ChainModel:
     forbidden: frozenset[int]
     step_saved: np.ndarray  # what each step saves, counted alone
     first_saved: np.ndarray  # G
-    live_saved: np.ndarray  # Y
+    # The storages saved of values live at a cut before the step first saving them: that step,
+    # the first cut they are live at, their bytes; by that step (Y of the NOTE).
+    value_first: np.ndarray
+    value_seen: np.ndarray
+    value_bytes: np.ndarray
     grads_after: np.ndarray
     # While step j is backpropagated: G[j + 1] + grads_after[j] + the gradients of the values
-    # live at cuts j and j + 1, and its suffix maxima.
+    # live at cuts j and j + 1.
     backward: np.ndarray
-    backward_from: np.ndarray
     times: np.ndarray
     kept_prefix: np.ndarray
     skipped_prefix: np.ndarray
@@ -114,8 +117,8 @@ class ChainModel:
             nbytes = np.array([b for _, b in pairs] + [0], dtype=np.int64)
             added_after.append(np.cumsum(nbytes[::-1])[::-1])
         counted = []  # per step: its intermediates and the storages it is the first to save
-        live = np.zeros(n + 2, dtype=np.int64)  # Y, as differences
         first_step: set[tuple[str, int]] = set()
+        live: list[tuple[int, int, int]] = []  # (first saving step, live from cut, bytes)
         for p in profiles:
             new = 0
             for key, nbytes in p.saved_values.items():
@@ -124,9 +127,9 @@ class ChainModel:
                     new += nbytes
                     seen = first_seen.get(key[0], 0)
                     if seen <= p.index:  # live at cuts seen..p.index, first saved by p
-                        live[seen] += nbytes
-                        live[p.index + 1] -= nbytes
+                        live.append((p.index, seen, nbytes))
             counted.append(p.saved_bytes - sum(p.saved_values.values()) + new)
+        live.sort()
         first_saved = np.cumsum([0, *counted], dtype=np.int64)
         grads_after = np.cumsum([0] + [p.grad_bytes for p in profiles][::-1],
                                 dtype=np.int64)[::-1]
@@ -137,10 +140,11 @@ class ChainModel:
             forbidden=frozenset(forbidden_cuts(profiles)),
             step_saved=np.array([p.saved_bytes for p in profiles], dtype=np.int64),
             first_saved=first_saved,
-            live_saved=np.cumsum(live)[:n + 1],
+            value_first=np.array([v[0] for v in live], dtype=np.int64),
+            value_seen=np.array([v[1] for v in live], dtype=np.int64),
+            value_bytes=np.array([v[2] for v in live], dtype=np.int64),
             grads_after=grads_after,
             backward=backward,
-            backward_from=np.maximum.accumulate(backward[::-1])[::-1] if n else backward,
             times=np.cumsum([0.0, *costs], dtype=np.float64),
             kept_prefix=np.cumsum([0, *selective], dtype=np.int64),
             skipped_prefix=np.cumsum(
@@ -153,10 +157,22 @@ class ChainModel:
             selective_bytes=np.array(selective, dtype=np.int64),
         )
 
+    def live_saved(self, a: int, b: int) -> int:
+        """Y(a, b) of the NOTE: what steps a..b-1 are the first to save of the values live at
+        cut a."""
+        inside = (self.value_seen <= a) & (self.value_first >= a) & (self.value_first < b)
+        return int(self.value_bytes[inside].sum())
+
+    @functools.cached_property
+    def last_backpropagated(self) -> np.ndarray:
+        """while_backpropagated(k, n) for every cut k before the end: the last segment's."""
+        return np.array([self.while_backpropagated(k, self.n) for k in range(self.n)],
+                        dtype=np.int64)
+
     def held(self, a: int, b: int) -> int:
         """What segment [a, b) holds once it has run forward (NOTE [ A storage saved twice is
         held once ])."""
-        return int(self.first_saved[b] - self.first_saved[a] - self.live_saved[a])
+        return int(self.first_saved[b] - self.first_saved[a]) - self.live_saved(a, b)
 
     def while_backpropagated(self, a: int, b: int, gradients: bool = True) -> int:
         """The most segment [a, b) holds with the gradients in flight while it is
@@ -165,7 +181,11 @@ class ChainModel:
         which rotor's schedules are calibrated on)."""
         if not gradients or a == b:
             return self.held(a, b) + self.state_bytes[b]
-        return int(self.backward[a:b].max() - self.first_saved[a] - self.live_saved[a])
+        # While step j is backpropagated the segment holds G[j + 1] - G[a] - Y(a, j + 1).
+        inside = (self.value_seen <= a) & (self.value_first >= a) & (self.value_first < b)
+        freed = np.zeros(b - a, dtype=np.int64)
+        np.add.at(freed, self.value_first[inside] - a, self.value_bytes[inside])
+        return int((self.backward[a:b] - np.cumsum(freed)).max() - self.first_saved[a])
 
     def peak(self, segments: Sequence[Segment], gradients: bool = True) -> int:
         """The peak of ``segments`` (activations, and with ``gradients`` the parameter gradients
@@ -208,6 +228,6 @@ class ChainModel:
             if k == self.n or not free[k]:  # step k is not free: the run of cuts ends at k
                 if run:
                     chosen.append(min(run, key=lambda c: (
-                        self.state_bytes[c], -int(self.live_saved[c]))))
+                        self.state_bytes[c], -self.live_saved(c, self.n))))
                 run = []
         return chosen

@@ -147,6 +147,9 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
     # alive while their addresses are looked up, so no address is reused meanwhile.
     first_names = list(getattr(layers[0], "inputs", None) or ["input"]) if layers else []
     carried = _carriers(leaf, first_names, {})
+    # And the layer that made each (-1: the input): a layer writing its input in place writes
+    # the storage that layer made, whatever aliases (Identity, views) passed it on since.
+    made_by = dict.fromkeys(carried, -1)
     for index, layer in enumerate(layers):
         saved: dict[int, int] = {}  # storages by identity: views of one storage count once
         saved_addresses: dict[int, int] = {}
@@ -212,7 +215,9 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
                 seconds if timed else math.nan,
                 inplace,
                 named,
-                getattr(layer, "mutates_from", index - 1 if inplace else None),
+                getattr(layer, "mutates_from", min(
+                    (made_by.get(_address(t), index - 1) for t in _written(layer, leaf)),
+                    default=index - 1) if inplace else None),
                 intermediate,
                 kept.nbytes(),
                 kept.intact(),
@@ -223,6 +228,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
             kept_by_storage.setdefault(_address(t), index)
             held.append(t)
         leaf = tree_map(_as_leaf, y)
+        made_by = {address: made_by.get(address, index) for address in passed_on}
         carried = passed_on
     # A later layer that overwrites an earlier one's output in place makes that one unsafe (when
     # it keeps anything: kept outputs are not always tracked, and this errs on the safe side).

@@ -138,9 +138,10 @@ def _guesses(
 
 
 def floors(options: Sequence[Option]) -> list[Option]:
-    """Each choice's option of least modelled peak among those chosen on sizes alone, and its
-    cheapest (where activations are few, checkpoints can cost more than they save, which the
-    model does not see), in order of cost."""
+    """Each choice's option of least modelled peak among those chosen on sizes alone, and the
+    one that recomputes nothing (where activations are few, checkpoints can cost more than
+    they save, which the model does not see), in order of cost. Which they are depends on
+    sizes alone, never on measured times."""
     best: dict[frozenset[int], Option] = {}
     cheapest: dict[frozenset[int], Option] = {}
     for option in options:
@@ -151,7 +152,8 @@ def floors(options: Sequence[Option]) -> list[Option]:
         if held is None or key < (held.modelled, held.segments):
             best[option.reconstructed] = option
         held = cheapest.get(option.reconstructed)
-        if held is None or (option.cost, key) < (held.cost, (held.modelled, held.segments)):
+        if not any(recompute for _, _, recompute in option.segments) and (
+                held is None or key < (held.modelled, held.segments)):
             cheapest[option.reconstructed] = option
     both = dict.fromkeys([*best.values(), *cheapest.values()])  # in a fixed order
     return sorted(both, key=lambda o: (o.cost, o.modelled))
@@ -172,12 +174,11 @@ def near_floors(options: Sequence[Option], peaks: dict[Option, int]) -> list[Opt
         held = error.get(floor.reconstructed)
         error[floor.reconstructed] = min(held, peaks[floor] - floor.modelled) if held is not None \
             else peaks[floor] - floor.modelled
-    estimates = sorted(
-        ((option.modelled + error[option.reconstructed], option.cost, number)
-         for number, option in enumerate(options) if option.sized and option not in lowest
-         and option.modelled + error[option.reconstructed] < least),
-    )
-    return [options[number] for _, _, number in estimates[:MAX_GUESSES]]
+    near = [option for option in options if option.sized and option not in lowest
+            and option.modelled + error[option.reconstructed] < least]
+    near.sort(key=lambda option: (option.modelled + error[option.reconstructed],
+                                  sorted(option.reconstructed), option.segments))
+    return near[:MAX_GUESSES]
 
 
 def lowest_floor(options: Sequence[Option], peaks: dict[Option, int]) -> Option:
