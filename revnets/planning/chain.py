@@ -94,8 +94,9 @@ def optimal_plan(
     Dynamic programming over the cuts, exact for this model of one-level checkpointing: while
     segment ``[i, k)`` is recomputed and backpropagated, memory holds every checkpoint up to
     ``i`` (the union of the live values at those cuts: a value crossing several cuts is one
-    tensor), what ``[i, k)`` saves for backward, and the gradient arriving at ``k``; the last
-    segment is not checkpointed. Each cut keeps a Pareto front of (checkpoint bytes, recompute
+    tensor), what ``[i, k)`` saves for backward (a storage two steps save once) and the
+    gradients in flight (``memory_model.ChainModel.peak``); the last segment is not
+    checkpointed. Each cut keeps a Pareto front of (checkpoint bytes, recompute
     time). Returns None when no plan fits. The model ignores transient buffers, so callers check
     the chosen plan's real peak (``revnets.predict_memory``) and tighten ``budget`` if needed.
     """

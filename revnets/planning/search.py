@@ -71,7 +71,7 @@ class Option:
     reconstructed: frozenset[int]
     segments: Segments
     cost: float  # forward seconds recomputed (steps counted where not measured)
-    modelled: int  # activation bytes at the peak in the chain model (chain.modelled_peaks)
+    modelled: int  # the chain model's peak: activations and gradients (chain.modelled_peaks)
     sized: bool = True  # chosen on sizes alone, not on measured times: may be a floor
 
 
