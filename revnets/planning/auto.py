@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -17,6 +17,13 @@ from torch.utils._pytree import tree_leaves
 from revnets.checkpoint import Checkpointed
 from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
+from revnets.planning.budget import (
+    LossFn,
+    PlanningError,
+    default_loss,
+    no_fit,
+    training_step,
+)
 from revnets.planning.chain import (
     SELECTIVE,
     Segment,
@@ -62,45 +69,16 @@ from revnets.reversible import ReversibleSequence
 
 __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 
-MiB = 2**20
-LossFn = Callable[[Any], Tensor]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 NESTED_SLOTS = 512  # and O(slots): memory in 1/512ths of the room, each term rounded up
 SELECTIVE_SHARES = (0.8, 0.9, 1.0, 1.1, 1.25)  # of the budget left for activations
-
-
-
-class PlanningError(ValueError):
-    """No plan fits the budget; ``smallest_budget`` (bytes, also in the message) is the
-    smallest budget that can be reached, which asked for plans."""
-
-    def __init__(self, message: str, smallest_budget: int | None = None) -> None:
-        super().__init__(message)
-        self.smallest_budget = smallest_budget
-
-
-def _default_loss(output: Tensor) -> Tensor:
-    return output.float().sum()
-
-
-def _training_step(
-    model: nn.Module, x: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None
-) -> None:
-    """What a budget bounds: a step from freed gradients, as training loops run it. An optimizer
-    without state yet (momentum, Adam's moments) takes a first step to make it: the budget holds
-    for every step, not only the first."""
-    for _ in range(2 if optimizer is not None and not optimizer.state else 1):
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x)).backward()
-        if optimizer is not None:
-            optimizer.step()
 
 
 def auto_checkpoint(
     model: nn.Module,
     example_input: Any,
     budget: int,
-    loss_fn: LossFn = _default_loss,
+    loss_fn: LossFn = default_loss,
     optimizer: torch.optim.Optimizer | None = None,
     measure_time: bool = True,
     compiled: bool = False,
@@ -282,7 +260,7 @@ class _Planner:
     def peak(self, module: nn.Module) -> int:
         self.predictions += 1
         return self.predictor.predict(
-            _training_step, (module, self.example_input, self.loss_fn, self.optimizer), {}
+            training_step, (module, self.example_input, self.loss_fn, self.optimizer), {}
         ).peak_bytes
 
     def _store_all(self) -> None:
@@ -432,7 +410,7 @@ class _Planner:
         # from measured times): always the same, so the budget a refusal names plans when asked.
         frugal = most_frugal_schedule(grouped)
         if frugal is None:
-            raise _no_fit(budget, low_peak, how)
+            raise no_fit(budget, low_peak, how)
         schedule, peak = search_nested(
             frugal, lambda room: nested_schedule(grouped, room, slots=NESTED_SLOTS), budget,
             lambda schedule: self.peak(schedule.apply(layers)), error,
@@ -440,7 +418,7 @@ class _Planner:
         if schedule is None:
             if peak < low_peak:
                 low_peak, how = peak, f"nested checkpoints {frugal.tree}"
-            raise _no_fit(budget, low_peak, how)
+            raise no_fit(budget, low_peak, how)
         parts = [*self._sequence_parts(profiles, reconstructed),
                  PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),
                           recompute_seconds=math.nan)]
@@ -484,25 +462,16 @@ def _choose_preset(
             continue
         model.set_memory(name)
         peaks[name] = predictor.predict(
-            _training_step, (model, example_input, loss_fn, optimizer), {}
+            training_step, (model, example_input, loss_fn, optimizer), {}
         ).peak_bytes
         if peaks[name] <= budget:
             model.memory_plan = replace(PRESETS[name], peak_bytes=peaks[name], budget=budget)
             return model
     model.set_memory(original)
     best = min(peaks, key=peaks.get)
-    raise _no_fit(budget, peaks[best], f"memory plan {best!r}")
+    raise no_fit(budget, peaks[best], f"memory plan {best!r}")
 
 
 def _first_input(chain: nn.Sequential) -> str:
     names = getattr(chain[0], "inputs", None) or ["input"]
     return names[0]
-
-
-def _no_fit(budget: int, smallest: float, how: Any) -> PlanningError:
-    return PlanningError(
-        f"auto_checkpoint: no plan trains within {budget / MiB:.2f} MiB; the smallest budget this "
-        f"model can reach at this input size is {smallest / MiB:.2f} MiB ({int(smallest)} bytes, "
-        f"with {how}). Use a smaller batch or a reversible architecture.",
-        int(smallest),
-    )

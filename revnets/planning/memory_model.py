@@ -183,9 +183,9 @@ class ChainModel:
             return self.held(a, b) + self.state_bytes[b]
         # While step j is backpropagated the segment holds G[j + 1] - G[a] - Y(a, j + 1).
         inside = (self.value_seen <= a) & (self.value_first >= a) & (self.value_first < b)
-        freed = np.zeros(b - a, dtype=np.int64)
-        np.add.at(freed, self.value_first[inside] - a, self.value_bytes[inside])
-        return int((self.backward[a:b] - np.cumsum(freed)).max() - self.first_saved[a])
+        checkpointed = np.zeros(b - a, dtype=np.int64)  # Y(a, j + 1) - Y(a, j), by step j
+        np.add.at(checkpointed, self.value_first[inside] - a, self.value_bytes[inside])
+        return int((self.backward[a:b] - np.cumsum(checkpointed)).max() - self.first_saved[a])
 
     def peak(self, segments: Sequence[Segment], gradients: bool = True) -> int:
         """The peak of ``segments`` (activations, and with ``gradients`` the parameter gradients
