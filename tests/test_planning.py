@@ -319,6 +319,26 @@ def test_optimal_segments_are_the_best_of_all_segmentations_of_a_graph(seed, mon
         assert cost(plan) == pytest.approx(min(fitting))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_of_the_cheapest_segmentations_the_programme_returns_the_lowest(seed, monkeypatch):
+    """Costed as for a compiled model (cheap steps recompute for free: a selective checkpoint of
+    them costs what storing them does), many plans tie on time. Under every budget the
+    programme's plan recomputes the least of all segmentations that fit, and of those it peaks
+    the lowest (NOTE [ Of equal cost, the lowest ])."""
+    monkeypatch.setattr(chain_module, "FRONT_CAP", 10**9)
+    n = 6
+    profiles = [replace(p, forward_seconds=p.forward_seconds if p.selective_bytes else 0.0)
+                for p in graph_profiles(n, seed)]
+    cost = lambda plan: sum(segment_cost(profiles, *segment) for segment in plan)  # noqa: E731
+    scored = [(segments_peak(p, profiles), cost(p)) for p in all_segmentations(n)]
+    for budget in sorted({peak for peak, _ in scored}):
+        plan = optimal_segments(profiles, budget)
+        cheapest = min(c for peak, c in scored if peak <= budget)
+        assert cost(plan) == pytest.approx(cheapest)
+        assert segments_peak(plan, profiles) == min(
+            peak for peak, c in scored if peak <= budget and c == pytest.approx(cheapest))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_mixed_plans_over_distinct_cuts_recompute_as_little_as_over_every_cut(seed, monkeypatch):
     """Traced chains are mostly free steps (views, reshapes, getattr: nothing saved, kept or

@@ -117,7 +117,7 @@ def optimal_segments(
     The model counts the values live at every cut as kept, a stored segment's input too (its
     steps save what they need of it: a slight over-count, on the safe side), and each front is
     thinned to ``FRONT_CAP`` points, so it is exact only for short chains."""
-    return _optimal(ChainModel.of(profiles, input_state), budget, mixed=True)
+    return _lowest_of_cheapest(ChainModel.of(profiles, input_state), budget)
 
 
 def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
@@ -128,6 +128,32 @@ def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
     costs = step_costs(profiles)
     return sum(costs[i] for i in range(start, stop)
                if recompute != SELECTIVE or not profiles[i].selective_bytes)
+
+
+# NOTE [ Of equal cost, the lowest ]
+# Under torch.compile a checkpoint's cheap steps are recomputed inside fused kernels for free,
+# so a selective checkpoint of a run costs what storing it does, and many plans under a budget
+# recompute equally little while holding very different bytes. Of those, the mixed programme
+# returns one holding the least: it minimises time alone, so it is asked again under the found
+# plan's own peak less a byte, until the answer costs more. Each answer is the cheapest under
+# its budget, so the last is the lowest of the cheapest (exact where the fronts are). This runs
+# only where some step that saves bytes costs nothing (ChainModel.saves_for_free): with
+# measured eager times, plans tie only over free steps (views), which hold alike. Storing the
+# later half of a compiled ResNet-50, where a selective checkpoint of it cost the same, peaked
+# 24 MiB higher compiled (benchmarks/frontier.py).
+def _lowest_of_cheapest(chain: ChainModel, budget: int,
+                        cuts: Sequence[int] | None = None) -> list[Segment] | None:
+    """The mixed programme's plan under ``budget``, the lowest of the cheapest (NOTE [ Of equal
+    cost, the lowest ])."""
+    plan = _optimal(chain, budget, mixed=True, cuts=cuts)
+    while plan is not None and chain.saves_for_free:
+        peak, cost = chain.peak(plan), chain.cost(plan)
+        lower = _optimal(chain, peak - 1, mixed=True, cuts=cuts)
+        if (lower is None or chain.peak(lower) >= peak
+                or chain.cost(lower) > cost + 1e-9 * abs(cost)):
+            return plan
+        plan = lower
+    return plan
 
 
 def _optimal(chain: ChainModel, budget: int, mixed: bool,
@@ -163,7 +189,8 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     cut[0], kept[0], spent[0], parent[0], kind[0] = 0, state_bytes[0], 0.0, -1, _STORE
     base[0], top[0] = kept[0] - saved[0], _NOTHING
     active = np.array([0], dtype=np.int64)  # points whose next segment can still end ahead
-    best = _best_last_segment(None, kept[:1], spent[:1], last_limit[0], 0, 0)
+    tails = chain.last_backpropagated
+    best = _best_last_segment(None, kept[:1], spent[:1], last_limit[0], int(tails[0]), 0)
     step = 0  # the next step to fold into the points' tops
     for k in range(1, n) if cuts is None else cuts:
         while step < k:  # steps between events (first saves of live values) fold at once
@@ -226,10 +253,10 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
         kind[added] = new_kind[front]
         active = np.concatenate([active, np.arange(first, points.size)])
         best = _best_last_segment(
-            best, new_kept[front], new_spent[front], last_limit[k], first, k)
+            best, new_kept[front], new_spent[front], last_limit[k], int(tails[k]), first)
     if best is None:
         return None
-    point = best[1]
+    point = best[2]
     segments = [(int(cut[point]), n, False)]
     while parent[point] >= 0:
         segments.append((int(cut[parent[point]]), int(cut[point]), _KINDS[kind[point]]))
@@ -284,17 +311,20 @@ def _pareto_front(kept: np.ndarray, spent: np.ndarray) -> np.ndarray:
 
 
 def _best_last_segment(
-    best: tuple[float, int] | None, kept: np.ndarray, spent: np.ndarray, limit: int,
-    first: int, k: int,
-) -> tuple[float, int] | None:
-    """The cheapest point so far from which [k, n) can be the last, stored segment: the earliest
-    of the cheapest (time, point index) wins ties."""
+    best: tuple[float, int, int] | None, kept: np.ndarray, spent: np.ndarray, limit: int,
+    tail: int, first: int,
+) -> tuple[float, int, int] | None:
+    """The cheapest point so far from which the rest of the chain can be the last, stored
+    segment (holding ``tail`` bytes at its most): (time, the plan's bytes at its end, point
+    index). Of equal times the one ending lower wins (a compiled model's plans recompute its
+    cheap steps for free, so many cost the same), then the earliest."""
     fitting = np.nonzero(kept <= limit)[0]
     if not len(fitting):
         return best
-    j = fitting[np.argmin(spent[fitting])]
-    if best is None or spent[j] < best[0]:
-        return float(spent[j]), first + int(j)
+    j = fitting[np.lexsort((kept[fitting], spent[fitting]))[0]]
+    found = (float(spent[j]), int(kept[j]) + tail, first + int(j))
+    if best is None or found[:2] < best[:2]:
+        return found
     return best
 
 
@@ -330,7 +360,7 @@ def selective_plans(
     chain = ChainModel.of(profiles, input_state)
     cuts = chain.distinct_cuts()
     plans = {tuple(plan) for budget in budgets
-             if (plan := _optimal(chain, budget, mixed=True, cuts=cuts)) is not None}
+             if (plan := _lowest_of_cheapest(chain, budget, cuts)) is not None}
     return sorted((list(p) for p in plans),
                   key=lambda p: [(a, b, _KINDS.index(r)) for a, b, r in p])
 

@@ -187,6 +187,24 @@ class ChainModel:
         np.add.at(checkpointed, self.value_first[inside] - a, self.value_bytes[inside])
         return int((self.backward[a:b] - np.cumsum(checkpointed)).max() - self.first_saved[a])
 
+    @functools.cached_property
+    def saves_for_free(self) -> bool:
+        """Whether some step saves bytes and costs no time to recompute (a compiled model's cheap
+        steps): then plans holding different bytes cost the same (NOTE [ Of equal cost, the
+        lowest ] in ``chain.py``)."""
+        return bool(np.any((self.step_saved > 0) & (np.diff(self.times) == 0)))
+
+    def cost(self, segments: Sequence[Segment]) -> float:
+        """What ``segments`` recompute: each checkpointed segment's time, a selective one's
+        less its kept steps'."""
+        total = 0.0
+        for a, b, recompute in segments:
+            if recompute:
+                total += float(self.times[b] - self.times[a])
+            if recompute == SELECTIVE:
+                total -= float(self.skipped_prefix[b] - self.skipped_prefix[a])
+        return total
+
     def peak(self, segments: Sequence[Segment], gradients: bool = True) -> int:
         """The peak of ``segments`` (activations, and with ``gradients`` the parameter gradients
         in flight): while a segment is recomputed (or first run, if stored) and
