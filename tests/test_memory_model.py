@@ -11,10 +11,10 @@ from revnets.planning.chain import modelled_peaks
 from revnets.planning.search import Option
 
 
-def errors(model: nn.Sequential, x: torch.Tensor, plans: list[list[tuple[int, int]]]) -> list:
+def errors(model: nn.Sequential, x: torch.Tensor, plans: list[list[tuple[int, int]]],
+           loss=lambda out: out.square().mean()) -> list:
     """Exact peak less modelled peak of one-level ``plans`` (checkpointed segments; the rest of
     the chain stored), as the planner predicts and models them."""
-    loss = lambda out: out.square().mean()  # noqa: E731
     planner = auto._Planner(model, model, x, loss, None, measure_time=False)
     profiles = planner._profiles_of(frozenset())
     segmentations = [tuple((a, b, True) for a, b in plan)
@@ -38,12 +38,28 @@ def test_a_storage_two_steps_save_is_counted_once():
 def test_parameter_gradients_are_counted_where_the_backward_makes_them():
     """A step starts from freed gradients: a segment late in the chain is backpropagated with
     few parameter gradients made, an early one with most. Counted as a constant, the error
-    differed by 40 % of the parameters' bytes between the first two of these plans. (The
-    model leaves out what the loss's own backward makes: a plan whose peak falls there, with
-    the last segment held, is off by that too.)"""
+    differed by 40 % of the parameters' bytes between the first two of these plans."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(48)))
     plans = [[(0, 8), (8, 17), (17, 25), (25, 32), (32, 38), (38, 43)], [(0, 24)],
              [(0, 46)], [(0, 47)]]
     found = errors(model, torch.randn(512, 64), plans)
     assert len(set(found)) == 1, found
+
+
+def test_the_loss_backward_is_counted_with_what_the_chain_holds():
+    """A wide head under cross-entropy: the loss's backward (its log-softmax and the gradients
+    it makes, each the head's output in size) runs while the chain holds all it stored, and
+    that is where these plans peak. Counted there, the model is the exact peak less the
+    parameters and the labels alone, whatever the plan; left out, it missed the loss's 3.6 MB
+    besides, and
+    a GPT's lowest plan stored its last block whole (frontier.py: 9 MiB above checkpointing
+    it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(12)),
+                          nn.Linear(64, 2048))
+    x, labels = torch.randn(256, 64), torch.randint(0, 2048, (256,))
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    plans = [[(0, 4), (4, 8), (8, 12)], [(0, 6)], [], [(0, 12)]]
+    loss = lambda out: nn.functional.cross_entropy(out, labels)  # noqa: E731
+    assert errors(model, x, plans, loss) == [parameters + labels.nbytes] * len(plans)

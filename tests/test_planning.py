@@ -31,6 +31,7 @@ from revnets.planning import (
 from revnets.planning import chain as chain_module
 from revnets.planning.chain import SELECTIVE
 from revnets.planning.nested import most_frugal_schedule
+from revnets.planning.profile import meta_like, on_meta
 
 from conftest import conv_unit, max_grad_error, train_step
 
@@ -692,6 +693,36 @@ def test_inception_v3_plan_keeps_gradients_and_statistics():
     assert max_grad_error(model, reference) <= 1e-6
     for a, b in zip(model.buffers(), reference.buffers()):
         assert torch.equal(a, b)
+
+
+class CausalAttention(nn.Module):
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if n % 2 else None,
+                                           is_causal=not n % 2)
+        return y.transpose(1, 2).reshape(b, n, d)
+
+
+@pytest.mark.parametrize("length", [64, 65])
+def test_attention_profiled_on_meta_saves_what_the_cpu_kernel_saves(length):
+    """On the meta device attention runs its math decomposition, which saves the L x L matrix;
+    the CPU's fused kernel saves the query, key, value, output and log-sum-exp. Profiled for
+    the CPU, each step's sizes on meta are the CPU's own, a boolean mask (made a float one, as
+    the kernel's caller does) included (NOTE [ Attention on the meta device ])."""
+    chain = nn.Sequential(nn.Linear(64, 64), CausalAttention(), nn.GELU(), CausalAttention())
+    x = torch.randn(2, length, 64)
+    on_cpu = profile_chain(list(chain), x)
+    with on_meta(list(chain)):
+        for_cpu = profile_chain(list(chain), meta_like(x), kernels_of=torch.device("cpu"))
+        math = profile_chain(list(chain), meta_like(x))
+    size = lambda profiles: [(p.saved_bytes, p.state) for p in profiles]  # noqa: E731
+    assert size(for_cpu) == size(on_cpu) != size(math)
 
 
 def test_sizes_are_profiled_on_meta_copies_of_the_models_own_tensors():

@@ -134,9 +134,9 @@ def test_forward_times_are_measured_on_at_most_eight_samples(monkeypatch):
     seen = []
     profile = auto.profile_chain
 
-    def recording(layers, example_input, repeats=1):
+    def recording(layers, example_input, repeats=1, **kwargs):
         seen.append(example_input.shape[0] if example_input.device.type != "meta" else None)
-        return profile(layers, example_input, repeats)
+        return profile(layers, example_input, repeats, **kwargs)
 
     monkeypatch.setattr(auto, "profile_chain", recording)
     model, x = conv_chain(4), torch.randn(32, 3, 16, 16)

@@ -227,7 +227,9 @@ class _Planner:
             for decision in (Store(), Reconstruct()) if self.sequences else (Store(),):
                 for sequence in self.sequences.values():
                     sequence.set_memory(decision)
-                self.profiles[type(decision)] = profile_chain(list(chain), meta_input)
+                self.profiles[type(decision)] = profile_chain(
+                    list(chain), meta_input, kernels_of=_device_or_cpu(example_input),
+                    loss_fn=loss_fn)
         self.profiles.setdefault(Reconstruct, self.profiles[Store])
         if measure_time and _device(example_input).type != "meta":
             self._store_all()

@@ -22,7 +22,11 @@ search needs and the more alike its errors are from plan to plan.
 # counted at the last step that uses its parameter, whose backward runs first), and so do the
 # gradients of the values live after step j and the ones it makes of those before it (a stem's
 # gradients inside a segment outweigh the one arriving at its end). The model takes the most
-# of that over j; after the whole backward, every parameter gradient and the input.
+# of that over j; after the whole backward, every parameter gradient and the input. Before
+# the last step's backward comes the loss's, while the chain holds all it saved: the last
+# profile carries the most the loss holds (``loss_bytes``, measured on the meta device with
+# the planner's loss function), which a wide head's cross-entropy makes several times its
+# output.
 # Counting the gradients as a constant instead made the model's error depend on where the peak
 # falls: a ResNet's last stage holds most of its parameters, whose gradients are made while
 # the early stages' activations still wait for their backward.
@@ -135,6 +139,12 @@ class ChainModel:
                                 dtype=np.int64)[::-1]
         state_bytes = np.array([sum(state.values()) for state in states], dtype=np.int64)
         backward = first_saved[1:] + grads_after[:-1] + state_bytes[:-1] + state_bytes[1:]
+        if n:
+            # The loss's backward, before the last step's: all the chain saved, and the most the
+            # loss holds, measured from a leaf output, less that output's gradient (made as the
+            # loss's own temporaries go; the last step's moment counts it).
+            loss = first_saved[n] + profiles[-1].loss_bytes - state_bytes[n]
+            backward[-1] = max(backward[-1], loss)
         return cls(
             n=n,
             forbidden=frozenset(forbidden_cuts(profiles)),

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from revnets.checkpoint import SELECTIVE_OPS
+from revnets.memory import measure_memory
+from revnets.planning.meta_attention import AttentionAsOn
 from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
@@ -54,6 +56,10 @@ class LayerProfile:
     # no later layer uses (a parameter two layers share gets its gradient in the later one's
     # backward, which runs first).
     grad_bytes: int = 0
+    # Of the last layer only: the most the loss holds while its forward and backward run from
+    # this layer's output (what it saves, the gradients it makes, that output's among them),
+    # measured on the meta device; 0 where no loss was profiled.
+    loss_bytes: int = 0
 
 
 def _nbytes(output: Any) -> int:
@@ -66,19 +72,39 @@ def _device(value: Any) -> torch.device:
 
 
 def profile_chain(
-    layers: Sequence[nn.Module], example_input: Any, repeats: int = 1
+    layers: Sequence[nn.Module], example_input: Any, repeats: int = 1,
+    kernels_of: torch.device | None = None, loss_fn: Callable[[Any], Tensor] | None = None,
 ) -> list[LayerProfile]:
     """Run ``layers`` one after the other on ``example_input`` (training mode, grad on) and record
-    each layer's costs. On the meta device only sizes are known; elsewhere times are measured too
-    (the fastest of ``repeats`` runs of each layer). What passes between layers may be a tensor
-    or a tuple of tensors (a recurrent state, or the live values of a graph chain).
+    each layer's costs. On the meta device only sizes are known, with attention's kernel the one
+    ``kernels_of`` (the real device) would run (NOTE [ Attention on the meta device ]); elsewhere
+    times are measured too (the fastest of ``repeats`` runs of each layer). What passes between
+    layers may be a tensor or a tuple of tensors (a recurrent state, or the live values of a
+    graph chain). On the meta device, ``loss_fn`` (of the last layer's output) is profiled too:
+    the last profile's ``loss_bytes``.
 
     The layers are left as they were: BatchNorm running statistics and the random number
     generators are restored afterwards.
     """
     device = next(t for t in tree_flatten(example_input)[0] if isinstance(t, Tensor)).device
-    with frozen_running_stats(list(layers)), forked_rng(device):
-        return _profile(layers, example_input, repeats)
+    attention = (AttentionAsOn(kernels_of) if kernels_of is not None and device.type == "meta"
+                 else contextlib.nullcontext())
+    with frozen_running_stats(list(layers)), forked_rng(device), attention:
+        profiles, output = _profile(layers, example_input, repeats)
+        if loss_fn is not None and profiles and device.type == "meta":
+            profiles[-1] = replace(profiles[-1], loss_bytes=_loss_bytes(loss_fn, output))
+        return profiles
+
+
+def _loss_bytes(loss_fn: Callable[[Any], Tensor], output: Any) -> int:
+    """The most ``loss_fn`` holds in its forward and backward from ``output`` (a leaf), on the
+    meta device: the tensors a loss closes over (labels on the real device) are made meta as the
+    layers' are."""
+    def step() -> None:
+        with _SelectiveOutputs(meta=True):
+            loss_fn(output).backward()
+
+    return measure_memory(step).peak_bytes
 
 
 @contextlib.contextmanager
@@ -124,7 +150,10 @@ def _synchronized_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> list[LayerProfile]:
+def _profile(
+    layers: Sequence[nn.Module], example_input: Any, repeats: int
+) -> tuple[list[LayerProfile], Any]:
+    """The layers' profiles, and the last one's output as a leaf."""
     # Parameters and buffers (BatchNorm's running statistics) are model state, not activations.
     params = {
         id(t.untyped_storage()) for layer in layers for t in (*layer.parameters(), *layer.buffers())
@@ -237,7 +266,7 @@ def _profile(layers: Sequence[nn.Module], example_input: Any, repeats: int) -> l
             unsafe.add(p.mutates_from)
     for i in unsafe - {p.index for p in profiles if not p.selective_bytes}:
         profiles[i] = replace(profiles[i], selective_safe=False)
-    return _with_gradients(profiles, layers)
+    return _with_gradients(profiles, layers), leaf
 
 
 def _with_gradients(
