@@ -289,3 +289,56 @@ def test_a_model_holding_its_own_generator_is_predicted_and_planned_as_it_trains
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-10)
     for ours, theirs in zip(model[:6], reference[:6]):  # each drew once in the step
         assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
+
+
+class TiedAndFrozen(nn.Module):
+    """Six Linear-Tanh steps: one Linear used twice, one frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.frozen, self.c = (nn.Linear(64, 64), nn.Linear(64, 64),
+                                               nn.Linear(64, 64), nn.Linear(64, 10))
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        for layer in (self.a, self.b, self.a, self.frozen, self.b):
+            x = torch.tanh(layer(x))
+        return self.c(x)
+
+
+def adam_step(model, optimizer, x):
+    optimizer.zero_grad(set_to_none=True)
+    model(x).float().sum().backward()
+    optimizer.step()
+
+
+def test_with_adam_a_smaller_budget_never_gets_a_higher_peak():
+    """Below the one-level floors rotor is given the budget less the error the floor showed,
+    at most what its model leaves out. That cap counted the parameters and their gradients but
+    not Adam's moments, so rotor's room was too large, every schedule it gave missed, and the
+    search fell back to the most frugal schedule: a larger budget peaked higher than a smaller
+    one's plan."""
+    torch.manual_seed(0)
+    pristine, x = TiedAndFrozen(), torch.randn(256, 64)
+
+    def planned_peak(budget):
+        model = copy.deepcopy(pristine)
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+        try:
+            planned = revnets.auto_checkpoint(model, x, budget, optimizer=optimizer,
+                                              measure_time=False)
+        except revnets.PlanningError:
+            return None
+        adam_step(planned, optimizer, x)  # the moments made, as the budget counts them
+        peak = measure_memory(adam_step, planned, optimizer, x).peak_bytes
+        assert peak == planned.memory_plan.peak_bytes <= budget
+        return peak
+
+    model = copy.deepcopy(pristine)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    adam_step(model, optimizer, x)
+    unplanned = measure_memory(adam_step, model, optimizer, x).peak_bytes
+    peaks = [planned_peak(int(unplanned * share / 100)) for share in range(70, 101, 2)]
+    found = [p for p in peaks if p is not None]
+    assert len(found) > 5
+    assert found == sorted(found), peaks

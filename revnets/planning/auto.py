@@ -22,6 +22,7 @@ from revnets.planning.budget import (
     PlanningError,
     default_loss,
     no_fit,
+    optimizer_state_bytes,
     training_step,
 )
 from revnets.planning.chain import (
@@ -250,11 +251,13 @@ class _Planner:
                     for i, p in enumerate(profiles)]
         # What a step holds besides activations and parameter gradients (which the chain model
         # counts, NOTE [ Gradients in flight ]): the first guess of what an exact peak adds to a
-        # modelled one. Rotor's model counts no gradients: they are in its share.
+        # modelled one. Rotor's model counts no gradients and no optimizer state: they are in
+        # what it leaves out.
         tensors = (*chain.parameters(), *chain.buffers())
         self.model_state = sum(t.numel() * t.element_size() for t in tensors)
-        self.state_and_gradients = self.model_state + sum(
-            t.numel() * t.element_size() for t in tensors if getattr(t, "requires_grad", False))
+        self.outside_rotor = self.model_state + sum(
+            t.numel() * t.element_size() for t in tensors if getattr(t, "requires_grad", False)
+        ) + optimizer_state_bytes(optimizer)
         self.predictions = 0
         self.predictor = Predictor()  # every plan's parameters and buffers made fake once
 
@@ -416,7 +419,7 @@ class _Planner:
         schedule, peak = search_nested(
             frugal, lambda room: nested_schedule(grouped, room, slots=NESTED_SLOTS), budget,
             lambda schedule: self.peak(schedule.apply(layers)), error,
-            self.state_and_gradients)
+            self.outside_rotor)
         if schedule is None:
             if peak < low_peak:
                 low_peak, how = peak, f"nested checkpoints {frugal.tree}"

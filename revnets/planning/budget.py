@@ -9,7 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LossFn", "PlanningError", "default_loss", "no_fit", "training_step"]
+__all__ = [
+    "LossFn", "PlanningError", "default_loss", "no_fit", "optimizer_state_bytes", "training_step",
+]
 
 MiB = 2**20
 LossFn = Callable[[Any], Tensor]
@@ -39,6 +41,33 @@ def training_step(
         loss_fn(model(x)).backward()
         if optimizer is not None:
             optimizer.step()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """What ``optimizer`` keeps once it has stepped (Adam's two moments, SGD's momentum): its
+    state where it has some, else that of a copy stepped once on meta copies of its parameters.
+    A guess for the search (exact predictions decide): 0 where the copy cannot step on meta."""
+    if optimizer is None:
+        return 0
+    state = optimizer.state
+    if not state:
+        groups = [{**group, "params": [_meta_with_grad(p) for p in group["params"]]}
+                  for group in optimizer.param_groups]
+        try:
+            stepped = type(optimizer)(groups, **optimizer.defaults)
+            stepped.step()
+        except Exception:  # noqa: BLE001  an optimizer of its own that cannot run on meta
+            return 0
+        state = stepped.state
+    return sum(t.numel() * t.element_size() for values in state.values()
+               for t in values.values() if isinstance(t, Tensor) and t.dim())
+
+
+def _meta_with_grad(parameter: Tensor) -> Tensor:
+    meta = torch.empty_like(parameter, device="meta").requires_grad_(parameter.requires_grad)
+    if parameter.requires_grad:
+        meta.grad = torch.empty_like(meta)
+    return meta
 
 
 def no_fit(budget: int, smallest: float, how: Any) -> PlanningError:
