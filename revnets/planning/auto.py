@@ -296,7 +296,7 @@ class _Planner:
             extra = sum(_seconds(profiles, i) for i in reconstructed)
             candidates = self._candidates(profiles, reconstructed, budget)
             modelled = modelled_peaks([plan for plan, _ in candidates], profiles,
-                                      self.input_state)
+                                      self.input_state, whole_inputs=False)
             options += [Option(reconstructed, plan, self._recompute(plan, profiles) + extra,
                                peak, sized)
                         for (plan, sized), peak in zip(candidates, modelled)]
@@ -329,7 +329,7 @@ class _Planner:
         plans -= {o.segments for o in peaks if o.reconstructed == chosen}  # predicted already
         extra = sum(_seconds(profiles, i) for i in chosen)
         plans = sorted(plans, key=repr)
-        modelled = modelled_peaks(plans, profiles, self.input_state)
+        modelled = modelled_peaks(plans, profiles, self.input_state, whole_inputs=False)
         better = min((Option(chosen, plan, self._recompute(plan, profiles) + extra, peak,
                              sized=False)
                       for plan, peak in zip(plans, modelled)),

@@ -100,6 +100,7 @@ class ChainModel:
     added_after: list[np.ndarray]
     states: list[dict[str, int]]
     state_bytes: list[int]
+    saved_names: list[frozenset[str]]  # per step: the values whose storages it saves
     selective_bytes: np.ndarray
 
     @classmethod
@@ -163,6 +164,7 @@ class ChainModel:
             appeared=appeared,
             added_after=added_after,
             states=states,
+            saved_names=[frozenset(name for name, _ in p.saved_values) for p in profiles],
             state_bytes=state_bytes.tolist(),
             selective_bytes=np.array(selective, dtype=np.int64),
         )
@@ -215,17 +217,22 @@ class ChainModel:
                 total -= float(self.skipped_prefix[b] - self.skipped_prefix[a])
         return total
 
-    def peak(self, segments: Sequence[Segment], gradients: bool = True) -> int:
+    def peak(self, segments: Sequence[Segment], gradients: bool = True,
+             whole_inputs: bool = True) -> int:
         """The peak of ``segments`` (activations, and with ``gradients`` the parameter gradients
         in flight): while a segment is recomputed (or first run, if stored) and
         backpropagated, the values live at every cut so far (a value crossing several cuts is
         one tensor), what stored segments before it save and selective ones keep, and what it
         holds while it is backpropagated, with the gradients in flight; after the backward,
-        every parameter gradient and the input."""
+        every parameter gradient and the input. The programmes count every value live at a
+        stored segment's start as kept (on the safe side, and a point's bytes then do not
+        depend on the segment after it); without ``whole_inputs``, only those the segment
+        saves or passes on are (``_needed``), as a search ranks its options."""
         kept: dict[str, int] = {}
         held = peak = 0
         for start, stop, recompute in segments:
-            kept.update(self.states[start])
+            kept.update(self.states[start] if recompute or whole_inputs
+                        else self._needed(start, stop))
             peak = max(peak, sum(kept.values()) + held
                        + self.while_backpropagated(start, stop, gradients))
             if recompute == SELECTIVE:  # what it keeps stays until its backward
@@ -233,6 +240,14 @@ class ChainModel:
             elif not recompute:
                 held += self.held(start, stop)
         return max(peak, self.state_bytes[0] + (int(self.grads_after[0]) if gradients else 0))
+
+    def _needed(self, start: int, stop: int) -> dict[str, int]:
+        """Of the values live at ``start``, those stored segment [start, stop) leaves alive once
+        run: what its steps save, and what is still live at ``stop`` (the rest is freed as its
+        forward goes on: a Linear's output that the Tanh after it does not save)."""
+        saved = frozenset().union(*self.saved_names[start:stop])
+        return {name: nbytes for name, nbytes in self.states[start].items()
+                if name in saved or name in self.states[stop]}
 
     def distinct_cuts(self) -> list[int]:
         """The cuts worth a mixed plan's choosing: of each run of cuts joined by free steps
