@@ -3,6 +3,8 @@ says no plan fits, naming the smallest budget that does."""
 
 from __future__ import annotations
 
+import collections
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -44,21 +46,30 @@ def training_step(
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """What ``optimizer`` keeps once it has stepped (Adam's two moments, SGD's momentum): its
-    state where it has some, else that of a copy stepped once on meta copies of its parameters.
-    A guess for the search (exact predictions decide): 0 where the copy cannot step on meta."""
+    """What ``optimizer`` keeps once it has stepped (Adam's two moments, SGD's momentum): the
+    state of a copy of it (its own class, step and options) stepped once on meta copies of its
+    parameters, or the state it has where that is more (Adagrad's, made with it) or the copy
+    cannot step on meta (LBFGS wants a closure). A guess for the search: exact predictions
+    decide."""
     if optimizer is None:
         return 0
-    state = optimizer.state
-    if not state:
-        groups = [{**group, "params": [_meta_with_grad(p) for p in group["params"]]}
-                  for group in optimizer.param_groups]
-        try:
-            stepped = type(optimizer)(groups, **optimizer.defaults)
-            stepped.step()
-        except Exception:  # noqa: BLE001  an optimizer of its own that cannot run on meta
-            return 0
-        state = stepped.state
+    stepped: dict = {}
+    stand_in = copy.copy(optimizer)  # no constructor: AdamW's defaults are not its arguments
+    stand_in.state = collections.defaultdict(dict)
+    stand_in.param_groups = [
+        {**group, "params": [_meta_with_grad(p) for p in group["params"]],
+         **({"fused": False} if group.get("fused") else {})}  # no fused kernel on meta
+        for group in optimizer.param_groups]
+    try:
+        with torch.no_grad():
+            stand_in.step()
+        stepped = stand_in.state
+    except Exception:  # noqa: BLE001  an optimizer that cannot step so: the state it has
+        pass
+    return max(_state_bytes(stepped), _state_bytes(optimizer.state))
+
+
+def _state_bytes(state: Any) -> int:
     return sum(t.numel() * t.element_size() for values in state.values()
                for t in values.values() if isinstance(t, Tensor) and t.dim())
 

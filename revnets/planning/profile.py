@@ -99,12 +99,21 @@ def profile_chain(
 def _loss_bytes(loss_fn: Callable[[Any], Tensor], output: Any) -> int:
     """The most ``loss_fn`` holds in its forward and backward from ``output`` (a leaf), on the
     meta device: the tensors a loss closes over (labels on the real device) are made meta as the
-    layers' are."""
+    layers' are. The backward reaches ``output`` alone (a loss module's own parameters keep
+    their gradients), and the loss reads a copy of it (it may write it in place). A loss that
+    cannot run there (one reading values: ``.item()``, a mask) counts nothing: this only ranks
+    plans, and the exact prediction, on fake tensors of the real device, says what it reads."""
+    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+    copied = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output)
+
     def step() -> None:
         with _SelectiveOutputs(meta=True):
-            loss_fn(output).backward()
+            loss_fn(copied).backward(inputs=leaves)
 
-    return measure_memory(step).peak_bytes
+    try:
+        return measure_memory(step).peak_bytes
+    except Exception:  # noqa: BLE001  any failure of user code on meta: see the docstring
+        return 0
 
 
 @contextlib.contextmanager
