@@ -72,10 +72,13 @@ class AttentionAsOn(TorchFunctionMode):
 
 
 def _probe(tensor: Tensor, device: torch.device) -> Tensor:
-    """A tensor on ``device`` of ``tensor``'s shape, dtype and last stride over one row of
-    storage (named: a profile may run under a default device)."""
+    """A tensor on ``device`` of ``tensor``'s shape, dtype, last stride and ``requires_grad``
+    over one row of storage (the device named: a profile may run under a default one)."""
     last = tensor.stride(-1) if tensor.dim() else 1
     rows = (tensor.shape[-1] - 1) * last + 1 if tensor.dim() else 1
     strides = (0,) * max(tensor.dim() - 1, 0) + ((last,) if tensor.dim() else ())
-    return torch.zeros(max(rows, 1), dtype=tensor.dtype, device=device).as_strided(
+    probe = torch.zeros(max(rows, 1), dtype=tensor.dtype, device=device).as_strided(
         tensor.shape, strides)
+    # The choice reads it too: a mask that needs a gradient (a learnt position bias) goes to
+    # the math path, the fused kernel having no gradient for it.
+    return probe.requires_grad_(tensor.requires_grad)
