@@ -130,8 +130,8 @@ class Predictor:
             # Autocast keeps the casts of leaf tensors (weights) until its outermost region
             # ends: inside a user's region, the next prediction with the same fake weights
             # would find them cast already, and leave out the casts a step makes (a plan of a
-            # bf16 transformer predicted 10 % low, over its budget). The user's own casts go
-            # too, to be made again.
+            # bf16 transformer was predicted low, and went over its budget). The user's own
+            # casts go too, to be made again.
             torch.clear_autocast_cache()
             for handle in self._hooks:
                 handle.remove()

@@ -138,12 +138,12 @@ def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
 # budgets, halving DESCENT_STEPS times the range between one where the answer costs more (or
 # nothing fits) and the lowest peak found at the least cost. Each answer is the cheapest under
 # its budget, so the last is the lowest of the cheapest to a 4096th of that range (exact where
-# the fronts are; stepping down a byte below each plan's peak took 749 programmes to plan 180
-# layers, against 18 eager). This runs
-# only where some step that saves bytes costs nothing (ChainModel.saves_for_free): with
-# measured eager times, plans tie only over free steps (views), which hold alike. Storing the
-# later half of a compiled ResNet-50, where a selective checkpoint of it cost the same, peaked
-# 24 MiB higher compiled (benchmarks/frontier.py).
+# the fronts are; stepping down a byte below each plan's peak instead ran hundreds of
+# programmes on a long chain). This runs only where some step that saves bytes costs nothing
+# (ChainModel.saves_for_free): with measured eager times, plans tie only over free steps
+# (views), which hold alike. A compiled ResNet-50 at keep 0.7 stored its later half whole where
+# a selective checkpoint of it cost the same, and peaked at 249 MiB compiled; the lowest of the
+# cheapest peaks at 237 MiB (benchmarks/frontier.py, CPU).
 def _lowest_of_cheapest(chain: ChainModel, budget: int,
                         cuts: Sequence[int] | None = None) -> list[Segment] | None:
     """The mixed programme's plan under ``budget``, the lowest of the cheapest (NOTE [ Of equal
