@@ -406,6 +406,15 @@ def test_losses_of_any_kind_plan_with_exact_predictions(loss):
     assert measure_memory(step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
 
 
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_by_name():
+    """LBFGS steps only with a closure that runs the model again (before: torch's TypeError
+    about a missing argument, from deep inside a prediction)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    optimizer = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(TypeError, match="LBFGS.step needs a closure .* plan without optimizer="):
+        revnets.auto_checkpoint(model, torch.randn(4, 8), 10**6, optimizer=optimizer)
+
+
 class MixedBlock(nn.Module):
     def __init__(self, width: int = 64) -> None:
         super().__init__()

@@ -344,6 +344,36 @@ def test_reading_a_computed_value_is_refused_with_what_to_do(read):
         predict_memory(step, model, optimizer, x)
 
 
+LOSSES = {
+    "mse": lambda out, t: nn.functional.mse_loss(out, t),
+    "mse, summed": lambda out, t: nn.functional.mse_loss(out, t, reduction="sum"),
+    "mse, broadcast target": lambda out, t: nn.functional.mse_loss(out, t[:, :1].expand_as(out)),
+    "smooth l1": lambda out, t: nn.functional.smooth_l1_loss(out, t, beta=0.5),
+    "binary cross-entropy, weighted": lambda out, t: nn.functional.binary_cross_entropy(
+        out.sigmoid(), t.sigmoid(), weight=torch.ones(out.shape[1])),
+    "soft margin": lambda out, t: nn.functional.soft_margin_loss(out, t.sign()),
+}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_reduced_loss_is_predicted_with_the_storage_the_cpu_keeps_for_it(loss, autocast):
+    """The CPU reduces these losses into the unreduced loss's own tensor, resized to a scalar:
+    the scalar keeps a storage the size of the output (before: predicted 4 bytes, so a step
+    ending in an MSE loss over a target a closure holds was predicted that much low)."""
+    torch.manual_seed(0)
+    model, x, target = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10)), \
+        torch.randn(32, 64), torch.randn(32, 10)
+
+    def step(model, x):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            value = LOSSES[loss](model(x), target)
+        value.backward()
+
+    assert predict_memory(step, model, x).peak_bytes == measure_memory(step, model, x).peak_bytes
+
+
 def test_a_sparse_gradient_is_refused_by_name():
     """A sparse gradient's entries depend on the indices' values (before: predicted with no
     entries, 19264 bytes against 22400 measured with SparseAdam)."""

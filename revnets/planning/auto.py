@@ -20,6 +20,7 @@ from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Re
 from revnets.planning.budget import (
     LossFn,
     PlanningError,
+    check_optimizer,
     default_loss,
     no_fit,
     optimizer_state_bytes,
@@ -158,6 +159,7 @@ def _auto_checkpoint(
     measure_time: bool,
     compiled: bool = False,
 ) -> nn.Module:
+    check_optimizer(optimizer)
     zoo = isinstance(model, SwitchableMemory)
     original = model.memory if zoo else None
     if isinstance(model, nn.Sequential):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "LossFn", "PlanningError", "default_loss", "no_fit", "optimizer_state_bytes", "training_step",
+    "LossFn", "PlanningError", "check_optimizer", "default_loss", "no_fit", "optimizer_state_bytes",
+    "training_step",
 ]
 
 MiB = 2**20
@@ -30,6 +32,22 @@ class PlanningError(ValueError):
 
 def default_loss(output: Tensor) -> Tensor:
     return output.float().sum()
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse, naming it, an optimizer whose step the budget's training step cannot take."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"auto_checkpoint: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"auto_checkpoint: {type(optimizer).__name__}.step needs a closure that evaluates the "
+            f"model again (and reads the loss's value), which a budget's step, predicted on fake "
+            f"tensors, cannot run; plan without optimizer= and leave room in the budget for its "
+            f"state (LBFGS: about 2 * history_size + 2 vectors the size of the parameters)")
 
 
 def training_step(
