@@ -45,7 +45,7 @@ from revnets.planning.nested import (
     most_frugal_schedule,
     nested_schedule,
 )
-from revnets.planning.planned import PlannedModel
+from revnets.planning.planned import PlanChain, PlannedModel
 from revnets.planning.profile import (
     LayerProfile,
     _device,
@@ -109,7 +109,9 @@ def auto_checkpoint(
     checkpoint's cheap steps (norms, activations, additions) inside its fused kernels at next to
     no cost; plans are then ordered by what they recompute of matrix products, convolutions and
     attention alone, so selective checkpoints come first. The budget keeps its meaning (the
-    eager step's exact peak): a compiled step's memory is the partitioner's to decide.
+    eager step's exact peak): a compiled step's memory is the partitioner's to decide, and
+    consecutive selective checkpoints run as one there (NOTE [ Selective segments under compile ]
+    in ``planning/planned.py``).
 
     An ``nn.Sequential`` comes back as a new ``nn.Sequential`` over the same layers; any other
     model as a :class:`PlannedModel` that trains with the plan and evaluates with the model
@@ -402,7 +404,7 @@ class _Planner:
             if recompute:
                 run = [Checkpointed(nn.Sequential(*run), checkpoint_decision(recompute))]
             steps += run
-        return nn.Sequential(*steps)
+        return PlanChain(*steps)
 
     def _nested(
         self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str], error: int
