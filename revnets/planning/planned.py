@@ -23,10 +23,9 @@ __all__ = ["PlanChain", "PlannedModel"]
 # just before its use in the backward, fused into the kernel that needs it, so the cuts bound
 # nothing there and each costs the input it keeps. Compiled, consecutive selective segments
 # therefore run as one checkpoint: it keeps the same products and no inputs between them. On
-# ResNet-50 (benchmarks/frontier.py) the four inputs a plan kept between its selective segments
-# were 18 MiB of the 228 MiB a compiled step saved, and its step peaked above compile's own
-# curve; run as one, the same plan is below it. Eager steps, and so every prediction, are
-# unchanged.
+# ResNet-50 at a 70 % keep (benchmarks/frontier.py, docs/results.md) that took the plan's
+# compiled step from above compile's own curve to below it. Eager steps, and so every
+# prediction, are unchanged.
 
 
 class PlanChain(nn.Sequential):
