@@ -13,11 +13,13 @@ from revnets.planning import chain as chain_module
 from revnets.planning.chain import SELECTIVE
 from revnets.planning.nested import NestedSchedule
 from revnets.planning.search import (
+    LADDER_RATIO,
     MAX_GUESSES,
     Option,
     floors,
     lowest_floor,
     near_floors,
+    nested_candidates,
     search,
     search_nested,
 )
@@ -146,15 +148,15 @@ def test_forward_times_are_measured_on_at_most_eight_samples(monkeypatch):
 
 
 # Rotor's schedules of a five-layer chain by the room they are given: the more room, the less
-# they recompute. The most frugal one recomputes the most (three deep) and costs the most to
-# predict.
+# they recompute. The most frugal one recomputes the most (three deep).
 FRUGAL = NestedSchedule([[[[0, 1], 2], 3], 4], recompute_cost=6.0, modelled_bytes=50)
 GUESS = NestedSchedule([[[0, 1], 2], 3, 4], recompute_cost=4.0)
 ROOMY = NestedSchedule([[[0], 1, 2], 3, 4], recompute_cost=3.0)
+ONE_LEVEL = NestedSchedule([[0, 1], 2, 3, 4], recompute_cost=2.0)
 
 
 def schedule_for(room):
-    return FRUGAL if room < 60 else GUESS if room < 150 else ROOMY
+    return FRUGAL if room < 60 else GUESS if room < 150 else ROOMY if room < 250 else ONE_LEVEL
 
 
 def predicted(peaks):
@@ -168,45 +170,46 @@ def predicted(peaks):
     return predict, asked
 
 
-def test_below_the_floors_a_fitting_guess_is_taken_without_predicting_the_most_frugal_schedule():
-    """The lowest one-level floor's prediction showed 900 bytes more than the chain model: rotor
-    is given the budget less that (100), and its schedule there fits with 50 to spare. The room
-    grows by that slack once (to 150), and the schedule there fits too and is taken. The most
-    frugal schedule is never predicted."""
-    predict, asked = predicted({id(GUESS): 950, id(ROOMY): 990, id(FRUGAL): 800})
-    found = search_nested(FRUGAL, schedule_for, 1000, predict, error=900, most=10_000)
-    assert found == (ROOMY, 990)
-    assert asked == [GUESS, ROOMY]
+def test_below_the_floors_the_candidates_are_rotors_schedules_for_rooms_fixed_by_sizes():
+    """Rooms growing by a fixed ratio from the most frugal schedule's modelled bytes (50),
+    whatever the budget, until rotor's schedule is one level deep (a one-level plan, which the
+    floors bound already); each schedule once, the cheapest first."""
+    rooms = []
+
+    def recording(room):
+        rooms.append(room)
+        return schedule_for(room)
+
+    assert nested_candidates(FRUGAL, recording) == [ROOMY, GUESS, FRUGAL]
+    assert rooms == [int(50 * LADDER_RATIO**rung) for rung in range(1, len(rooms) + 1)]
+    assert schedule_for(rooms[-1]) is ONE_LEVEL and schedule_for(rooms[-2]) is not ONE_LEVEL
 
 
-def test_below_the_floors_the_most_frugal_schedule_decides_where_the_guess_misses():
-    # The guess misses: the most frugal schedule fits, and the room corrected by its error
-    # (750) leaves 250, where the roomier schedule fits.
-    predict, asked = predicted({id(GUESS): 1010, id(ROOMY): 990, id(FRUGAL): 800})
-    found = search_nested(FRUGAL, schedule_for, 1000, predict, error=900, most=10_000)
-    assert found == (ROOMY, 990) and asked == [GUESS, FRUGAL, ROOMY]
-    # Where even the most frugal schedule's estimate (50 modelled, 980 of error) does not fit,
-    # nothing else is predicted, and a refusal names its exact peak.
-    predict, asked = predicted({id(GUESS): 950, id(ROOMY): 990, id(FRUGAL): 1200})
-    found = search_nested(FRUGAL, schedule_for, 1000, predict, error=980, most=10_000)
-    assert found == (None, 1200) and asked == [FRUGAL]
+def test_below_the_floors_the_cheapest_candidate_that_fits_is_taken():
+    predict, asked = predicted({id(ROOMY): 1003, id(GUESS): 990, id(FRUGAL): 800})
+    assert search_nested([ROOMY, GUESS, FRUGAL], 1000, predict) == (GUESS, 990)
+    assert asked == [ROOMY, GUESS]  # the most frugal, the costliest to predict, is not
+    # Where none fits, the one of least peak, which fits asked for that peak.
+    predict, asked = predicted({id(ROOMY): 1003, id(GUESS): 790, id(FRUGAL): 800})
+    assert search_nested([ROOMY, GUESS, FRUGAL], 700, predict) == (GUESS, 790)
+    assert search_nested([ROOMY, GUESS, FRUGAL], 790, predict) == (GUESS, 790)
 
 
-def test_below_the_floors_a_schedule_that_misses_shrinks_the_room_by_its_overshoot():
-    """After the most frugal schedule's correction (room 250), the roomy schedule misses by 3:
-    the room shrinks by that (once more where rotor gives the same schedule) to 244, where a
-    schedule between it and the guess fits. Fixed shares of the room (0.8, 0.6) jumped past it to
-    the guess and then to the most frugal schedule, so a larger budget could get a plan
-    recomputing more, and peaking lower, than a smaller one."""
-    middle = NestedSchedule([[[0, 1], 2], [3], 4], recompute_cost=3.5)
-
-    def schedule_for(room):
-        return FRUGAL if room < 60 else GUESS if room < 210 else middle if room < 245 else ROOMY
-
-    predict, asked = predicted({id(GUESS): 1010, id(ROOMY): 1003, id(middle): 995,
-                                id(FRUGAL): 800})
-    found = search_nested(FRUGAL, schedule_for, 1000, predict, error=900, most=10_000)
-    assert found == (middle, 995) and asked == [GUESS, FRUGAL, ROOMY, middle]
+@pytest.mark.parametrize("seed", range(20))
+def test_below_the_floors_a_smaller_budget_never_gets_a_higher_peak(seed):
+    """Whatever the candidates' peaks (a cheaper schedule can peak lower), the peak taken never
+    rises as the budget falls: the cheapest that fits among the same candidates."""
+    generator = torch.Generator().manual_seed(seed)
+    candidates = [NestedSchedule([[i, 0]], recompute_cost=i) for i in range(6)]
+    peaks = {id(c): int(p) for c, p in zip(candidates, torch.randint(500, 1000, (6,),
+                                                                      generator=generator))}
+    predict, _ = predicted(peaks)
+    taken = [search_nested(candidates, budget, predict) for budget in range(480, 1010, 10)]
+    fitting = [peak for budget, (_, peak) in zip(range(480, 1010, 10), taken) if peak <= budget]
+    assert fitting == sorted(fitting)
+    least = min(peaks.values())
+    assert all(peak == least for budget, (_, peak) in zip(range(480, 1010, 10), taken)
+               if budget < least)
 
 
 def test_a_refusal_names_a_plan_modelled_above_the_floors_that_peaks_below_them():

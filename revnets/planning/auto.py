@@ -23,7 +23,6 @@ from revnets.planning.budget import (
     check_optimizer,
     default_loss,
     no_fit,
-    optimizer_state_bytes,
     training_step,
 )
 from revnets.planning.chain import (
@@ -59,6 +58,7 @@ from revnets.planning.search import (
     Option,
     Segments,
     lowest_floor,
+    nested_candidates,
     search,
     search_nested,
 )
@@ -255,13 +255,9 @@ class _Planner:
                     for i, p in enumerate(profiles)]
         # What a step holds besides activations and parameter gradients (which the chain model
         # counts, NOTE [ Gradients in flight ]): the first guess of what an exact peak adds to a
-        # modelled one. Rotor's model counts no gradients and no optimizer state: they are in
-        # what it leaves out.
+        # modelled one.
         tensors = (*chain.parameters(), *chain.buffers())
         self.model_state = sum(t.numel() * t.element_size() for t in tensors)
-        self.outside_rotor = self.model_state + sum(
-            t.numel() * t.element_size() for t in tensors if getattr(t, "requires_grad", False)
-        ) + optimizer_state_bytes(optimizer)
         self.predictions = 0
         self.predictor = Predictor()  # every plan's parameters and buffers made fake once
 
@@ -310,10 +306,7 @@ class _Planner:
             low = lowest_floor(options, peaks)
             smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
                         f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
-            activations = modelled_peaks([low.segments], self._profiles_of(low.reconstructed),
-                                         self.input_state, gradients=False)[0]
-            return self._nested(frozenset(self.sequences), budget, smallest,
-                                peaks[low] - activations)
+            return self._nested(frozenset(self.sequences), budget, smallest)
         found = self._refined(found, peaks, budget) if self.compiled else found
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
@@ -407,26 +400,28 @@ class _Planner:
         return PlanChain(*steps)
 
     def _nested(
-        self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str], error: int
+        self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str]
     ) -> tuple[nn.Module, MemoryPlan]:
         """Below what one level of checkpoints reaches: checkpoints within recomputations
-        (NOTE [ Modelled search, exact acceptance ]); ``error``: the lowest one-level floor's
-        exact peak less its modelled one."""
+        (NOTE [ Modelled search, exact acceptance ])."""
         profiles = self._assign(reconstructed)
         layers, grouped = group_chain(list(self.chain), profiles, NESTED_GROUPS)
+        # Steps counted rather than timed: the schedules are the same in every run, so the
+        # budget a refusal names plans when asked, whatever the times measured then.
+        counted = group_chain(list(self.chain),
+                              [replace(p, forward_seconds=math.nan) for p in profiles],
+                              NESTED_GROUPS)[1]
         low_peak, how = smallest
-        # The most frugal schedule there is, found from sizes alone (not from the budget, not
-        # from measured times): always the same, so the budget a refusal names plans when asked.
         frugal = most_frugal_schedule(grouped)
         if frugal is None:
             raise no_fit(budget, low_peak, how)
+        candidates = nested_candidates(
+            frugal, lambda room: nested_schedule(counted, room, slots=NESTED_SLOTS))
         schedule, peak = search_nested(
-            frugal, lambda room: nested_schedule(grouped, room, slots=NESTED_SLOTS), budget,
-            lambda schedule: self.peak(schedule.apply(layers)), error,
-            self.outside_rotor)
-        if schedule is None:
+            candidates, budget, lambda schedule: self.peak(schedule.apply(layers)))
+        if peak > budget:
             if peak < low_peak:
-                low_peak, how = peak, f"nested checkpoints {frugal.tree}"
+                low_peak, how = peak, f"nested checkpoints {schedule.tree}"
             raise no_fit(budget, low_peak, how)
         parts = [*self._sequence_parts(profiles, reconstructed),
                  PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),

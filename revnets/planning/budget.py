@@ -3,8 +3,6 @@ says no plan fits, naming the smallest budget that does."""
 
 from __future__ import annotations
 
-import collections
-import copy
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -13,8 +11,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "LossFn", "PlanningError", "check_optimizer", "default_loss", "no_fit", "optimizer_state_bytes",
-    "training_step",
+    "LossFn", "PlanningError", "check_optimizer", "default_loss", "no_fit", "training_step",
 ]
 
 MiB = 2**20
@@ -61,42 +58,6 @@ def training_step(
         loss_fn(model(x)).backward()
         if optimizer is not None:
             optimizer.step()
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """What ``optimizer`` keeps once it has stepped (Adam's two moments, SGD's momentum): the
-    state of a copy of it (its own class, step and options) stepped once on meta copies of its
-    parameters, or the state it has where that is more (Adagrad's, made with it) or the copy
-    cannot step on meta (LBFGS wants a closure). A guess for the search: exact predictions
-    decide."""
-    if optimizer is None:
-        return 0
-    stepped: dict = {}
-    stand_in = copy.copy(optimizer)  # no constructor: AdamW's defaults are not its arguments
-    stand_in.state = collections.defaultdict(dict)
-    stand_in.param_groups = [
-        {**group, "params": [_meta_with_grad(p) for p in group["params"]],
-         **({"fused": False} if group.get("fused") else {})}  # no fused kernel on meta
-        for group in optimizer.param_groups]
-    try:
-        with torch.no_grad():
-            stand_in.step()
-        stepped = stand_in.state
-    except Exception:  # noqa: BLE001  an optimizer that cannot step so: the state it has
-        pass
-    return max(_state_bytes(stepped), _state_bytes(optimizer.state))
-
-
-def _state_bytes(state: Any) -> int:
-    return sum(t.numel() * t.element_size() for values in state.values()
-               for t in values.values() if isinstance(t, Tensor) and t.dim())
-
-
-def _meta_with_grad(parameter: Tensor) -> Tensor:
-    meta = torch.empty_like(parameter, device="meta").requires_grad_(parameter.requires_grad)
-    if parameter.requires_grad:
-        meta.grad = torch.empty_like(meta)
-    return meta
 
 
 def no_fit(budget: int, smallest: float, how: Any) -> PlanningError:

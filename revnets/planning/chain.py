@@ -350,15 +350,13 @@ def modelled_peak(
 
 def modelled_peaks(
     plans: Sequence[Sequence[Segment]], profiles: Sequence[LayerProfile],
-    input_state: dict[str, int] | None = None, gradients: bool = True,
-    whole_inputs: bool = True,
+    input_state: dict[str, int] | None = None, whole_inputs: bool = True,
 ) -> list[int]:
     """The peak of each of ``plans`` (segments) in the model :func:`optimal_segments`
-    minimises over, the chain's arrays made once; without ``gradients``, of activations
-    alone; without ``whole_inputs``, a stored segment keeping only what it needs of its input
-    (``ChainModel.peak``)."""
+    minimises over, the chain's arrays made once; without ``whole_inputs``, a stored segment
+    keeping only what it needs of its input (``ChainModel.peak``)."""
     chain = ChainModel.of(profiles, input_state)
-    return [chain.peak(plan, gradients, whole_inputs) for plan in plans]
+    return [chain.peak(plan, whole_inputs) for plan in plans]
 
 
 def selective_plans(

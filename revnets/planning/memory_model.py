@@ -186,12 +186,10 @@ class ChainModel:
         held once ])."""
         return int(self.first_saved[b] - self.first_saved[a]) - self.live_saved(a, b)
 
-    def while_backpropagated(self, a: int, b: int, gradients: bool = True) -> int:
+    def while_backpropagated(self, a: int, b: int) -> int:
         """The most segment [a, b) holds with the gradients in flight while it is
-        backpropagated (NOTE [ Gradients in flight ]); without ``gradients``, what it holds and
-        the gradient arriving at its end (the model before parameter gradients were counted,
-        which rotor's schedules are calibrated on)."""
-        if not gradients or a == b:
+        backpropagated (NOTE [ Gradients in flight ])."""
+        if a == b:
             return self.held(a, b) + self.state_bytes[b]
         # While step j is backpropagated the segment holds G[j + 1] - G[a] - Y(a, j + 1).
         inside = (self.value_seen <= a) & (self.value_first >= a) & (self.value_first < b)
@@ -217,29 +215,28 @@ class ChainModel:
                 total -= float(self.skipped_prefix[b] - self.skipped_prefix[a])
         return total
 
-    def peak(self, segments: Sequence[Segment], gradients: bool = True,
-             whole_inputs: bool = True) -> int:
-        """The peak of ``segments`` (activations, and with ``gradients`` the parameter gradients
-        in flight): while a segment is recomputed (or first run, if stored) and
-        backpropagated, the values live at every cut so far (a value crossing several cuts is
-        one tensor), what stored segments before it save and selective ones keep, and what it
-        holds while it is backpropagated, with the gradients in flight; after the backward,
-        every parameter gradient and the input. The programmes count every value live at a
-        stored segment's start as kept (on the safe side, and a point's bytes then do not
-        depend on the segment after it); without ``whole_inputs``, only those the segment
-        saves or passes on are (``_needed``), as a search ranks its options."""
+    def peak(self, segments: Sequence[Segment], whole_inputs: bool = True) -> int:
+        """The peak of ``segments`` (activations and the parameter gradients in flight): while
+        a segment is recomputed (or first run, if stored) and backpropagated, the values live at
+        every cut so far (a value crossing several cuts is one tensor), what stored segments
+        before it save and selective ones keep, and what it holds while it is backpropagated,
+        with the gradients in flight; after the backward, every parameter gradient and the
+        input. The programmes count every value live at a stored segment's start as kept (on
+        the safe side, and a point's bytes then do not depend on the segment after it); without
+        ``whole_inputs``, only those the segment saves or passes on are (``_needed``), as a
+        search ranks its options."""
         kept: dict[str, int] = {}
         held = peak = 0
         for start, stop, recompute in segments:
             kept.update(self.states[start] if recompute or whole_inputs
                         else self._needed(start, stop))
             peak = max(peak, sum(kept.values()) + held
-                       + self.while_backpropagated(start, stop, gradients))
+                       + self.while_backpropagated(start, stop))
             if recompute == SELECTIVE:  # what it keeps stays until its backward
                 held += int(self.selective_bytes[start:stop].sum())
             elif not recompute:
                 held += self.held(start, stop)
-        return max(peak, self.state_bytes[0] + (int(self.grads_after[0]) if gradients else 0))
+        return max(peak, self.state_bytes[0] + int(self.grads_after[0]))
 
     def _needed(self, start: int, stop: int) -> dict[str, int]:
         """Of the values live at ``start``, those stored segment [start, stop) leaves alive once

@@ -32,19 +32,19 @@ predictions decide.
 #   the room the parameters and buffers leave, before any error was known). Compiled, a selective
 #   checkpoint recomputes no product, so the retry can save most of the recomputation; eager, the
 #   one more prediction it costs on most plans was not repaid;
-# - below every one-level floor, nested schedules (rotor's recursion over a grouped chain) are tried
-#   alike: rotor is given the budget less the error the lowest floor's prediction showed (exact
-#   minus modelled, at most the model state with its gradients, which rotor's model leaves out). The
-#   schedule found there is predicted; where it fits, its prediction measured the slack it leaves,
-#   and the room grows by that once more (a schedule needs at most its room in rotor's model, so its
-#   error is at least its exact peak less the room). Only where the first guess misses, or where
-#   even the most frugal schedule's estimate does not fit, is that schedule (the least memory of
-#   rotor's model, found from sizes alone) predicted: a refusal names its peak, and the room is
-#   corrected by its error; a schedule that misses shrinks the room by what its prediction overshot
-#   (fixed shares of the room jumped from a schedule just over the budget to the frugal one, so a
-#   larger budget could get the frugal schedule where a smaller one got a cheaper plan). Predicting
-#   the frugal schedule first cost the most of all nested predictions (it recomputes the most) where
-#   a fitting schedule did not need it.
+# - below every one-level floor, nested schedules (rotor's recursion over a grouped chain) are
+#   chosen from a fixed set: the most frugal schedule (the least memory of rotor's model) and
+#   rotor's schedules for rooms growing by a fixed ratio from that least memory, steps counted
+#   (not timed). They are predicted from the cheapest, and the first that fits is taken; where
+#   none fits, a refusal names the least of their peaks. The set depends on sizes alone, never on
+#   the budget or on measured times, so at every budget the plan is the cheapest that fits among
+#   the same schedules: a smaller budget gets the same plan or one that fitted where the larger
+#   budget's did not, never a higher peak, and the budget a refusal names plans, in any run. A
+#   search that asked rotor for the budget's own room, and shrank it by each miss's overshoot,
+#   found cheaper schedules in fewer predictions, but which ones depended on the budget: a
+#   smaller budget could get a plan peaking above a larger one's (a tied Linear-Tanh chain,
+#   tests/test_planner_robustness.py), and a refusal named a schedule that later searches did
+#   not meet again.
 """
 
 from __future__ import annotations
@@ -56,12 +56,13 @@ from revnets.planning.chain import Segment
 from revnets.planning.nested import NestedSchedule
 
 __all__ = [
-    "MAX_GUESSES", "Option", "Segments", "lowest_floor", "near_floors", "search",
-    "search_nested",
+    "LADDER", "LADDER_RATIO", "MAX_GUESSES", "Option", "Segments", "lowest_floor", "near_floors",
+    "nested_candidates", "search", "search_nested",
 ]
 
 Segments = tuple[Segment, ...]  # (start, stop, recompute) covering the chain
 MAX_GUESSES = 6
+LADDER, LADDER_RATIO = 6, 2**0.5  # the rooms rotor is asked for below the floors
 
 
 @dataclass(frozen=True)
@@ -191,49 +192,34 @@ def lowest_floor(options: Sequence[Option], peaks: dict[Option, int]) -> Option:
                key=lambda floor: (peaks[floor], floor.cost))
 
 
-def search_nested(
-    frugal: NestedSchedule,
-    schedule_for: Callable[[int], NestedSchedule | None],
-    budget: int,
-    predict: Callable[[NestedSchedule], int],
-    error: int,
-    most: int,
-) -> tuple[NestedSchedule | None, int]:
-    """The nested schedule the NOTE above picks for ``budget`` and its exact peak, or None and
-    the exact peak of ``frugal`` (the schedule of least modelled memory) where even that does
-    not fit. ``schedule_for(room)`` is rotor's schedule for a room; ``error`` the lowest
-    one-level floor's exact peak less its modelled one; no error counts more than ``most``."""
-    peaks: dict[str, int] = {}
-
-    def exact(schedule: NestedSchedule) -> int:
-        key = repr(schedule.tree)
-        if key not in peaks:
-            peaks[key] = predict(schedule)
-        return peaks[key]
-
-    if frugal.modelled_bytes is not None and frugal.modelled_bytes + min(error, most) <= budget:
-        found, room = None, budget - min(error, most)
-        for _ in range(2):  # the guess, then the room grown by the slack it measured
-            schedule = schedule_for(room)
-            # One level deep, it is a one-level plan, which the floors already bound from below.
-            if schedule is None or schedule.depth() < 2 or exact(schedule) > budget:
-                break
-            found = schedule
-            room = budget - min(exact(schedule) - room, most)
-        if found is not None:
-            return found, exact(found)
-    if exact(frugal) > budget:
-        return None, exact(frugal)
-    room = budget - min(exact(frugal) - (frugal.modelled_bytes or 0), most)
-    # Each miss shrinks the room by what its prediction overshot, until a schedule fits, rotor
-    # finds none, or three more have missed (a room that gives a schedule already predicted
-    # shrinks again at no cost).
-    predicted = len(peaks)
-    for _ in range(4 * MAX_GUESSES):  # rotor calls (each shrinks the room), not predictions
-        schedule = schedule_for(room)
-        if schedule is None or len(peaks) - predicted >= 3 and repr(schedule.tree) not in peaks:
+def nested_candidates(
+    frugal: NestedSchedule, schedule_for: Callable[[int], NestedSchedule | None]
+) -> list[NestedSchedule]:
+    """The nested schedules a search below the floors chooses from: the most frugal schedule,
+    and rotor's schedules for rooms ``LADDER_RATIO`` apart from the most frugal schedule's
+    modelled bytes up, as long as they nest two deep or more (one level deep, a schedule is a
+    one-level plan, which the floors bound already), at most ``LADDER`` of them; each once, the
+    cheapest first. ``schedule_for`` must depend on sizes alone (NOTE above)."""
+    found = {repr(frugal.tree): frugal}
+    room = float(frugal.modelled_bytes or 0)
+    for _ in range(LADDER):
+        room *= LADDER_RATIO
+        schedule = schedule_for(int(room))
+        if schedule is None or schedule.depth() < 2:
             break
-        if exact(schedule) <= budget:
-            return schedule, exact(schedule)
-        room -= exact(schedule) - budget
-    return frugal, exact(frugal)
+        found.setdefault(repr(schedule.tree), schedule)
+    return sorted(found.values(), key=lambda s: (s.recompute_cost, repr(s.tree)))
+
+
+def search_nested(
+    candidates: Sequence[NestedSchedule], budget: int, predict: Callable[[NestedSchedule], int]
+) -> tuple[NestedSchedule, int]:
+    """The cheapest of ``candidates`` (ordered so) whose exact peak fits ``budget``, and that
+    peak; where none fits, the one of least exact peak, and that peak, which, asked for, plans."""
+    peaks = {}
+    for schedule in candidates:
+        peaks[schedule] = predict(schedule)
+        if peaks[schedule] <= budget:
+            return schedule, peaks[schedule]
+    least = min(peaks, key=peaks.get)
+    return least, peaks[least]
