@@ -292,17 +292,19 @@ def test_a_model_holding_its_own_generator_is_predicted_and_planned_as_it_trains
 
 
 class TiedAndFrozen(nn.Module):
-    """Six Linear-Tanh steps: one Linear used twice, one frozen."""
+    """Linear-Tanh steps through two shared layers (``a``, ``b``) and a frozen one (``f``), in
+    ``order``, then a head: by default six steps, ``a`` used twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: str = "abafb") -> None:
         super().__init__()
-        self.a, self.b, self.frozen, self.c = (nn.Linear(64, 64), nn.Linear(64, 64),
-                                               nn.Linear(64, 64), nn.Linear(64, 10))
-        self.frozen.requires_grad_(False)
+        self.a, self.b, self.f, self.c = (nn.Linear(64, 64), nn.Linear(64, 64),
+                                          nn.Linear(64, 64), nn.Linear(64, 10))
+        self.f.requires_grad_(False)
+        self.order = order
 
     def forward(self, x):
-        for layer in (self.a, self.b, self.a, self.frozen, self.b):
-            x = torch.tanh(layer(x))
+        for name in self.order:
+            x = torch.tanh(getattr(self, name)(x))
         return self.c(x)
 
 
@@ -326,21 +328,6 @@ def test_a_smaller_budget_never_gets_a_higher_peak():
     assert len(set(peaks)) > 2 and peaks == sorted(peaks), peaks
 
 
-class TiedCycle(nn.Module):
-    """Seven Linear-Tanh steps cycling through two shared layers and a frozen one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.frozen, self.c = (nn.Linear(64, 64), nn.Linear(64, 64),
-                                               nn.Linear(64, 64), nn.Linear(64, 10))
-        self.frozen.requires_grad_(False)
-
-    def forward(self, x):
-        for i in range(7):
-            x = torch.tanh((self.a, self.b, self.frozen)[i % 3](x))
-        return self.c(x)
-
-
 def test_below_the_one_level_floors_a_smaller_budget_never_gets_a_higher_peak():
     """From the budget a refusal names up to the unplanned peak. Below the one-level floors the
     search asked rotor for the budget's own room and shrank it by each miss: between 395 and
@@ -348,7 +335,7 @@ def test_below_the_one_level_floors_a_smaller_budget_never_gets_a_higher_peak():
     the cheapest that fits among schedules fixed by sizes (NOTE [ Modelled search, exact
     acceptance ])."""
     torch.manual_seed(0)
-    pristine, x = TiedCycle(), torch.randn(256, 64)
+    pristine, x = TiedAndFrozen(order="abfabfa"), torch.randn(256, 64)
     unplanned = measure_memory(train_step, copy.deepcopy(pristine), x).peak_bytes
     with pytest.raises(revnets.PlanningError) as refusal:
         revnets.auto_checkpoint(copy.deepcopy(pristine), x, 1, measure_time=False)
