@@ -44,7 +44,10 @@ UNKNOWN_KERNELS = {
 # - mse_loss, smooth_l1_loss, binary_cross_entropy and soft_margin_loss, reduced (mean or sum),
 #   compute the unreduced loss into a tensor of the broadcast inputs' size and reduce it into
 #   that same tensor, resized to a scalar: the scalar they return keeps the unreduced storage
-#   (the meta kernels: a scalar's 4 bytes), alive as long as the loss is.
+#   (the meta kernels: a scalar's 4 bytes), alive as long as the loss is. Where the target's
+#   dtype differs from the input's (a float64 target), their backward kernels, and soft margin's
+#   forward, return the input's dtype (the meta kernels: the promoted one, which autograd then
+#   copies to the input's).
 # Batch norm's meta kernels are Python decompositions, which the fake mode runs op by op for
 # every new shape (tens of milliseconds per layer of a DenseNet): its outputs are made directly,
 # as the CPU kernels allocate them (the output and the input's gradient in the input's suggested
@@ -157,22 +160,34 @@ def _rnn_layer_backward(out: Any, args: tuple, kwargs: dict) -> Any:
     return (*out[:4], out[4].new_empty(out[4].shape), *out[5:])
 
 
-def _reduced_in_unreduced_storage(reduction_at: int) -> Callable[[Any, tuple, dict], Any]:
+def _reduced_in_unreduced_storage(
+    reduction_at: int, in_input_dtype: bool = False
+) -> Callable[[Any, tuple, dict], Any]:
     def outputs(out: Any, args: tuple, kwargs: dict) -> Any:
         reduction = (args[reduction_at] if len(args) > reduction_at
                      else kwargs.get("reduction", 1))  # torch's Reduction: None 0, Mean 1, Sum 2
+        dtype = args[0].dtype if in_input_dtype else out.dtype
         if reduction == 0:
-            return out
+            return out if out.dtype == dtype else out.new_empty(out.shape, dtype=dtype)
         unreduced = torch.broadcast_shapes(args[0].shape, args[1].shape)
-        return out.new_empty(unreduced).resize_(out.shape)  # resizing down keeps the storage
+        # Resizing down keeps the storage.
+        return out.new_empty(unreduced, dtype=dtype).resize_(out.shape)
 
     return outputs
+
+
+def _gradient_in_input_dtype(out: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[1]  # (grad_output, self, target, ...)
+    return out if out.dtype == x.dtype else out.new_empty(out.shape, dtype=x.dtype)
 
 
 CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     torch.ops.aten.mse_loss.default: _reduced_in_unreduced_storage(2),
     torch.ops.aten.smooth_l1_loss.default: _reduced_in_unreduced_storage(2),
-    torch.ops.aten.soft_margin_loss.default: _reduced_in_unreduced_storage(2),
+    torch.ops.aten.soft_margin_loss.default: _reduced_in_unreduced_storage(2, in_input_dtype=True),
+    torch.ops.aten.mse_loss_backward.default: _gradient_in_input_dtype,
+    torch.ops.aten.smooth_l1_loss_backward.default: _gradient_in_input_dtype,
+    torch.ops.aten.soft_margin_loss_backward.default: _gradient_in_input_dtype,
     torch.ops.aten.binary_cross_entropy.default: _reduced_in_unreduced_storage(3),
     torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_backward,
     torch.ops.aten.native_batch_norm.default: _batch_norm,

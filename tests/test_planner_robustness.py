@@ -429,12 +429,25 @@ def test_losses_of_any_kind_plan_with_exact_predictions(loss):
     assert measure_memory(step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
 
 
-def test_an_optimizer_whose_step_needs_a_closure_is_refused_by_name():
+class ForwardingLBFGS(torch.optim.LBFGS):
+    def step(self, *args, **kwargs):  # the signature says nothing of the closure
+        return super().step(*args, **kwargs)
+
+
+class ClosureOnly(torch.optim.SGD):
+    def step(self, closure):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.LBFGS, ForwardingLBFGS, ClosureOnly])
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_by_name(kind):
     """LBFGS steps only with a closure that runs the model again (before: torch's TypeError
-    about a missing argument, from deep inside a prediction)."""
+    about a missing argument, from deep inside a prediction); so does any optimizer whose step
+    requires one, and an LBFGS whatever its step's signature says."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
-    optimizer = torch.optim.LBFGS(model.parameters())
-    with pytest.raises(TypeError, match="LBFGS.step needs a closure .* plan without optimizer="):
+    optimizer = kind(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=f"{kind.__name__}.step needs a closure .* plan without "
+                                        "optimizer="):
         revnets.auto_checkpoint(model, torch.randn(4, 8), 10**6, optimizer=optimizer)
 
 

@@ -352,6 +352,11 @@ LOSSES = {
     "binary cross-entropy, weighted": lambda out, t: nn.functional.binary_cross_entropy(
         out.sigmoid(), t.sigmoid(), weight=torch.ones(out.shape[1])),
     "soft margin": lambda out, t: nn.functional.soft_margin_loss(out, t.sign()),
+    "mse, float64 target": lambda out, t: nn.functional.mse_loss(out, t.double()),
+    "smooth l1, float64 target, unreduced": lambda out, t: nn.functional.smooth_l1_loss(
+        out, t.double(), reduction="none").sum(),
+    "soft margin, float64 target": lambda out, t: nn.functional.soft_margin_loss(
+        out, t.sign().double()),
 }
 
 
@@ -360,10 +365,12 @@ LOSSES = {
 def test_a_reduced_loss_is_predicted_with_the_storage_the_cpu_keeps_for_it(loss, autocast):
     """The CPU reduces these losses into the unreduced loss's own tensor, resized to a scalar:
     the scalar keeps a storage the size of the output (before: predicted 4 bytes, so a step
-    ending in an MSE loss over a target a closure holds was predicted that much low)."""
+    ending in an MSE loss over a target a closure holds was predicted that much low). With a
+    float64 target their gradients (and soft margin's loss) come in the input's dtype."""
     torch.manual_seed(0)
-    model, x, target = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10)), \
-        torch.randn(32, 64), torch.randn(32, 10)
+    # The output the largest tensor of the step: what the loss holds makes the peak.
+    model, x, target = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 512)), \
+        torch.randn(32, 16), torch.randn(32, 512)
 
     def step(model, x):
         model.zero_grad(set_to_none=True)

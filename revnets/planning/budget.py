@@ -39,12 +39,15 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
         raise TypeError(f"auto_checkpoint: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
+    if isinstance(optimizer, torch.optim.LBFGS) or (
+            closure is not None and closure.default is inspect.Parameter.empty):
+        hint = (" (LBFGS: about 2 * history_size + 2 vectors the size of the parameters)"
+                if isinstance(optimizer, torch.optim.LBFGS) else "")
         raise TypeError(
             f"auto_checkpoint: {type(optimizer).__name__}.step needs a closure that evaluates the "
             f"model again (and reads the loss's value), which a budget's step, predicted on fake "
             f"tensors, cannot run; plan without optimizer= and leave room in the budget for its "
-            f"state (LBFGS: about 2 * history_size + 2 vectors the size of the parameters)")
+            f"state{hint}")
 
 
 def training_step(
