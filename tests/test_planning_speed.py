@@ -212,6 +212,25 @@ def test_below_the_floors_a_smaller_budget_never_gets_a_higher_peak(seed):
                if budget < least)
 
 
+def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_hundredth_of_the_end(
+        monkeypatch):
+    """Wide layers at batch 1: the peak is the weights and their gradients, which every plan
+    holds at the step's end, and the lowest floor is next to it. The nested search, whose
+    predictions cost seconds on such models (torchvision's ViT-H/14), is not run; the refusal
+    names the floor, which plans."""
+    def refused(*args):
+        raise AssertionError("nested schedules searched")
+
+    monkeypatch.setattr(auto, "nested_candidates", refused)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)))
+    x = torch.randn(1, 256)
+    with pytest.raises(revnets.PlanningError) as refusal:
+        revnets.auto_checkpoint(model, x, 1, measure_time=False)
+    planned = revnets.auto_checkpoint(model, x, refusal.value.smallest_budget, measure_time=False)
+    assert planned.memory_plan.peak_bytes <= refusal.value.smallest_budget
+
+
 def test_a_refusal_names_a_plan_modelled_above_the_floors_that_peaks_below_them():
     """The chain model's error differs a little from plan to plan (torchvision's swin_t at a
     70 % cut: the floor peaked 0.18 MB above a plan modelled 0.75 MB above it, which a larger

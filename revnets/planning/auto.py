@@ -39,6 +39,7 @@ from revnets.planning.describe import (
     memory_plan,
     step_name,
 )
+from revnets.planning.memory_model import ChainModel
 from revnets.planning.nested import (
     group_chain,
     most_frugal_schedule,
@@ -73,6 +74,7 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 NESTED_SLOTS = 512  # and O(slots): memory in 1/512ths of the room, each term rounded up
+NESTED_MIN_GAIN = 0.01  # below the floors, the least share of the peak worth nesting for
 SELECTIVE_SHARES = (0.8, 0.9, 1.0, 1.1, 1.25)  # of the budget left for activations
 
 
@@ -413,7 +415,13 @@ class _Planner:
                               NESTED_GROUPS)[1]
         low_peak, how = smallest
         frugal = most_frugal_schedule(grouped)
-        if frugal is None:
+        # No plan peaks below what the step holds at its end (the model state, every gradient,
+        # the input). Where the lowest floor is within NESTED_MIN_GAIN of that, nested
+        # checkpoints are not searched: what they could save is next to nothing, and their
+        # predictions cost seconds on a large model (torchvision's ViT-H/14, whose peak is its
+        # weights and their gradients). Sizes and the floor decide, never the budget.
+        end = self.model_state + ChainModel.of(profiles, self.input_state).end_bytes
+        if frugal is None or low_peak - end < NESTED_MIN_GAIN * low_peak:
             raise no_fit(budget, low_peak, how)
         candidates = nested_candidates(
             frugal, lambda room: nested_schedule(counted, room, slots=NESTED_SLOTS))

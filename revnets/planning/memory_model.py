@@ -181,6 +181,12 @@ class ChainModel:
         return np.array([self.while_backpropagated(k, self.n) for k in range(self.n)],
                         dtype=np.int64)
 
+    @property
+    def end_bytes(self) -> int:
+        """What the step holds once backpropagated, whatever the plan: every parameter
+        gradient and the input."""
+        return int(self.state_bytes[0] + self.grads_after[0])
+
     def held(self, a: int, b: int) -> int:
         """What segment [a, b) holds once it has run forward (NOTE [ A storage saved twice is
         held once ])."""
@@ -236,7 +242,7 @@ class ChainModel:
                 held += int(self.selective_bytes[start:stop].sum())
             elif not recompute:
                 held += self.held(start, stop)
-        return max(peak, self.state_bytes[0] + int(self.grads_after[0]))
+        return max(peak, self.end_bytes)
 
     def _needed(self, start: int, stop: int) -> dict[str, int]:
         """Of the values live at ``start``, those stored segment [start, stop) leaves alive once

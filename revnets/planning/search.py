@@ -39,7 +39,9 @@ predictions decide.
 #   none fits, a refusal names the least of their peaks. The set depends on sizes alone, never on
 #   the budget or on measured times, so at every budget the plan is the cheapest that fits among
 #   the same schedules: a smaller budget gets the same plan or one that fitted where the larger
-#   budget's did not, never a higher peak, and the budget a refusal names plans, in any run. A
+#   budget's did not, never a higher peak, and the budget a refusal names plans, in any run.
+#   Where the lowest floor is within 1 % of what every plan holds at the step's end (the model
+#   state, every gradient, the input: ``NESTED_MIN_GAIN`` in auto.py), none is searched. A
 #   search that asked rotor for the budget's own room, and shrank it by each miss's overshoot,
 #   found cheaper schedules in fewer predictions, but which ones depended on the budget: a
 #   smaller budget could get a plan peaking above a larger one's (a tied Linear-Tanh chain,
