@@ -212,7 +212,7 @@ def test_below_the_floors_a_smaller_budget_never_gets_a_higher_peak(seed):
                if budget < least)
 
 
-def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_hundredth_of_the_end(
+def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_thousandth_of_the_end(
         monkeypatch):
     """Wide layers at batch 1: the peak is the weights and their gradients, which every plan
     holds at the step's end, and the lowest floor is next to it. The nested search, whose

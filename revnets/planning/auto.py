@@ -74,7 +74,7 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 NESTED_SLOTS = 512  # and O(slots): memory in 1/512ths of the room, each term rounded up
-NESTED_MIN_GAIN = 0.01  # below the floors, the least share of the peak worth nesting for
+NESTED_MIN_GAIN = 0.001  # below the floors, the least share of the peak worth nesting for
 SELECTIVE_SHARES = (0.8, 0.9, 1.0, 1.1, 1.25)  # of the budget left for activations
 
 

@@ -40,7 +40,7 @@ predictions decide.
 #   the budget or on measured times, so at every budget the plan is the cheapest that fits among
 #   the same schedules: a smaller budget gets the same plan or one that fitted where the larger
 #   budget's did not, never a higher peak, and the budget a refusal names plans, in any run.
-#   Where the lowest floor is within 1 % of what every plan holds at the step's end (the model
+#   Where the lowest floor is within 0.1 % of what every plan holds at the step's end (the model
 #   state, every gradient, the input: ``NESTED_MIN_GAIN`` in auto.py), none is searched. A
 #   search that asked rotor for the budget's own room, and shrank it by each miss's overshoot,
 #   found cheaper schedules in fewer predictions, but which ones depended on the budget: a
