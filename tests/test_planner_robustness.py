@@ -357,12 +357,12 @@ def adam_step(model, optimizer, x):
 
 @pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
 def test_with_adam_a_smaller_budget_never_gets_a_higher_peak(kind):
-    """Below the one-level floors rotor is given the budget less the error the floor showed,
-    at most what its model leaves out. That cap counted the parameters and their gradients but
-    not Adam's moments, so rotor's room was too large, every schedule it gave missed, and the
-    search fell back to the most frugal schedule: a larger budget peaked higher than a smaller
-    one's plan. (AdamW's state was guessed 0: its defaults are not its constructor's
-    arguments, so a copy made from them failed.)"""
+    """The budget includes the optimizer's step and state. Below the one-level floors, rotor
+    was once given the budget less the error the floor showed, capped by what its model leaves
+    out; the cap left out Adam's moments (and guessed AdamW's state 0), every schedule missed,
+    and a larger budget peaked higher than a smaller one's plan. The nested search now takes
+    the cheapest that fits among schedules fixed by sizes (NOTE [ Modelled search, exact
+    acceptance ])."""
     torch.manual_seed(0)
     pristine, x = TiedAndFrozen(), torch.randn(256, 64)
 

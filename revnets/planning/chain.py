@@ -142,8 +142,8 @@ def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
 # programmes on a long chain). This runs only where some step that saves bytes costs nothing
 # (ChainModel.saves_for_free): with measured eager times, plans tie only over free steps
 # (views), which hold alike. A compiled ResNet-50 at keep 0.7 stored its later half whole where
-# a selective checkpoint of it cost the same, and peaked at 249 MiB compiled; the lowest of the
-# cheapest peaks at 237 MiB (benchmarks/frontier.py, CPU).
+# a selective checkpoint of it cost the same, and peaked higher compiled than the lowest of the
+# cheapest does (benchmarks/frontier.py, docs/results.md).
 def _lowest_of_cheapest(chain: ChainModel, budget: int,
                         cuts: Sequence[int] | None = None) -> list[Segment] | None:
     """The mixed programme's plan under ``budget``, the lowest of the cheapest (NOTE [ Of equal
@@ -153,7 +153,7 @@ def _lowest_of_cheapest(chain: ChainModel, budget: int,
         return plan
     cost = chain.cost(plan)
     # Budgets between one no plan fits and the found plan's peak, halved DESCENT_STEPS times.
-    low, high = chain.state_bytes[0] + int(chain.grads_after[0]) - 1, chain.peak(plan)
+    low, high = chain.end_bytes - 1, chain.peak(plan)
     for _ in range(DESCENT_STEPS):
         if high - low <= 1:
             break
