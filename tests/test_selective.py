@@ -178,6 +178,66 @@ def test_a_plan_for_a_compiled_model_recomputes_no_product_where_keeping_them_fi
     assert max_grad_error(model, reference) <= 1e-5
 
 
+
+def bottlenecks(depth: int = 6, width: int = 32) -> nn.Sequential:
+    """Identical ResNet-like blocks (1x1, 3x3 and 1x1 convolutions) between two unlike ones."""
+    def unit(inner: int, outer: int, kernel: int) -> list[nn.Module]:
+        return [nn.Conv2d(inner, outer, kernel, padding=kernel // 2, bias=False),
+                nn.BatchNorm2d(outer), nn.ReLU()]
+
+    blocks = [nn.Sequential(*unit(width, width // 2, 1), *unit(width // 2, width // 2, 3),
+                            *unit(width // 2, width, 1)) for _ in range(depth)]
+    return nn.Sequential(nn.Sequential(*unit(3, width, 3)), *blocks,
+                         nn.Sequential(*unit(width, 8, 3)))
+
+
+def test_a_compiled_plan_is_the_same_whatever_the_forward_times_measured(monkeypatch):
+    """Costed by what their products compute (NOTE [ Compiled costs ]), plans for a compiled
+    model do not follow the noise of the forward times measured: ResNet-50 at one budget got
+    four plans in six calls. Measured times here are scaled at random, step by step, from half
+    to twice what they were."""
+    profile = auto.profile_chain
+    generator = torch.Generator().manual_seed(0)
+
+    def noisy(layers, example_input, repeats=1, **kwargs):
+        profiles = profile(layers, example_input, repeats, **kwargs)
+        if example_input.device.type == "meta":
+            return profiles
+        scales = 2 ** (2 * torch.rand(len(profiles), generator=generator, dtype=torch.float64) - 1)
+        return [replace(p, forward_seconds=p.forward_seconds * float(scale))
+                for p, scale in zip(profiles, scales)]
+
+    monkeypatch.setattr(auto, "profile_chain", noisy)
+    torch.manual_seed(0)
+    model, x = bottlenecks(), torch.randn(4, 3, 16, 16)
+    stored = revnets.predict_memory(lambda m: m(x).sum().backward(), model).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(state + 0.55 * (stored - state))
+    plans = {tuple((part.name, str(part.decision)) for part in
+                   revnets.auto_checkpoint(model, x, budget, compiled=True).memory_plan.parts)
+             for _ in range(6)}
+    assert len(plans) == 1, plans
+
+
+def test_a_steps_products_are_counted_as_torchs_flop_counter_counts_them():
+    """What a compiled recomputation costs (NOTE [ Compiled costs ]): the operations of the
+    convolutions, matrix products and attention each step runs, as torch's FLOP counter counts
+    them on a real run; the CPU's attention kernel included."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3), nn.Flatten(2), nn.Linear(8 * 8, 16), nn.GELU(),
+              nn.Sequential(Attention(16, heads=4), nn.LayerNorm(16))]
+    x = torch.randn(2, 3, 10, 10)
+    counted = []
+    value = x
+    for layer in layers:
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            value = layer(value)
+        counted.append(counter.get_total_flops())
+    assert all(counted[i] for i in (0, 2, 4)) and not any(counted[i] for i in (1, 3))
+    meta = profile_chain(layers, x.to("meta"), kernels_of=torch.device("cpu"))
+    assert [p.product_flops for p in meta] == counted
+
+
 def _compiled_backward_ops(model: nn.Module, x: torch.Tensor) -> set[str]:
     """The operators of ``model``'s compiled backward, with the decompositions and partitioner
     inductor uses."""

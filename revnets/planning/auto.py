@@ -50,6 +50,7 @@ from revnets.planning.profile import (
     LayerProfile,
     _device,
     _nbytes,
+    compiled_costs,
     meta_like,
     on_meta,
     profile_chain,
@@ -110,7 +111,8 @@ def auto_checkpoint(
     ``compiled``: the model will train under ``torch.compile``, whose backward recomputes a
     checkpoint's cheap steps (norms, activations, additions) inside its fused kernels at next to
     no cost; plans are then ordered by what they recompute of matrix products, convolutions and
-    attention alone, so selective checkpoints come first. The budget keeps its meaning (the
+    attention alone (their floating-point operations: NOTE [ Compiled costs ] in
+    ``planning/profile.py``), so selective checkpoints come first. The budget keeps its meaning (the
     eager step's exact peak): a compiled step's memory is the partitioner's to decide, and
     consecutive selective checkpoints run as one there (NOTE [ Selective segments under compile ]
     in ``planning/planned.py``).
@@ -245,16 +247,9 @@ class _Planner:
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=t.forward_seconds)
                                        for p, t in zip(profiles, times)]
-        if compiled:
-            # Under torch.compile a checkpoint's cheap steps are recomputed inside the backward's
-            # fused kernels, at next to no cost: only steps with matrix products, convolutions
-            # or attention (what a selective checkpoint keeps) cost their time. A reversible
-            # sequence runs eagerly, also compiled, and keeps its own.
+        if compiled:  # NOTE [ Compiled costs ] in profile.py
             for kind, profiles in self.profiles.items():
-                self.profiles[kind] = [
-                    replace(p, forward_seconds=_seconds(profiles, i)
-                            if i in self.sequences or p.selective_bytes else 0.0)
-                    for i, p in enumerate(profiles)]
+                self.profiles[kind] = compiled_costs(profiles, self.sequences)
         # What a step holds besides activations and parameter gradients (which the chain model
         # counts, NOTE [ Gradients in flight ]): the first guess of what an exact peak adds to a
         # modelled one.

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
 
 from revnets.checkpoint import SELECTIVE_OPS
 from revnets.memory import measure_memory
@@ -21,7 +22,8 @@ from revnets.planning.meta_attention import AttentionAsOn
 from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
-__all__ = ["LayerProfile", "meta_like", "on_meta", "profile_chain", "timing_input"]
+__all__ = ["LayerProfile", "compiled_costs", "meta_like", "on_meta", "profile_chain",
+           "timing_input"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class LayerProfile:
     # this layer's output (what it saves, the gradients it makes, that output's among them),
     # measured on the meta device; 0 where no loss was profiled.
     loss_bytes: int = 0
+    # The floating-point operations of the operators a selective checkpoint keeps (torch's
+    # formulas, torch.utils.flop_counter), counted on the meta device: what recomputing this
+    # layer costs under torch.compile (NOTE [ Compiled costs ]).
+    product_flops: int = 0
 
 
 def _nbytes(output: Any) -> int:
@@ -260,6 +266,7 @@ def _profile(
                 kept.nbytes(),
                 kept.intact(),
                 saved_values,
+                product_flops=kept.flops,
             )
         )
         for t, _ in kept.outputs:
@@ -304,6 +311,7 @@ class _SelectiveOutputs(TorchDispatchMode):
         super().__init__()
         self.meta = meta
         self.outputs: list[tuple[Tensor, int]] = []
+        self.flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -313,6 +321,7 @@ class _SelectiveOutputs(TorchDispatchMode):
         if func in SELECTIVE_OPS:
             self.outputs += [(t, t._version) for t in tree_flatten(out)[0]
                              if isinstance(t, Tensor)]
+            self.flops += _flops(func, args, kwargs, out)
         return out
 
     def nbytes(self) -> int:
@@ -320,6 +329,50 @@ class _SelectiveOutputs(TorchDispatchMode):
 
     def intact(self) -> bool:
         return all(t._version == version for t, version in self.outputs)
+
+
+# The CPU's flash attention has no formula of its own: it computes what the others do.
+_FLOP_FORMULAS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+                  flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]}
+
+
+def _flops(func: Any, args: Any, kwargs: dict, out: Any) -> int:
+    formula = _FLOP_FORMULAS.get(func.overloadpacket)
+    return 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
+
+
+# NOTE [ Compiled costs ]
+# Under torch.compile a checkpoint's cheap steps (norms, activations, additions) are recomputed
+# inside the backward's fused kernels at next to no cost, and what recomputing a step costs is
+# its matrix products, convolutions and attention: their floating-point operations, as
+# torch.compile's own activation memory budget weighs them
+# (torch._functorch.config.activation_memory_budget_runtime_estimator, "flops"). Counted on
+# the meta device, they are the same in every run: forward times measured once on a busy CPU
+# varied enough between runs that ResNet-50 at one budget was given four different plans in six
+# calls. Measured times only set the scale, so that a reversible sequence, which runs eagerly
+# also compiled and keeps its measured time, is weighed against them: the power of two nearest
+# the seconds per operation over all such steps, by which operations add up exactly (plans
+# recomputing the same operations tie exactly, whatever the times measured).
+def compiled_costs(profiles: Sequence[LayerProfile],
+                   eager_steps: Container[int]) -> list[LayerProfile]:
+    """``profiles`` costed for a compiled model (NOTE [ Compiled costs ]): steps with products
+    cost their operations at the measured seconds per operation, ``eager_steps`` their
+    measured time, and the others nothing; unmeasured (NaN) times count one a costed step."""
+    products = [p for p in profiles if p.selective_bytes and p.index not in eager_steps]
+    flops = sum(p.product_flops for p in products)
+    seconds = sum(p.forward_seconds for p in products)
+    rate = 2.0 ** round(math.log2(seconds / flops)) if flops and seconds > 0 else None
+
+    def cost(p: LayerProfile) -> float:
+        if p.index not in eager_steps and not p.selective_bytes:
+            return 0.0
+        if math.isnan(p.forward_seconds):
+            return 1.0
+        if p.index in eager_steps or rate is None or not p.product_flops:
+            return p.forward_seconds
+        return p.product_flops * rate
+
+    return [replace(p, forward_seconds=cost(p)) for p in profiles]
 
 
 def _all_meta(args: Any, kwargs: dict) -> tuple[Any, dict]:
