@@ -46,8 +46,13 @@ UNKNOWN_KERNELS = {
 #   that same tensor, resized to a scalar: the scalar they return keeps the unreduced storage
 #   (the meta kernels: a scalar's 4 bytes), alive as long as the loss is. Where the target's
 #   dtype differs from the input's (a float64 target), their backward kernels, and soft margin's
-#   forward, return the input's dtype (the meta kernels: the promoted one, which autograd then
-#   copies to the input's).
+#   and huber_loss's forward, return the input's dtype (the meta kernels: the promoted one,
+#   which autograd then copies to the input's); binary_cross_entropy's forward and huber_loss's
+#   backward refuse such a target, and so does a prediction.
+# - mse_loss, smooth_l1_loss and huber_loss averaged over no elements (an empty batch): the CPU's
+#   backward kernels divide by the count as a float and return an empty gradient; their meta
+#   kernels divide by it in Python, and raise ZeroDivisionError. Those outputs are made directly
+#   (CPU_OUTPUTS: NotImplemented where a function leaves the operator to its meta kernel).
 # Batch norm's meta kernels are Python decompositions, which the fake mode runs op by op for
 # every new shape (tens of milliseconds per layer of a DenseNet): its outputs are made directly,
 # as the CPU kernels allocate them (the output and the input's gradient in the input's suggested
@@ -176,18 +181,54 @@ def _reduced_in_unreduced_storage(
     return outputs
 
 
-def _gradient_in_input_dtype(out: Any, args: tuple, kwargs: dict) -> Any:
-    x = args[1]  # (grad_output, self, target, ...)
-    return out if out.dtype == x.dtype else out.new_empty(out.shape, dtype=x.dtype)
+def _loss_gradient(same_dtypes: bool = False) -> Callable[..., Any]:
+    """A loss's gradient over no elements (an empty batch), made directly; ``same_dtypes``: a
+    target of another dtype than the input's refused, as the CPU's kernel refuses it. Else
+    NotImplemented: the meta kernel's."""
+    def outputs(grad_output: Tensor, x: Tensor, target: Tensor, *rest: Any) -> Any:
+        if same_dtypes:
+            _refuse_other_dtypes(x, target)
+        if x.numel():
+            return NotImplemented
+        return x.new_empty(torch.broadcast_shapes(grad_output.shape, x.shape, target.shape))
+
+    return outputs
+
+
+def _same_dtypes(x: Tensor, target: Tensor, *rest: Any, **kwargs: Any) -> Any:
+    _refuse_other_dtypes(x, target)
+    return NotImplemented
+
+
+_SCALAR_TYPES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
+                 torch.bfloat16: "BFloat16"}
+
+
+def _refuse_other_dtypes(x: Tensor, target: Tensor) -> None:
+    if target.dtype != x.dtype:
+        found, expected = (_SCALAR_TYPES.get(t.dtype, str(t.dtype)) for t in (target, x))
+        raise RuntimeError(
+            f"Found dtype {found} but expected {expected} (the CPU's kernel of this loss takes "
+            f"a target of the input's dtype only; convert the target)"
+        )
+
+
+def _in_input_dtype(at: int) -> Callable[[Any, tuple, dict], Any]:
+    def outputs(out: Any, args: tuple, kwargs: dict) -> Any:
+        x = args[at]
+        return out if out.dtype == x.dtype else out.new_empty(out.shape, dtype=x.dtype)
+
+    return outputs
 
 
 CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     torch.ops.aten.mse_loss.default: _reduced_in_unreduced_storage(2),
     torch.ops.aten.smooth_l1_loss.default: _reduced_in_unreduced_storage(2),
     torch.ops.aten.soft_margin_loss.default: _reduced_in_unreduced_storage(2, in_input_dtype=True),
-    torch.ops.aten.mse_loss_backward.default: _gradient_in_input_dtype,
-    torch.ops.aten.smooth_l1_loss_backward.default: _gradient_in_input_dtype,
-    torch.ops.aten.soft_margin_loss_backward.default: _gradient_in_input_dtype,
+    torch.ops.aten.huber_loss.default: _in_input_dtype(0),
+    torch.ops.aten.mse_loss_backward.default: _in_input_dtype(1),  # (grad_output, self, ...)
+    torch.ops.aten.smooth_l1_loss_backward.default: _in_input_dtype(1),
+    torch.ops.aten.soft_margin_loss_backward.default: _in_input_dtype(1),
     torch.ops.aten.binary_cross_entropy.default: _reduced_in_unreduced_storage(3),
     torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_backward,
     torch.ops.aten.native_batch_norm.default: _batch_norm,
@@ -203,6 +244,10 @@ CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
 }
 
 CPU_OUTPUTS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.mse_loss_backward.default: _loss_gradient(),
+    torch.ops.aten.smooth_l1_loss_backward.default: _loss_gradient(),
+    torch.ops.aten.huber_loss_backward.default: _loss_gradient(same_dtypes=True),
+    torch.ops.aten.binary_cross_entropy.default: _same_dtypes,
     torch.ops.aten.native_batch_norm.default: _batch_norm_outputs,
     torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward_outputs,
     torch.ops.aten.batch_norm_backward.default: _batch_norm_backward_with_reserve_outputs,

@@ -216,7 +216,9 @@ class LikeTheDevice(TorchDispatchMode):
         if on_cpu and func in CPU_OUTPUTS and self._ours(
             [t for t in tensors if isinstance(t, FakeTensor)]
         ):  # real tensors among them (statistics a closure holds) are read for their sizes
-            return CPU_OUTPUTS[func](*args, **kwargs)
+            out = CPU_OUTPUTS[func](*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if func.is_view and not func._schema.is_mutable:
             out = self._view(func, args, kwargs, tensors)
         elif func._schema.is_mutable:

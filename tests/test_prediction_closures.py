@@ -381,6 +381,49 @@ def test_a_reduced_loss_is_predicted_with_the_storage_the_cpu_keeps_for_it(loss,
     assert predict_memory(step, model, x).peak_bytes == measure_memory(step, model, x).peak_bytes
 
 
+
+@pytest.mark.parametrize("loss", [nn.functional.mse_loss, nn.functional.smooth_l1_loss,
+                                  nn.functional.huber_loss], ids=["mse", "smooth l1", "huber"])
+def test_a_mean_loss_over_an_empty_batch_is_predicted_as_the_cpu_runs_it(loss):
+    """The CPU averages over no elements (a NaN loss, an empty gradient); the meta kernels of
+    these losses' gradients divided by the count in Python (before: ZeroDivisionError from
+    inside the prediction)."""
+    model, x, target = nn.Linear(16, 8), torch.randn(0, 16), torch.randn(0, 8)
+
+    def step(model, x):
+        model.zero_grad(set_to_none=True)
+        loss(model(x), target).backward()
+
+    assert predict_memory(step, model, x).peak_bytes == measure_memory(step, model, x).peak_bytes
+
+
+def test_a_huber_loss_over_a_float64_target_comes_in_the_inputs_dtype():
+    """As the CPU computes it (before: predicted in float64, the unreduced loss twice its
+    bytes); its gradient is refused there (below)."""
+    model, x, target = nn.Linear(16, 512), torch.randn(32, 16), torch.randn(32, 512).double()
+
+    def forward(model, x):
+        return nn.functional.huber_loss(model(x), target, reduction="none")
+
+    assert predict_memory(forward, model, x).peak_bytes == measure_memory(
+        forward, model, x).peak_bytes
+
+
+@pytest.mark.parametrize("loss", [
+    lambda out, t: nn.functional.huber_loss(out, t),
+    lambda out, t: nn.functional.binary_cross_entropy(out.sigmoid(), t.sigmoid()),
+], ids=["huber, in its backward", "binary cross-entropy"])
+def test_a_loss_the_cpu_refuses_over_a_float64_target_is_refused_by_the_prediction(loss):
+    """Before: predicted, where the step itself raises."""
+    model, x, target = nn.Linear(16, 8), torch.randn(4, 16), torch.randn(4, 8).double()
+
+    def step(model, x):
+        loss(model(x), target).backward()
+
+    for run in (measure_memory, predict_memory):
+        with pytest.raises(RuntimeError, match="Found dtype Double but expected Float"):
+            run(step, model, x)
+
 def test_a_sparse_gradient_is_refused_by_name():
     """A sparse gradient's entries depend on the indices' values (before: predicted with no
     entries, 19264 bytes against 22400 measured with SparseAdam)."""
