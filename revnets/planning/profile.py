@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from revnets.checkpoint import SELECTIVE_OPS
@@ -69,12 +69,12 @@ class LayerProfile:
 
 
 def _nbytes(output: Any) -> int:
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+    tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def _device(value: Any) -> torch.device:
-    return next(t for t in tree_flatten(value)[0] if isinstance(t, Tensor)).device
+    return next(t for t in tree_leaves(value) if isinstance(t, Tensor)).device
 
 
 def profile_chain(
@@ -92,7 +92,7 @@ def profile_chain(
     The layers are left as they were: BatchNorm running statistics and the random number
     generators are restored afterwards.
     """
-    device = next(t for t in tree_flatten(example_input)[0] if isinstance(t, Tensor)).device
+    device = next(t for t in tree_leaves(example_input) if isinstance(t, Tensor)).device
     attention = (AttentionAsOn(kernels_of) if kernels_of is not None and device.type == "meta"
                  else contextlib.nullcontext())
     with frozen_running_stats(list(layers)), forked_rng(device), attention:
@@ -109,7 +109,7 @@ def _loss_bytes(loss_fn: Callable[[Any], Tensor], output: Any) -> int:
     their gradients), and the loss reads a copy of it (it may write it in place). A loss that
     cannot run there (one reading values: ``.item()``, a mask) counts nothing: this only ranks
     plans, and the exact prediction, on fake tensors of the real device, says what it reads."""
-    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+    leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
     copied = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output)
 
     def step() -> None:
@@ -319,7 +319,7 @@ class _SelectiveOutputs(TorchDispatchMode):
             args, kwargs = _all_meta(args, kwargs)
         out = func(*args, **kwargs)
         if func in SELECTIVE_OPS:
-            self.outputs += [(t, t._version) for t in tree_flatten(out)[0]
+            self.outputs += [(t, t._version) for t in tree_leaves(out)
                              if isinstance(t, Tensor)]
             self.flops += _flops(func, args, kwargs, out)
         return out
@@ -376,13 +376,17 @@ def compiled_costs(profiles: Sequence[LayerProfile],
 
 
 def _all_meta(args: Any, kwargs: dict) -> tuple[Any, dict]:
+    # An operator's arguments nest tensors in lists one deep (its schema's Tensor[]); walked
+    # here rather than by pytree, whose every flattening leaves a cycle for the collector.
     def meta(value: Any) -> Any:
         if isinstance(value, Tensor) and not value.is_meta and value.dim() > 0:
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
                                        device="meta").requires_grad_(value.requires_grad)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value):
+            return type(value)(map(meta, value))
         return value
 
-    args, kwargs = tree_map(meta, args), tree_map(meta, kwargs)
+    args, kwargs = tuple(map(meta, args)), {key: meta(v) for key, v in kwargs.items()}
     device = kwargs.get("device")
     if device is not None and torch.device(device).type != "meta":
         kwargs = {**kwargs, "device": torch.device("meta")}
@@ -400,7 +404,7 @@ def _written(layer: nn.Module, leaf: Any, everything: bool = False) -> list[Tens
         mutated in names
     ):
         return [t for name, t in zip(names, leaf) if name == mutated and isinstance(t, Tensor)]
-    return [t for t in tree_flatten(leaf)[0] if isinstance(t, Tensor)]
+    return [t for t in tree_leaves(leaf) if isinstance(t, Tensor)]
 
 
 def _writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
@@ -420,7 +424,7 @@ def _address(tensor: Tensor) -> int:
 
 
 def _storage_ids(value: Any) -> set[int]:
-    return {id(t.untyped_storage()) for t in tree_flatten(value)[0] if isinstance(t, Tensor)}
+    return {id(t.untyped_storage()) for t in tree_leaves(value) if isinstance(t, Tensor)}
 
 
 def _named_bytes(output: Any, names: Sequence[str] | None, index: int) -> dict[str, int]:
@@ -438,7 +442,7 @@ def _carriers(
     values = output if isinstance(output, tuple) else (output,)
     found: dict[int, tuple[str, int]] = {}
     for name, value in zip(names, values):
-        tensors = [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+        tensors = [t for t in tree_leaves(value) if isinstance(t, Tensor)]
         for place, tensor in enumerate(tensors):
             address = _address(tensor)
             found.setdefault(address, carried.get(address, (name, place)))
