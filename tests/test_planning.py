@@ -341,12 +341,12 @@ def test_of_the_cheapest_segmentations_the_programme_returns_the_lowest(seed, mo
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_plans_over_distinct_cuts_recompute_as_little_as_over_every_cut(seed, monkeypatch):
+def test_mixed_plans_over_distinct_cuts_recompute_as_little_as_over_every_cut(seed, monkeypatch):
     """Traced chains are mostly free steps (views, reshapes, getattr: nothing saved, kept or
-    recomputed; they pass on their input's storage). Of each run of cuts they join, the
-    programmes (mixed, and one-level) visit only the cut with the fewest live bytes; with free
-    steps costing no time, the best plan recomputes exactly as little as the best over every
-    cut, under every budget, and fits where that one fits."""
+    recomputed; they pass on their input's storage). Of each run of cuts they join, the mixed
+    programme visits only the cut with the fewest live bytes; with free steps costing no time,
+    its best plan recomputes exactly as little as the best over every cut, under every budget,
+    and fits where that one fits."""
     monkeypatch.setattr(chain_module, "FRONT_CAP", 10**9)  # exact: no front is thinned
     n, free = 9, {1, 2, 4, 5, 6}
     generator = torch.Generator().manual_seed(200 + seed)
@@ -373,15 +373,13 @@ def test_plans_over_distinct_cuts_recompute_as_little_as_over_every_cut(seed, mo
     # Step k joins cuts k and k + 1: free steps 1-2 join cuts 1-3, free steps 4-6 cuts 4-7.
     assert arrays.distinct_cuts() == [min(run, key=live) for run in ([1, 2, 3], [4, 5, 6, 7], [8])]
     cost = lambda plan: sum(segment_cost(profiles, *segment) for segment in plan)  # noqa: E731
-    for mixed in (True, False):  # selective plans; one-level plans (candidate_plans)
-        for budget in range(20, 600, 10):
-            everywhere = chain_module._optimal(arrays, budget, mixed=mixed)
-            distinct = chain_module._optimal(arrays, budget, mixed=mixed,
-                                             cuts=arrays.distinct_cuts())
-            assert (distinct is None) == (everywhere is None)
-            if distinct is not None:
-                assert segments_peak(distinct, profiles) <= budget
-                assert cost(distinct) == pytest.approx(cost(everywhere))
+    for budget in range(20, 600, 10):
+        everywhere = chain_module._optimal(arrays, budget, mixed=True)
+        distinct = chain_module._optimal(arrays, budget, mixed=True, cuts=arrays.distinct_cuts())
+        assert (distinct is None) == (everywhere is None)
+        if distinct is not None:
+            assert segments_peak(distinct, profiles) <= budget
+            assert cost(distinct) == pytest.approx(cost(everywhere))
 
 
 def segments_peak(plan, profiles):

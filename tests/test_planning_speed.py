@@ -147,41 +147,6 @@ def test_forward_times_are_measured_on_at_most_eight_samples(monkeypatch):
     assert [s for s in seen if s is not None] == [8]
 
 
-
-class Reshaping(nn.Module):
-    """A traced chain of mostly free steps (views, reshapes and transposes, which save
-    nothing): the runs of cuts they join bound the same segments."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x).relu().view(-1, 4, 8).transpose(1, 2).reshape(-1, 32).view(-1, 32)
-        return x
-
-
-def test_the_one_level_programme_visits_only_the_distinct_cuts(monkeypatch):
-    """The one-level candidates (the floors among them) come from the programme run over one
-    cut of each run of cuts free steps join (ChainModel.distinct_cuts), as the mixed one is:
-    it visited every cut, a third of MaxViT-T's planning."""
-    asked = []
-    programme = chain_module._optimal
-
-    def recording(chain, budget, mixed, cuts=None):
-        asked.append((mixed, cuts, chain.distinct_cuts(), chain.n))
-        return programme(chain, budget, mixed, cuts)
-
-    monkeypatch.setattr(chain_module, "_optimal", recording)
-    torch.manual_seed(0)
-    model, x = Reshaping(), torch.randn(256, 32)
-    planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.7))
-    assert measure_memory(train_step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
-    one_level = [(cuts, distinct, n) for mixed, cuts, distinct, n in asked if not mixed]
-    assert one_level and all(cuts == distinct and len(distinct) < (n - 1) / 2
-                             for cuts, distinct, n in one_level)
-
 # Rotor's schedules of a five-layer chain by the room they are given: the more room, the less
 # they recompute. The most frugal one recomputes the most (three deep).
 FRUGAL = NestedSchedule([[[[0, 1], 2], 3], 4], recompute_cost=6.0, modelled_bytes=50)

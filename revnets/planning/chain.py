@@ -399,8 +399,7 @@ def candidate_plans(
     low = max(max(sum(p.state.values()) for p in profiles), 1)
     high = max(total, low)
     chain = ChainModel.of(profiles, input_state)
-    proposals += [p for p in _optimal_over_grid(chain, low, high, steps, chain.distinct_cuts())
-                  if p is not None]
+    proposals += [p for p in _optimal_over_grid(chain, low, high, steps) if p is not None]
     plans = {tuple(respect_inplace(p, profiles)) for p in proposals}
     return sorted(
         (list(p) for p in plans),
@@ -408,9 +407,7 @@ def candidate_plans(
     )
 
 
-def _optimal_over_grid(
-    chain: ChainModel, low: int, high: int, steps: int, cuts: Sequence[int]
-) -> list[Plan | None]:
+def _optimal_over_grid(chain: ChainModel, low: int, high: int, steps: int) -> list[Plan | None]:
     """:func:`optimal_plan` at each of ``steps + 1`` budgets from ``low`` to ``high`` (a
     geometric grid), solving only where a plan can differ: where two budgets get the same plan,
     every budget between them gets a plan of the same recompute cost (it is no slower than the
@@ -423,7 +420,7 @@ def _optimal_over_grid(
 
     def solve(k: int) -> Plan | None:
         if k not in found:
-            found[k] = _one_level(_optimal(chain, budgets[k], mixed=False, cuts=cuts))
+            found[k] = _one_level(_optimal(chain, budgets[k], mixed=False))
         return found[k]
 
     def between(lo: int, hi: int) -> None:
@@ -437,21 +434,21 @@ def _optimal_over_grid(
     first = next((k for k in sorted(found) if found[k] is not None), 0)
     if first > 0:  # the lowest fitting budget solved can lie grid steps above the floor
         unfit = max(k for k in found if k < first)
-        plans.append(_floor_plan(chain, budgets[unfit], budgets[first], found[first], cuts))
+        plans.append(_floor_plan(chain, budgets[unfit], budgets[first], found[first]))
     return plans
 
 
 FLOOR_PRECISION = 1000  # the least modelled peak is found to within a thousandth
 
 
-def _floor_plan(chain: ChainModel, unfit: int, fit: int, plan: Plan, cuts: Sequence[int]) -> Plan:
+def _floor_plan(chain: ChainModel, unfit: int, fit: int, plan: Plan) -> Plan:
     """The plan of :func:`optimal_plan` at the least budget any plan fits in the model, to
     within ``fit / FLOOR_PRECISION``, by bisection between a budget no plan fits (``unfit``)
     and one ``plan`` fits: the lowest one-level plan there is, where a search looks when the
     budget asked is close to it."""
     while fit - unfit > max(fit // FLOOR_PRECISION, 1):
         middle = (unfit + fit) // 2
-        found = _one_level(_optimal(chain, middle, mixed=False, cuts=cuts))
+        found = _one_level(_optimal(chain, middle, mixed=False))
         if found is None:
             unfit = middle
         else:
