@@ -381,7 +381,6 @@ def test_a_reduced_loss_is_predicted_with_the_storage_the_cpu_keeps_for_it(loss,
     assert predict_memory(step, model, x).peak_bytes == measure_memory(step, model, x).peak_bytes
 
 
-
 @pytest.mark.parametrize("loss", [nn.functional.mse_loss, nn.functional.smooth_l1_loss,
                                   nn.functional.huber_loss], ids=["mse", "smooth l1", "huber"])
 def test_a_mean_loss_over_an_empty_batch_is_predicted_as_the_cpu_runs_it(loss):
@@ -423,6 +422,7 @@ def test_a_loss_the_cpu_refuses_over_a_float64_target_is_refused_by_the_predicti
     for run in (measure_memory, predict_memory):
         with pytest.raises(RuntimeError, match="Found dtype Double but expected Float"):
             run(step, model, x)
+
 
 def test_a_sparse_gradient_is_refused_by_name():
     """A sparse gradient's entries depend on the indices' values (before: predicted with no

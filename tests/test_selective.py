@@ -178,7 +178,6 @@ def test_a_plan_for_a_compiled_model_recomputes_no_product_where_keeping_them_fi
     assert max_grad_error(model, reference) <= 1e-5
 
 
-
 def bottlenecks(depth: int = 6, width: int = 32) -> nn.Sequential:
     """Identical ResNet-like blocks (1x1, 3x3 and 1x1 convolutions) between two unlike ones."""
     def unit(inner: int, outer: int, kernel: int) -> list[nn.Module]:
