@@ -218,6 +218,24 @@ def test_a_compiled_plan_is_the_same_whatever_the_forward_times_measured(monkeyp
     assert len(plans) == 1, plans
 
 
+def test_a_compiled_plan_without_measured_times_costs_steps_by_their_products():
+    """Unmeasured (``measure_time=False``), a compiled model's steps cost their operations too
+    (NOTE [ Compiled costs ]), not one each: bottleneck blocks of unlike convolutions get the
+    plans that measured times give."""
+    torch.manual_seed(0)
+    model, x = bottlenecks(depth=4, width=48), torch.randn(4, 3, 16, 16)
+    stored = revnets.predict_memory(lambda m: m(x).sum().backward(), model).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    plans = {}
+    for budget_share in (0.45, 0.55, 0.7):
+        budget = int(state + budget_share * (stored - state))
+        plans[budget_share] = [
+            tuple((part.name, str(part.decision)) for part in revnets.auto_checkpoint(
+                model, x, budget, compiled=True, measure_time=measured).memory_plan.parts)
+            for measured in (True, False)]
+    assert all(timed == counted for timed, counted in plans.values()), plans
+
+
 def test_a_steps_products_are_counted_as_torchs_flop_counter_counts_them():
     """What a compiled recomputation costs (NOTE [ Compiled costs ]): the operations of the
     convolutions, matrix products and attention each step runs, as torch's FLOP counter counts
