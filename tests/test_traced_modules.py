@@ -205,6 +205,33 @@ def test_a_step_only_one_mode_runs_keeps_that_block_whole_not_the_model_refused(
     assert {f"blocks_{i}" for i in range(6)} <= called
 
 
+class Reversing(Residual):
+    """Builds a constant in its forward: the permutation reversing its features."""
+
+    def forward(self, x):
+        return super().forward(x[:, torch.arange(x.shape[1] - 1, -1, -1)])
+
+
+class ReversingStack(Stack):
+    def forward(self, x):
+        return self.head(self.blocks(x)[:, torch.arange(31, -1, -1)])
+
+
+def test_a_constant_built_in_a_forward_is_traced_through_not_refused_as_mode_dependent():
+    # Each trace stores a new tensor for the constant, which looked like code unlike in
+    # training and in eval mode: the model was refused as depending on self.training.
+    torch.manual_seed(0)
+    model, x = ReversingStack(Reversing), torch.randn(64, 32)
+    steps = {s.label for s in as_graph_chain(model) if s.op == "call_module"}
+    assert not steps & {f"blocks_{i}" for i in range(6)}  # no block kept whole
+    reference = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.8)
+    train_step(planned, x)
+    train_step(reference, x)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 class SizedCache(Residual):
     """Fills a table per input size on first use (position tables, rotary embeddings)."""
 

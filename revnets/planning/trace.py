@@ -408,14 +408,16 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
                     "generators"
                 )
             depends = {name for name, _ in
-                       code_by_module(graph, model) ^ code_by_module(flipped, model)}
+                       code_by_module(graph, model, attributes.tracer_names)
+                       ^ code_by_module(flipped, model, attributes.tracer_names)}
             if not depends:
                 return graph, whole
             if depends == {""}:
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} depends on "
-                    "self.training, which a trace would freeze. Move that code into a submodule "
-                    "(kept whole, reading its mode when it runs)"
+                    "self.training or builds a tensor unlike in each trace (a random draw such "
+                    "as torch.randn), which a trace would freeze. Move that code into a "
+                    "submodule (kept whole, running its code each time)"
                 )
             # The innermost first: a module calling one that depends on its mode (a layer
             # dropped in training) looks as if it did too, and may not once that one is whole.

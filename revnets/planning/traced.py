@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -295,13 +295,16 @@ def modes_flipped(model: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
-def code_by_module(graph: torch.fx.Graph, model: nn.Module) -> set[tuple[str, str]]:
+def code_by_module(graph: torch.fx.Graph, model: nn.Module,
+                   constants: Container[str] = ()) -> set[tuple[str, str]]:
     """Each traced module's code as its nodes (operation, target, arguments), by the innermost
     module it ran in ("" for the model's own forward); a whole module's call belongs to its
     caller. A value is named by the module that made it and its place there (counted from the
     end for a value another module made, so that a step more in one module changes that
     module's code alone), and attributes by what they hold (a tensor by its memory), since a
-    trace numbers the constants it stores on the model afresh."""
+    trace numbers the constants it stores on the model afresh; ``constants``, the attributes a
+    trace made (a tensor the forward built, ``torch.arange(n)``), by their values, new memory
+    in each trace."""
     owner: dict[torch.fx.Node, str] = {}
     place: dict[torch.fx.Node, int] = {}
     count: dict[str, int] = {}
@@ -324,12 +327,20 @@ def code_by_module(graph: torch.fx.Graph, model: nn.Module) -> set[tuple[str, st
         target = node.target
         if node.op == "get_attr":
             owner_name, _, attribute = target.rpartition(".")
-            target = _identity(getattr(model.get_submodule(owner_name), attribute, None))
+            value = getattr(model.get_submodule(owner_name), attribute, None)
+            target = _value(value) if target in constants else _identity(value)
         args, kwargs = torch.fx.node.map_arg(
             (node.args, node.kwargs), lambda n, user=owner[node]: name(n, user)
         )
         code.setdefault(owner[node], []).append(f"{node.op} {target} {args} {kwargs}")
     return {(name, "\n".join(entries)) for name, entries in code.items()}
+
+
+def _value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not value.is_meta:
+        copy = value.detach().to("cpu", copy=True).contiguous()
+        return (value.shape, value.dtype, hash(bytes(copy.untyped_storage())))
+    return _identity(value)
 
 
 def _identity(value: Any) -> Any:
