@@ -187,15 +187,6 @@ class ChainModel:
         gradient and the input."""
         return int(self.state_bytes[0] + self.grads_after[0])
 
-    @property
-    def least_bytes(self) -> int:
-        """What no plan, nested or not, goes below: the step's end (``end_bytes``), and for each
-        step, what its backward needs whatever was recomputed before (its input, what it
-        saves, the gradients of its input and output, and the parameter gradients made by
-        then)."""
-        alone = [self.state_bytes[j] + self.while_backpropagated(j, j + 1) for j in range(self.n)]
-        return max([self.end_bytes, *alone])
-
     def held(self, a: int, b: int) -> int:
         """What segment [a, b) holds once it has run forward (NOTE [ A storage saved twice is
         held once ])."""
