@@ -338,8 +338,8 @@ def code_by_module(graph: torch.fx.Graph, model: nn.Module,
 
 def _value(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and not value.is_meta:
-        copy = value.detach().to("cpu", copy=True).contiguous()
-        return (value.shape, value.dtype, hash(bytes(copy.untyped_storage())))
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return (value.shape, value.dtype, hash(data.numpy().tobytes()))
     return _identity(value)
 
 
