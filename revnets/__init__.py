@@ -17,7 +17,7 @@ from revnets.plan import (
     parse_memory_plan,
     plan_from_options,
 )
-from revnets.planning import PlanningError, auto_checkpoint
+from revnets.planning import ForwardTimes, PlanningError, auto_checkpoint, forward_times
 from revnets.prediction import predict_memory
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
 from revnets.replay import is_recomputing
@@ -38,6 +38,7 @@ __all__ = [
     "Checkpointed",
     "Coupling",
     "ExactAdditiveCoupling",
+    "ForwardTimes",
     "InjectivePad",
     "Invertible",
     "MemoryPlan",
@@ -61,6 +62,7 @@ __all__ = [
     "checkpoint_segments",
     "compile_model",
     "compile_options",
+    "forward_times",
     "is_recomputing",
     "measure_memory",
     "models",

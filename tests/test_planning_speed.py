@@ -2,6 +2,8 @@
 peak, and exact predictions (a whole training step on fake tensors each) only accept or reject
 the few it picks (NOTE [ Modelled search, exact acceptance ] in revnets/planning/search.py)."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ import revnets
 import revnets.planning.auto as auto
 from revnets.memory import measure_memory
 from revnets.planning import chain as chain_module
+from revnets.planning import step_times
 from revnets.planning.chain import SELECTIVE
 from revnets.planning.nested import NestedSchedule
 from revnets.planning.search import (
@@ -135,13 +138,13 @@ def test_below_the_one_level_floor_a_smaller_budget_never_gives_a_higher_measure
 
 def test_forward_times_are_measured_on_at_most_eight_samples(monkeypatch):
     seen = []
-    profile = auto.profile_chain
+    profile = step_times.profile_chain
 
     def recording(layers, example_input, repeats=1, **kwargs):
         seen.append(example_input.shape[0] if example_input.device.type != "meta" else None)
         return profile(layers, example_input, repeats, **kwargs)
 
-    monkeypatch.setattr(auto, "profile_chain", recording)
+    monkeypatch.setattr(step_times, "profile_chain", recording)
     model, x = conv_chain(4), torch.randn(32, 3, 16, 16)
     revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.8))
     assert [s for s in seen if s is not None] == [8]
@@ -327,7 +330,9 @@ def test_a_compiled_plan_asks_the_programme_a_bounded_number_of_times(monkeypatc
     calls.clear()
     planned = revnets.auto_checkpoint(model, x, budget, compiled=True, measure_time=False)
     assert planned.memory_plan.peak_bytes <= budget
-    # Each selective budget (the shares of the room, and the retry) costs one programme and
-    # at most DESCENT_STEPS more.
+    # Each selective budget (the grid's rooms within the shares of the room, and the retry)
+    # costs one programme and at most DESCENT_STEPS more.
     per_budget = chain_module.DESCENT_STEPS + 1
-    assert len(calls) <= eager + (len(auto.SELECTIVE_SHARES) + 1) * per_budget
+    low, high = auto.SELECTIVE_SHARES
+    rooms = math.floor(math.log(high / low, auto.ROOM_RATIO)) + 1
+    assert len(calls) <= eager + (rooms + 1) * per_budget

@@ -21,7 +21,7 @@ import revnets
 from revnets import Checkpoint
 from revnets.memory import measure_memory
 from revnets.plan import parse_memory_plan, plan_from_options
-from revnets.planning import auto
+from revnets.planning import auto, step_times
 from revnets.planning.chain import modelled_peaks, selective_plans
 from revnets.planning.planned import PlanChain
 from revnets.planning.profile import profile_chain
@@ -195,7 +195,7 @@ def test_a_compiled_plan_is_the_same_whatever_the_forward_times_measured(monkeyp
     model do not follow the noise of the forward times measured: ResNet-50 at one budget got
     four plans in six calls. Measured times here are scaled at random, step by step, from half
     to twice what they were."""
-    profile = auto.profile_chain
+    profile = step_times.profile_chain
     generator = torch.Generator().manual_seed(0)
 
     def noisy(layers, example_input, repeats=1, **kwargs):
@@ -206,7 +206,7 @@ def test_a_compiled_plan_is_the_same_whatever_the_forward_times_measured(monkeyp
         return [replace(p, forward_seconds=p.forward_seconds * float(scale))
                 for p, scale in zip(profiles, scales)]
 
-    monkeypatch.setattr(auto, "profile_chain", noisy)
+    monkeypatch.setattr(step_times, "profile_chain", noisy)
     torch.manual_seed(0)
     model, x = bottlenecks(), torch.randn(4, 3, 16, 16)
     stored = revnets.predict_memory(lambda m: m(x).sum().backward(), model).peak_bytes
@@ -352,7 +352,8 @@ def test_compiled_selective_checkpoint_keeps_batch_statistics_instead_of_recompu
 def test_a_found_plan_is_retried_with_the_selective_plan_for_the_room_its_prediction_measured():
     """Selective candidates are made for the room the model state leaves; a plan's exact
     prediction then measures what the chain model leaves out. The planner makes the cheapest
-    selective plan for the room that correction leaves and predicts it, and takes it where it
+    selective plan for the room that correction leaves (the largest of the fixed grid's rooms
+    within it: NOTE [ Modelled search, exact acceptance ]) and predicts it, and takes it where it
     fits (GPT-like at a 70 % keep under torch.compile, frontier.py: the plan found first
     recomputed twice the product time of the one this finds)."""
     torch.manual_seed(0)
@@ -369,8 +370,9 @@ def test_a_found_plan_is_retried_with_the_selective_plan_for_the_room_its_predic
     taken = 0
     for budget in range(exact, stored, (stored - exact) // 8):
         room = budget - (exact - found.modelled)  # the correction the prediction measured
+        grid_room = auto._grid_rooms(room / auto.ROOM_RATIO, room)[-1]  # the grid's, below it
         cheapest = min(((planner._recompute(p, profiles), p) for p in map(tuple, selective_plans(
-            profiles, [room], planner.input_state))), default=None)
+            profiles, [grid_room], planner.input_state))), default=None)
         peaks = {found: exact}
         refined = planner._refined(found, peaks, budget)
         if cheapest is None or cheapest[0] >= found.cost:

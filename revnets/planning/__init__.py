@@ -17,10 +17,12 @@ from revnets.planning.chain import (
 from revnets.planning.memory_model import ChainModel
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, profile_chain
+from revnets.planning.step_times import ForwardTimes, forward_times
 from revnets.planning.trace import GraphStep, NotAChainError, as_graph_chain
 
 __all__ = [
     "ChainModel",
+    "ForwardTimes",
     "GraphStep",
     "LayerProfile",
     "NestedSchedule",
@@ -32,6 +34,7 @@ __all__ = [
     "budget_plan",
     "candidate_plans",
     "forbidden_cuts",
+    "forward_times",
     "group_chain",
     "modelled_peak",
     "modelled_peaks",

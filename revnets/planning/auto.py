@@ -11,12 +11,10 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch import nn
 
 from revnets.checkpoint import Checkpointed
-from revnets.models.switchable import SwitchableMemory
-from revnets.plan import PRESETS, Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
+from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import (
     LossFn,
     PlanningError,
@@ -40,6 +38,7 @@ from revnets.planning.describe import (
     step_name,
 )
 from revnets.planning.memory_model import ChainModel
+from revnets.planning.model_chain import choose_preset, planning_chain, sequence_of
 from revnets.planning.nested import (
     group_chain,
     most_frugal_schedule,
@@ -54,7 +53,6 @@ from revnets.planning.profile import (
     meta_like,
     on_meta,
     profile_chain,
-    timing_input,
 )
 from revnets.planning.search import (
     Option,
@@ -64,8 +62,7 @@ from revnets.planning.search import (
     search,
     search_nested,
 )
-from revnets.planning.trace import GraphStep, as_graph_chain
-from revnets.planning.traced import refuse_hooks
+from revnets.planning.step_times import ForwardTimes, chain_times, input_device
 from revnets.planning.untouched import ModelState
 from revnets.prediction import Predictor
 from revnets.replay import forked_rng, generators_held
@@ -76,7 +73,10 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 NESTED_SLOTS = 512  # and O(slots): memory in 1/512ths of the room, each term rounded up
 NESTED_MIN_GAIN = 0.001  # below the floors, the least share of the peak worth nesting for
-SELECTIVE_SHARES = (0.8, 0.9, 1.0, 1.1, 1.25)  # of the budget left for activations
+# Selective candidates: for the rooms of a fixed grid, ROOM_RATIO apart, that lie within these
+# shares of the budget left for activations (NOTE [ Modelled search, exact acceptance ]).
+SELECTIVE_SHARES = (0.8, 1.25)
+ROOM_RATIO = 2**0.125
 
 
 def auto_checkpoint(
@@ -85,7 +85,7 @@ def auto_checkpoint(
     budget: int,
     loss_fn: LossFn = default_loss,
     optimizer: torch.optim.Optimizer | None = None,
-    measure_time: bool = True,
+    measure_time: bool | ForwardTimes = True,
     compiled: bool = False,
 ) -> nn.Module:
     """Return ``model`` set up to train within ``budget`` bytes, recomputing as little as
@@ -107,6 +107,9 @@ def auto_checkpoint(
     of ``example_input`` on its device when ``measure_time``, else steps counted); a chain model
     of their peaks picks the few that are predicted exactly, and only an exact prediction
     accepts a plan (NOTE [ Modelled search, exact acceptance ] in ``planning/search.py``).
+    ``measure_time`` may also be the times :func:`revnets.forward_times` measured once: plans at
+    several budgets made on them follow one measurement, so that a smaller budget never gets a
+    higher peak (NOTE [ Times measured once ] in ``planning/step_times.py``).
 
     ``compiled``: the model will train under ``torch.compile``, whose backward recomputes a
     checkpoint's cheap steps (norms, activations, additions) inside its fused kernels at next to
@@ -128,7 +131,7 @@ def auto_checkpoint(
     try:
         # Timing runs the model for real: its draws, from torch's generators, Python's and its
         # own (a layer holding a torch.Generator), never happened.
-        with (forked_rng(_device_or_cpu(example_input), generators_held(model)),
+        with (forked_rng(input_device(example_input), generators_held(model)),
               _collector_paused()):
             return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer,
                                     measure_time, compiled)
@@ -151,39 +154,19 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _device_or_cpu(example_input: Any) -> torch.device:
-    tensors = [t for t in tree_leaves(example_input) if isinstance(t, Tensor)]
-    return tensors[0].device if tensors else torch.device("cpu")
-
-
 def _auto_checkpoint(
     model: nn.Module,
     example_input: Any,
     budget: int,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
-    measure_time: bool,
+    measure_time: bool | ForwardTimes,
     compiled: bool = False,
 ) -> nn.Module:
     check_optimizer(optimizer)
-    zoo = isinstance(model, SwitchableMemory)
-    original = model.memory if zoo else None
-    if isinstance(model, nn.Sequential):
-        refuse_hooks([("", model)])  # the chain returned is another Sequential
-        chain = model
-    else:
-        if zoo:  # trace the model's plain code path; the planner decides the rest
-            model.set_memory(PRESETS["reversible" if _reconstructs(model) else "none"])
-        try:
-            chain = as_graph_chain(model)
-        except Exception as error:  # torch.fx raises many kinds on code it cannot trace
-            if zoo:
-                model.set_memory(original)
-                return _choose_preset(model, example_input, budget, loss_fn, optimizer)
-            raise TypeError(
-                f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
-                f"single-input steps ({error}); express it as an nn.Sequential of its stages"
-            ) from error
+    chain = planning_chain(model)
+    if chain is None:
+        return choose_preset(model, example_input, budget, loss_fn, optimizer)
     planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time, compiled)
     planned, plan = planner.fit(budget)
     if planned is chain:  # nothing checkpointed: the model itself, as predicted, runs the plan
@@ -192,20 +175,6 @@ def _auto_checkpoint(
         result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
     result.memory_plan = plan
     return result
-
-
-def _reconstructs(model: SwitchableMemory) -> bool:
-    return model.memory_problem(PRESETS["reversible"]) is None
-
-
-def _sequence_of(step: nn.Module) -> ReversibleSequence | None:
-    """The reversible sequence a step of a chain runs, if it runs one."""
-    if isinstance(step, ReversibleSequence):
-        return step
-    if isinstance(step, GraphStep) and isinstance(getattr(step, "module", None),
-                                                    ReversibleSequence):
-        return step.module
-    return None
 
 
 class _Planner:
@@ -218,13 +187,13 @@ class _Planner:
         example_input: Any,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None,
-        measure_time: bool,
+        measure_time: bool | ForwardTimes,
         compiled: bool = False,
     ) -> None:
         self.model, self.chain, self.example_input = model, chain, example_input
         self.loss_fn, self.optimizer, self.compiled = loss_fn, optimizer, compiled
         self.sequences = {i: s for i, step in enumerate(chain)
-                          if (s := _sequence_of(step)) is not None}
+                          if (s := sequence_of(step)) is not None}
         self.original = {i: _decision_of(s) for i, s in self.sequences.items()}
         meta_input = meta_like(example_input)
         self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
@@ -237,16 +206,17 @@ class _Planner:
                 for sequence in self.sequences.values():
                     sequence.set_memory(decision)
                 self.profiles[type(decision)] = profile_chain(
-                    list(chain), meta_input, kernels_of=_device_or_cpu(example_input),
+                    list(chain), meta_input, kernels_of=input_device(example_input),
                     loss_fn=loss_fn)
         self.profiles.setdefault(Reconstruct, self.profiles[Store])
-        if measure_time and _device(example_input).type != "meta":
-            self._store_all()
-            # Once: times only order the plans.
-            times = profile_chain(list(chain), timing_input(example_input), repeats=1)
+        # Once: times only order the plans (NOTE [ Times measured once ]).
+        times = (measure_time.of(chain) if isinstance(measure_time, ForwardTimes)
+                 else chain_times(chain, example_input).seconds
+                 if measure_time and _device(example_input).type != "meta" else None)
+        if times is not None:
             for kind, profiles in self.profiles.items():
-                self.profiles[kind] = [replace(p, forward_seconds=t.forward_seconds)
-                                       for p, t in zip(profiles, times)]
+                self.profiles[kind] = [replace(p, forward_seconds=seconds)
+                                       for p, seconds in zip(profiles, times)]
         if compiled:  # NOTE [ Compiled costs ] in profile.py
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = compiled_costs(profiles, self.sequences)
@@ -264,10 +234,6 @@ class _Planner:
         return self.predictor.predict(
             training_step, (module, self.example_input, self.loss_fn, self.optimizer), {}
         ).peak_bytes
-
-    def _store_all(self) -> None:
-        for sequence in self.sequences.values():
-            sequence.set_memory(Store())
 
     def _assign(self, reconstructed: frozenset[int]) -> list[LayerProfile]:
         """Set the sequences' decisions for ``reconstructed``; their profiles."""
@@ -318,8 +284,8 @@ class _Planner:
         acceptance ])."""
         chosen, profiles = found.reconstructed, self._profiles_of(found.reconstructed)
         room = budget - (peaks[found] - found.modelled)
-        plans = {self._cut_around(p, chosen)
-                 for p in selective_plans(profiles, [room], self.input_state)}
+        plans = {self._cut_around(p, chosen) for p in selective_plans(
+            profiles, _grid_rooms(room / ROOM_RATIO, room)[-1:], self.input_state)}
         plans -= {o.segments for o in peaks if o.reconstructed == chosen}  # predicted already
         extra = sum(_seconds(profiles, i) for i in chosen)
         plans = sorted(plans, key=repr)
@@ -355,11 +321,14 @@ class _Planner:
                              reconstructed)
             for plan in candidate_plans(unmeasured, input_state=self.input_state)
         }
-        # Selective plans for the budget asked, the parameters and buffers taken off as a first
-        # guess of what an exact peak adds, with some slack for what the chain model leaves out.
+        # Selective plans for rooms near the budget asked, the parameters and buffers taken off
+        # as a first guess of what an exact peak adds, with some slack for what the chain model
+        # leaves out; the rooms of a fixed grid, never the budget's own (NOTE [ Modelled
+        # search, exact acceptance ]).
         room = budget - self.model_state
         timed = {self._cut_around(plan, reconstructed) for plan in selective_plans(
-            profiles, [int(share * room) for share in SELECTIVE_SHARES], self.input_state)}
+            profiles, _grid_rooms(*(share * room for share in SELECTIVE_SHARES)),
+            self.input_state)}
         timed -= sized
         key = lambda p: (self._recompute(p, profiles), len(p))  # noqa: E731
         return [(p, True) for p in sorted(sized, key=key)] + [
@@ -444,6 +413,15 @@ class _Planner:
         ]
 
 
+def _grid_rooms(low: float, high: float) -> list[int]:
+    """The rooms of the fixed grid (``ROOM_RATIO ** k`` bytes) from ``low`` to ``high``."""
+    if high < 1:
+        return []
+    first = math.ceil(math.log(max(low, 1), ROOM_RATIO) - 1e-9)
+    last = math.floor(math.log(high, ROOM_RATIO) + 1e-9)
+    return [int(ROOM_RATIO**k) for k in range(first, last + 1)]
+
+
 def _decision_of(sequence: ReversibleSequence) -> Decision:
     """How a sequence reconstructs when the planner lets it (its own options kept)."""
     return sequence.memory if isinstance(sequence.memory, Reconstruct) else Reconstruct()
@@ -452,31 +430,6 @@ def _decision_of(sequence: ReversibleSequence) -> Decision:
 def _seconds(profiles: Sequence[LayerProfile], index: int) -> float:
     seconds = profiles[index].forward_seconds
     return 1.0 if math.isnan(seconds) else seconds  # unmeasured: every step counts one
-
-
-def _choose_preset(
-    model: SwitchableMemory,
-    example_input: Any,
-    budget: int,
-    loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer | None,
-) -> nn.Module:
-    """For zoo models torch.fx cannot trace: the cheapest preset that fits."""
-    original = model.memory
-    peaks, predictor = {}, Predictor()
-    for name in ("none", "reversible", "checkpoint", "reversible+checkpoint"):
-        if name not in model.memory_strategies:
-            continue
-        model.set_memory(name)
-        peaks[name] = predictor.predict(
-            training_step, (model, example_input, loss_fn, optimizer), {}
-        ).peak_bytes
-        if peaks[name] <= budget:
-            model.memory_plan = replace(PRESETS[name], peak_bytes=peaks[name], budget=budget)
-            return model
-    model.set_memory(original)
-    best = min(peaks, key=peaks.get)
-    raise no_fit(budget, peaks[best], f"memory plan {best!r}")
 
 
 def _first_input(chain: nn.Sequential) -> str:

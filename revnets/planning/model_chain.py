@@ -1,0 +1,84 @@
+"""The chain a model is planned as, and the memory plans left to zoo models that cannot be
+traced."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from revnets.models.switchable import SwitchableMemory
+from revnets.plan import PRESETS
+from revnets.planning.budget import LossFn, no_fit, training_step
+from revnets.planning.trace import GraphStep, as_graph_chain
+from revnets.planning.traced import refuse_hooks
+from revnets.prediction import Predictor
+from revnets.reversible import ReversibleSequence
+
+__all__ = ["choose_preset", "planning_chain", "sequence_of"]
+
+
+def planning_chain(model: nn.Module) -> nn.Sequential | None:
+    """The chain ``model`` is planned as: an ``nn.Sequential`` itself, any other model its graph
+    (:func:`as_graph_chain`); a zoo model is traced on its plain code path (its reversible stages
+    reconstructing where they can, else storing), which its memory plan is switched to. None for
+    a zoo model torch.fx cannot trace (its memory plan as it was: :func:`choose_preset` plans
+    it); any other such model is refused (TypeError) naming why."""
+    if isinstance(model, nn.Sequential):
+        refuse_hooks([("", model)])  # the chain returned is another Sequential
+        return model
+    zoo = isinstance(model, SwitchableMemory)
+    original = model.memory if zoo else None
+    if zoo:  # trace the model's plain code path; the planner decides the rest
+        model.set_memory(PRESETS["reversible" if _reconstructs(model) else "none"])
+    try:
+        return as_graph_chain(model)
+    except Exception as error:  # torch.fx raises many kinds on code it cannot trace
+        if zoo:
+            model.set_memory(original)
+            return None
+        raise TypeError(
+            f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
+            f"single-input steps ({error}); express it as an nn.Sequential of its stages"
+        ) from error
+
+
+def sequence_of(step: nn.Module) -> ReversibleSequence | None:
+    """The reversible sequence a chain step runs, if it runs one."""
+    if isinstance(step, ReversibleSequence):
+        return step
+    if isinstance(step, GraphStep) and isinstance(getattr(step, "module", None),
+                                                    ReversibleSequence):
+        return step.module
+    return None
+
+
+def _reconstructs(model: SwitchableMemory) -> bool:
+    return model.memory_problem(PRESETS["reversible"]) is None
+
+
+def choose_preset(
+    model: SwitchableMemory,
+    example_input: Any,
+    budget: int,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+) -> nn.Module:
+    """For zoo models torch.fx cannot trace: the cheapest preset that fits."""
+    original = model.memory
+    peaks, predictor = {}, Predictor()
+    for name in ("none", "reversible", "checkpoint", "reversible+checkpoint"):
+        if name not in model.memory_strategies:
+            continue
+        model.set_memory(name)
+        peaks[name] = predictor.predict(
+            training_step, (model, example_input, loss_fn, optimizer), {}
+        ).peak_bytes
+        if peaks[name] <= budget:
+            model.memory_plan = replace(PRESETS[name], peak_bytes=peaks[name], budget=budget)
+            return model
+    model.set_memory(original)
+    best = min(peaks, key=peaks.get)
+    raise no_fit(budget, peaks[best], f"memory plan {best!r}")

@@ -1,0 +1,97 @@
+"""Forward times measured once, for any number of plans of one model.
+
+# NOTE [ Times measured once ]
+# What fits a budget is decided on sizes alone; measured forward times only order the candidate
+# plans by what they recompute, and make the selective ones (NOTE [ Modelled search, exact
+# acceptance ] in search.py). Measured anew in every call of ``auto_checkpoint``, they bring that
+# measurement's noise into the order: two calls at one budget can take different plans, and a
+# sweep of budgets can get a higher peak at a smaller one. Planned on one ``ForwardTimes``, every
+# call ranks the same plans the same way, and a smaller budget's candidates are the larger
+# one's, or the cheapest plans for smaller rooms of the same grid: it gets the same plan, or one
+# that fitted where the larger budget's did not. The times are a value the caller holds and
+# passes, never one that planning keeps between calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from revnets.plan import Store
+from revnets.planning.describe import step_name
+from revnets.planning.model_chain import planning_chain, sequence_of
+from revnets.planning.profile import profile_chain, timing_input
+from revnets.planning.untouched import ModelState
+from revnets.replay import forked_rng, generators_held
+
+__all__ = ["ForwardTimes", "chain_times", "forward_times", "input_device"]
+
+
+@dataclass(frozen=True)
+class ForwardTimes:
+    """The forward seconds of each step of the chain a model is planned as, by the step's name
+    (NOTE [ Times measured once ]). Pass it as ``auto_checkpoint``'s ``measure_time``."""
+
+    steps: tuple[str, ...]
+    seconds: tuple[float, ...]
+
+    def of(self, chain: Sequence[nn.Module]) -> list[float]:
+        """The seconds of ``chain``'s steps; a chain of other steps is refused by name."""
+        names = tuple(step_name(step, i) for i, step in enumerate(chain))
+        if names != self.steps:
+            other = next((i for i, (a, b) in enumerate(zip(names, self.steps)) if a != b),
+                         min(len(names), len(self.steps)))
+            raise ValueError(
+                f"auto_checkpoint: measure_time holds the forward times of another chain "
+                f"({len(self.steps)} steps; this model is planned as {len(names)}, the first "
+                f"unlike one at step {other}); measure them on this model: "
+                f"revnets.forward_times(model, example_input)"
+            )
+        return list(self.seconds)
+
+    def __repr__(self) -> str:
+        return (f"ForwardTimes({len(self.steps)} steps, "
+                f"{sum(self.seconds) * 1e3:.3f} ms forward)")
+
+
+def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
+    """Measure once the forward times ``auto_checkpoint(model, example_input, ...)`` would
+    measure (each step of the chain it plans ``model`` as, its reversible sequences storing, on
+    at most 8 samples of ``example_input``), to plan with at any number of budgets: plans at
+    several budgets then follow one measurement, so that a smaller budget never gets a higher
+    peak (NOTE [ Times measured once ]). ``model`` is left as it was, and so are the random
+    number generators."""
+    kept = ModelState(model)
+    try:
+        with forked_rng(input_device(example_input), generators_held(model)):
+            chain = planning_chain(model)
+            if chain is None:
+                raise TypeError(
+                    f"forward_times: {type(model).__name__} cannot be traced; auto_checkpoint "
+                    f"chooses among its memory plans by their peaks alone: pass "
+                    f"measure_time=False"
+                )
+            return chain_times(chain, example_input)
+    finally:
+        kept.restore()
+
+
+def chain_times(chain: nn.Sequential, example_input: Any) -> ForwardTimes:
+    """The forward times of ``chain``'s steps, its reversible sequences left storing."""
+    for step in chain:
+        if (sequence := sequence_of(step)) is not None:
+            sequence.set_memory(Store())
+    profiles = profile_chain(list(chain), timing_input(example_input), repeats=1)
+    return ForwardTimes(tuple(step_name(step, i) for i, step in enumerate(chain)),
+                        tuple(p.forward_seconds for p in profiles))
+
+
+def input_device(example_input: Any) -> torch.device:
+    """The device of ``example_input``'s first tensor (the CPU where it holds none)."""
+    tensors = [t for t in tree_leaves(example_input) if isinstance(t, Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
