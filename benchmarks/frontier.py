@@ -195,10 +195,12 @@ def frontier(
     eager_peak = revnets.measure_memory(steps["eager"]).peak_bytes
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     budgets, smallest = {}, None
+    times = revnets.forward_times(model, x)  # one measurement for every plan of the sweep
     for keep in keeps:
         budget = int(state + keep * (eager_peak - state))
         try:
-            revnets.auto_checkpoint(model, x, budget, loss_fn=lambda out: F.cross_entropy(out, y))
+            revnets.auto_checkpoint(model, x, budget, measure_time=times,
+                                    loss_fn=lambda out: F.cross_entropy(out, y))
             budgets[f"keep {keep}"] = budget
         except PlanningError as refusal:
             smallest = refusal.smallest_budget
@@ -210,6 +212,7 @@ def frontier(
             # recomputed inside fused kernels, so it keeps products and recomputes the rest),
             # compiled as users compile models.
             planned = revnets.auto_checkpoint(model, x, budget, compiled=under_compile,
+                                              measure_time=times,
                                               loss_fn=lambda out: F.cross_entropy(out, y))
             steps[f"revnets + compile {label}" if under_compile else f"revnets {label}"] = (
                 compiled(planned, 1.0, x, y) if under_compile else step_of(planned, x, y))
@@ -225,10 +228,10 @@ def frontier(
         step()  # warm: the first step allocates what later ones reuse
         getattr(step, "model", model).zero_grad(set_to_none=True)
         peaks[key] = revnets.allocator_peak(step, device)
-    times = interleaved_times(steps, repeats).seconds
-    eager = statistics.median(times["eager"])
+    seconds = interleaved_times(steps, repeats).seconds
+    eager = statistics.median(seconds["eager"])
     rows = [{"model": name, "method": key, "peak_mib": round(peaks[key] / MiB, 2),
-             "time_ratio": round(statistics.median(times[key]) / eager, 3)} for key in steps]
+             "time_ratio": round(statistics.median(seconds[key]) / eager, 3)} for key in steps]
     for row in rows:
         row["beaten_by"] = beaten_by(row, rows)
     return rows
@@ -338,8 +341,10 @@ def main(argv: list[str] | None = None) -> None:
         ) + "Time: median of "
         f"{args.repeats} interleaved steps over the eager step's. revnets: `auto_checkpoint` "
         "at budgets keeping the given share of the activation part of the eager peak, and at "
-        "the smallest budget a refusal names where one was refused; revnets + compile: plans at "
-        "the same budgets made for a compiled model (`auto_checkpoint(..., compiled=True)`: "
+        "the smallest budget a refusal names where one was refused, every plan of a model on "
+        "one measurement of its forward times (`revnets.forward_times`); revnets + compile: "
+        "plans at the same budgets made for a compiled model (`auto_checkpoint(..., "
+        "compiled=True)`: "
         "products kept, cheap steps recomputed) under `torch.compile` (default budget); compile: "
         "`torch.compile` under `torch._functorch.config.activation_memory_budget`; torch "
         "checkpoint: `torch.utils.checkpoint` around each repeated block, all recomputed or "

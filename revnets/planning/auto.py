@@ -73,10 +73,10 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 NESTED_SLOTS = 512  # and O(slots): memory in 1/512ths of the room, each term rounded up
 NESTED_MIN_GAIN = 0.001  # below the floors, the least share of the peak worth nesting for
-# Selective candidates: for the rooms of a fixed grid, ROOM_RATIO apart, that lie within these
-# shares of the budget left for activations (NOTE [ Modelled search, exact acceptance ]).
-SELECTIVE_SHARES = (0.8, 1.25)
-ROOM_RATIO = 2**0.125
+# Selective candidates: for the rooms of one fixed grid, ROOM_RATIO apart, that lie within
+# these shares of the budget left for activations (NOTE [ Modelled search, exact acceptance ]).
+SELECTIVE_SHARES = (0.9, 1.1)
+ROOM_RATIO = 2 ** (1 / 24)
 
 
 def auto_checkpoint(
