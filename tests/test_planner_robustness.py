@@ -5,6 +5,7 @@ import copy
 import gc
 import random
 
+import numpy
 import pytest
 import timm
 import torch
@@ -155,6 +156,79 @@ class DrawsInItsOwnForward(nn.Module):
 def test_a_model_drawing_from_python_random_in_its_own_forward_is_refused_by_name():
     with pytest.raises(revnets.planning.NotAChainError, match="DrawsInItsOwnForward.*random"):
         as_graph_chain(DrawsInItsOwnForward())
+
+
+# Draws a coin seldom heads: both traces (training and eval mode) see tails, so comparing them
+# cannot tell it from a constant.
+DRAWS = {
+    "python": lambda module: random.random(),
+    "numpy": lambda module: float(numpy.random.rand()),
+    "torch": lambda module: torch.rand(()),
+    "its_own_generator": lambda module: torch.rand((), generator=module.generator),
+}
+
+
+class Coin(nn.Module):
+    """A residual layer dropped at random, p = 0.05, the coin drawn with ``draw``."""
+
+    def __init__(self, draw, width: int = 32):
+        super().__init__()
+        self.draw, self.generator = draw, torch.Generator().manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+
+    def forward(self, x):
+        return x if self.training and self.draw(self) < 0.05 else x + self.body(x)
+
+
+class CoinStack(nn.Module):
+    """Coins in its blocks (``draw``), and in its own forward where ``own_draw`` is given."""
+
+    def __init__(self, draw, own_draw=None):
+        super().__init__()
+        self.blocks = nn.Sequential(*(Coin(draw) for _ in range(4)))
+        self.own_draw, self.generator = own_draw, torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        x = self.blocks(x)
+        return x * 2 if self.own_draw is not None and self.own_draw(self) < 0.05 else x
+
+
+def seeded(seed: int) -> None:
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.mark.parametrize("draw", DRAWS.values(), ids=DRAWS.keys())
+def test_a_module_drawing_random_numbers_is_kept_whole_however_it_draws(draw):
+    # Only Python's random was watched: a coin from numpy or torch that fell the same way in
+    # both traces was frozen into the graph, and the planned model never dropped that layer.
+    torch.manual_seed(0)
+    model, x = CoinStack(draw), torch.randn(64, 32)
+    state = torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy()
+    chain = as_graph_chain(model)
+    assert torch.equal(torch.get_rng_state(), state[0]) and random.getstate() == state[1]
+    assert (numpy.random.get_state()[1] == state[2]).all()  # tracing drew nothing that counts
+    called = {step.label for step in chain if step.op == "call_module"}
+    assert {f"blocks_{i}" for i in range(4)} <= called
+    budget = activation_budget(model, x, 0.6)
+    if draw in (DRAWS["torch"], DRAWS["its_own_generator"]):  # a tensor's value: no size
+        with pytest.raises(ValueError, match="meta device.*reads a tensor's value"):
+            revnets.auto_checkpoint(model, x, budget, measure_time=False)
+        return
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    reference = copy.deepcopy(model)
+    for seed in range(40):  # about 8 layers dropped in all, each replayed the same
+        seeded(seed)
+        ours = planned(x)
+        seeded(seed)
+        assert torch.equal(ours, reference(x))
+
+
+@pytest.mark.parametrize("draw", DRAWS.values(), ids=DRAWS.keys())
+def test_a_model_drawing_random_numbers_in_its_own_forward_is_refused_by_name(draw):
+    with pytest.raises(revnets.planning.NotAChainError, match="draws random numbers"):
+        as_graph_chain(CoinStack(DRAWS["python"], own_draw=draw))
 
 
 @pytest.mark.slow  # a refusal, then two plans at the budget it names

@@ -127,6 +127,9 @@ def auto_checkpoint(
     naming why. Raises :class:`PlanningError` stating the smallest reachable budget when no plan
     fits. Python's cycle collector is paused while it plans, and resumed as it was.
     """
+    if not isinstance(measure_time, (bool, ForwardTimes)):
+        raise TypeError(f"auto_checkpoint: measure_time is True, False or the ForwardTimes "
+                        f"revnets.forward_times measured, not {type(measure_time).__name__}")
     kept = ModelState(model)
     try:
         # Timing runs the model for real: its draws, from torch's generators, Python's and its
@@ -205,9 +208,18 @@ class _Planner:
             for decision in (Store(), Reconstruct()) if self.sequences else (Store(),):
                 for sequence in self.sequences.values():
                     sequence.set_memory(decision)
-                self.profiles[type(decision)] = profile_chain(
-                    list(chain), meta_input, kernels_of=input_device(example_input),
-                    loss_fn=loss_fn)
+                try:
+                    self.profiles[type(decision)] = profile_chain(
+                        list(chain), meta_input, kernels_of=input_device(example_input),
+                        loss_fn=loss_fn)
+                except RuntimeError as error:
+                    raise ValueError(
+                        f"auto_checkpoint: the steps of {type(model).__name__} cannot run on "
+                        f"the meta device, where planning finds their sizes ({error}); a "
+                        f"forward that reads a tensor's value (.item(), bool(): a coin "
+                        f"torch.rand(()) < p) cannot be sized without running it. Draw with "
+                        f"Python's random module, which planning replays"
+                    ) from error
         self.profiles.setdefault(Reconstruct, self.profiles[Store])
         # Once: times only order the plans (NOTE [ Times measured once ]).
         times = (measure_time.of(chain) if isinstance(measure_time, ForwardTimes)

@@ -13,8 +13,6 @@ outputs of each layer need recomputing.
 
 from __future__ import annotations
 
-import operator
-import random
 from typing import Any
 
 import torch
@@ -24,13 +22,16 @@ from torch import nn
 from revnets.invertible import Invertible
 from revnets.planning.traced import (
     Attributes,
+    Draws,
     code_by_module,
     grad_and_autocast,
     modes_flipped,
+    mutated_argument,
+    writes_in_place,
 )
 from revnets.replay.hooks import hooked
 from revnets.replay.known import KnownWalk, known_composite
-from revnets.replay.known_calls import bound_arguments, call_kind, plain, plain_parameters
+from revnets.replay.known_calls import call_kind, plain, plain_parameters
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["GraphStep", "NotAChainError", "as_graph_chain"]
@@ -77,7 +78,7 @@ class GraphStep(nn.Module):
         self.mutates_from: int | None = None
         self.mutated: str | None = None  # the name of the value it overwrites
         self.inplace = False
-        self.writes_in_place = _writes_in_place(node, root)
+        self.writes_in_place = writes_in_place(node, root)
         self._call_kind: Any = False  # not looked up yet (call_kind gives a kind or None)
         self._known_arguments: bool | None = None  # whether its constants are plain values
 
@@ -180,40 +181,6 @@ def _resolve(value: Any, env: dict[str, Any], step: nn.Module) -> Any:
     return value
 
 
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand, operator.ior,
-}
-
-
-def _writes_in_place(node: torch.fx.Node, root: nn.Module) -> bool:
-    """Whether a node overwrites its first argument (by the conventions torch code follows)."""
-    if node.op == "call_module":
-        return bool(getattr(root.get_submodule(node.target), "inplace", False))
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return (
-            node.target in _INPLACE_OPERATORS
-            or _inplace_argument(node.target, node.args, node.kwargs)
-            or (name.endswith("_") and not name.startswith("_"))
-        )
-    if node.op == "call_method":
-        return str(node.target).endswith("_") or bool(node.kwargs.get("inplace", False))
-    return False
-
-
-def _inplace_argument(target: Any, args: tuple, kwargs: dict) -> bool:
-    # F.relu(x, True) says it positionally.
-    found = bound_arguments(target, args, kwargs) or kwargs
-    return bool(found.get("inplace", False))
-
-
-def _mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | None:
-    """The input a node overwrites in place, if any."""
-    first = node.args[0] if node.args else None
-    writes = _writes_in_place(node, root)
-    return first if writes and isinstance(first, torch.fx.Node) else None
-
-
 class _Tracer(torch.fx.Tracer):
     """torch.fx's tracer, also keeping whole:
 
@@ -225,13 +192,14 @@ class _Tracer(torch.fx.Tracer):
     - any module with ``planning_unit = True`` (the zoo's residual units): the planner cuts
       between such units, not inside them, which keeps a 1000-layer chain short;
     - every module with hooks, and the modules named in ``whole``: those found untraceable,
-      drawing from Python's ``random`` or assigning attributes by an earlier trace (see
+      drawing random numbers or assigning attributes by an earlier trace (see
       :func:`_trace`; NOTE [ Traced modules run as their graph ] in traced.py).
     """
 
-    def __init__(self, whole: frozenset[str], attributes: Attributes, locate: bool) -> None:
+    def __init__(self, whole: frozenset[str], attributes: Attributes, locate: bool,
+                 draws: Draws | None) -> None:
         super().__init__()
-        self.whole, self.attributes, self.locate = whole, attributes, locate
+        self.whole, self.attributes, self.locate, self.draws = whole, attributes, locate, draws
         self.changing: dict[str, str] = {}  # found when locating: module name, what it changed
         self.tracing: list[tuple[str, nn.Module]] = [("", nn.Module())]  # modules being traced
 
@@ -323,7 +291,7 @@ class _Tracer(torch.fx.Tracer):
         self._locate(*self.tracing[-1], own=True)
         if self.is_leaf_module(m, name):
             return super().call_module(m, forward, args, kwargs)
-        drawn = random.getstate()
+        drawn = self.draws.states() if self.draws is not None else None
         self.tracing.append((name, m))
         try:
             out = super().call_module(m, forward, args, kwargs)
@@ -333,9 +301,9 @@ class _Tracer(torch.fx.Tracer):
             raise _KeepWhole(name, f"cannot be traced ({error})") from error
         finally:
             self.tracing.pop()
-        if random.getstate() != drawn:
-            # A branch drawn now would be frozen into the graph: the module must run as itself.
-            raise _KeepWhole(name, "draws from Python's random module")
+        if drawn is not None and self.draws.drew_since(drawn):
+            # A number drawn now would be frozen into the graph: the module must run as itself.
+            raise _KeepWhole(name, "draws random numbers")
         self._locate(name, m, own=False)
         return out
 
@@ -359,25 +327,30 @@ class _KeepWhole(Exception):
         self.name, self.why = name, why
 
 
-def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
+def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str]]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
-    trace, that draws from Python's ``random`` (a layer dropped at random), assigns attributes
+    trace, that draws random numbers (a layer dropped at random: :class:`Draws`), assigns attributes
     (NOTE [ Traced modules run as their graph ] in traced.py), or whose traced code depends on
     ``training`` (``F.dropout(x, p, self.training)``, ``if self.training: ...``)
     stays whole, called as a module by its step (a coarser chain), which reads its mode when it
     runs; the model's own forward must trace, and not depend on its mode. Returns the graph and
-    the modules kept whole."""
+    the names of the constants the traces stored on the model (its graph reads them)."""
     whole: frozenset[str] = frozenset()
     locate = False  # check attributes after each module's trace, to find the one assigning
-    state = random.getstate()
+    draws, watched = Draws(model), False  # and the generators, to find the one drawing
     attributes = Attributes(model.modules())
     try:
         while True:
-            drawn = random.getstate()
-            tracer, flipped_tracer = (_Tracer(whole, attributes, locate) for _ in range(2))
+            drawn = draws.states()
+            tracer, flipped_tracer = (_Tracer(whole, attributes, locate,
+                                              draws if watched else None) for _ in range(2))
             try:
                 graph = tracer.trace(model)
-                drew = random.getstate() != drawn
+                drew = draws.drew_since(drawn)
+                if drew and not watched:
+                    watched = True  # trace again, checking each module
+                    attributes.restore()
+                    continue
                 assigned = attributes.changed()
                 # A trace freezes each mode it reads: the same trace in the other modes shows
                 # where.
@@ -402,16 +375,17 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
                 )
             if drew:
                 raise NotAChainError(
-                    f"as_graph_chain: the forward of {type(model).__name__} draws from Python's "
-                    "random module; a trace would freeze the branch it drew. Draw inside a "
-                    "submodule (kept whole and replayed by checkpoints) or with torch's "
-                    "generators"
+                    f"as_graph_chain: the forward of {type(model).__name__} draws random "
+                    "numbers while it is traced (Python's random, numpy's, or torch's "
+                    "generators for a tensor not made from its input: torch.rand(()) < p); a "
+                    "trace would freeze what it drew. Draw inside a submodule (kept whole and "
+                    "replayed by checkpoints), or from the input (torch.rand_like(x))"
                 )
             depends = {name for name, _ in
                        code_by_module(graph, model, attributes.tracer_names)
                        ^ code_by_module(flipped, model, attributes.tracer_names)}
             if not depends:
-                return graph, whole
+                return graph, attributes.tracer_names
             if depends == {""}:
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} depends on "
@@ -426,7 +400,7 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, frozenset[str]]:
                 if not any(other.startswith(name + ".") for other in depends)
             }
     finally:
-        random.setstate(state)  # tracing ran the user's draws: they never happened
+        draws.restore()  # tracing ran the user's draws: they never happened
         attributes.restore()
 
 
@@ -436,11 +410,11 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     The steps share the model's modules, parameters and buffers: the chain computes the same
     function with the same weights, and checkpointing any run of steps keeps gradients and
     BatchNorm statistics those of the model. Raises :class:`NotAChainError` for models with
-    several inputs or whose own forward draws from Python's ``random``, and torch.fx's errors
+    several inputs or whose own forward draws random numbers, and torch.fx's errors
     for a forward of the model itself it cannot trace (data-dependent control flow); submodules
     it cannot trace are kept whole (:func:`_trace`).
     """
-    graph, _ = _trace(model)
+    graph, stored = _trace(model)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     # Optional arguments (attention masks and the like) keep their defaults.
@@ -476,13 +450,15 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
             output.args[0] if is_last else None, graph_key,
         )
         step.args, step.kwargs = _substitute((step.args, step.kwargs), defaults)
-        mutated = _mutated_argument(node, model)
+        mutated = mutated_argument(node, model)
         if mutated is not None and mutated.name in position:
             step.mutates_from = position[mutated.name]
             step.mutated = mutated.name
             step.inplace = step.mutates_from == i - 1
         steps.append(step)
         live = after
+    for name in stored & vars(model).keys():  # the steps hold them now: every trace adds some
+        delattr(model, name)
     return nn.Sequential(*steps)
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
+import random
+import sys
 import types
 from collections.abc import Container, Iterable, Iterator
 from typing import Any
@@ -16,9 +19,12 @@ from torch import Tensor, nn
 
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
+from revnets.replay.known_calls import bound_arguments
+from revnets.replay.state import _NumpyGenerator, generators_held
 
 __all__ = [
-    "Attributes", "Frozen", "code_by_module", "grad_and_autocast", "modes_flipped", "refuse_hooks",
+    "Attributes", "Draws", "Frozen", "code_by_module", "grad_and_autocast", "modes_flipped",
+    "mutated_argument", "refuse_hooks", "writes_in_place",
 ]
 
 # NOTE [ Traced modules run as their graph ]
@@ -295,6 +301,40 @@ def modes_flipped(model: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
+class Draws:
+    """The generators a forward may draw from while it is traced: Python's, numpy's global one
+    (once imported), torch's CPU generator, CUDA's (once initialised) and those the model holds.
+    A trace that changed one drew a number whose value its graph would freeze (a layer dropped
+    at random, a coin ``torch.rand(()) < p``), whether or not the value differed between
+    traces; :meth:`restore` puts them back, as if the trace never drew."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.generators = [torch.default_generator, *generators_held(model)]
+        if torch.cuda.is_initialized():
+            self.generators += list(torch.cuda.default_generators)
+        numpy = sys.modules.get("numpy")
+        self.numpy = _NumpyGenerator(numpy.random) if numpy is not None else None
+        self.initial = self.states()
+
+    def states(self) -> tuple[Any, Any, list[torch.Tensor]]:
+        return (random.getstate(), self.numpy.getstate() if self.numpy else None,
+                [g.get_state() for g in self.generators])
+
+    def drew_since(self, states: tuple[Any, Any, list[torch.Tensor]]) -> bool:
+        python, numpy, torch_states = self.states()
+        return (python != states[0]
+                or (self.numpy is not None and not self.numpy.same(numpy, states[1]))
+                or not all(torch.equal(a, b) for a, b in zip(torch_states, states[2])))
+
+    def restore(self) -> None:
+        python, numpy, torch_states = self.initial
+        random.setstate(python)
+        if self.numpy is not None:
+            self.numpy.setstate(numpy)
+        for generator, state in zip(self.generators, torch_states):
+            generator.set_state(state)
+
+
 def code_by_module(graph: torch.fx.Graph, model: nn.Module,
                    constants: Container[str] = ()) -> set[tuple[str, str]]:
     """Each traced module's code as its nodes (operation, target, arguments), by the innermost
@@ -349,3 +389,39 @@ def _identity(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (value.data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype)
     return id(value)
+
+
+# What a graph node overwrites in place: no checkpoint may be cut between a value and the node
+# that overwrites it.
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand, operator.ior,
+}
+
+
+def writes_in_place(node: torch.fx.Node, root: nn.Module) -> bool:
+    """Whether a node overwrites its first argument (by the conventions torch code follows)."""
+    if node.op == "call_module":
+        return bool(getattr(root.get_submodule(node.target), "inplace", False))
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return (
+            node.target in _INPLACE_OPERATORS
+            or _inplace_argument(node.target, node.args, node.kwargs)
+            or (name.endswith("_") and not name.startswith("_"))
+        )
+    if node.op == "call_method":
+        return str(node.target).endswith("_") or bool(node.kwargs.get("inplace", False))
+    return False
+
+
+def _inplace_argument(target: Any, args: tuple, kwargs: dict) -> bool:
+    # F.relu(x, True) says it positionally.
+    found = bound_arguments(target, args, kwargs) or kwargs
+    return bool(found.get("inplace", False))
+
+
+def mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | None:
+    """The input a node overwrites in place, if any."""
+    first = node.args[0] if node.args else None
+    writes = writes_in_place(node, root)
+    return first if writes and isinstance(first, torch.fx.Node) else None
