@@ -3,8 +3,11 @@ in revnets/planning/step_times.py): plans made on them do not follow a new measu
 noise, a smaller budget never gets a higher measured peak, and measuring leaves the model as
 it was."""
 
+import math
+import re
 from dataclasses import replace
 
+import numpy
 import pytest
 import timm
 import torch
@@ -79,6 +82,67 @@ def test_times_of_another_model_are_refused_by_name():
     times = revnets.forward_times(blocks(depth=2), x)
     with pytest.raises(ValueError, match="forward times of another chain"):
         revnets.auto_checkpoint(blocks(depth=3), x, 10**9, measure_time=times)
+
+
+@pytest.mark.parametrize("seconds, why", [
+    ((0.1,) * 2, "2 seconds for 3 steps"), ((0.1,) * 4, "4 seconds for 3 steps"),
+    ((0.1, math.nan, 0.1), "nan"), ((0.1, -1.0, 0.1), "-1.0"), ((0.1, math.inf, 0.1), "inf"),
+    ((0.1, "0.2", 0.1), "'0.2'"),
+], ids=["short", "long", "nan", "negative", "infinite", "text"])
+def test_times_not_one_finite_number_a_step_are_refused_by_name(seconds, why):
+    # Fewer seconds than steps were paired with the first steps: the plan left out the last
+    # one, and the planned model computed another function.
+    with pytest.raises(ValueError, match=re.escape(why)):
+        revnets.ForwardTimes(("0:Linear", "1:ReLU", "2:Linear"), seconds)
+    with pytest.raises(TypeError, match="measure_time is True, False or the ForwardTimes"):
+        revnets.auto_checkpoint(blocks(depth=2), torch.randn(8, 64), 10**9, measure_time=seconds)
+
+
+class BatchShaped(nn.Module):
+    """Adds a constant shaped to its batch: it runs at that batch size only."""
+
+    def __init__(self, batch: int, width: int = 64):
+        super().__init__()
+        self.a, self.b, self.batch = nn.Linear(width, width), nn.Linear(width, width), batch
+
+    def forward(self, x):
+        offset = torch.linspace(0, 1, self.batch * x.shape[1]).view(self.batch, x.shape[1])
+        return self.b(torch.tanh(self.a(x) + offset))
+
+
+def test_a_model_that_runs_at_its_own_batch_size_only_is_timed_on_the_whole_batch():
+    # Times are measured on 8 samples of a batch; this model failed there.
+    model, x = BatchShaped(256), torch.randn(256, 64)
+    times = revnets.forward_times(model, x)
+    with pytest.raises(revnets.PlanningError) as refusal:
+        revnets.auto_checkpoint(model, x, 1, measure_time=times)
+    budget = refusal.value.smallest_budget
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=times)
+    assert measure_memory(train_step, planned, x).peak_bytes <= budget
+
+
+class Averaging(nn.Module):
+    """Keeps an average of its inputs in a buffer (not a norm's), and builds a constant."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.register_buffer("average", torch.zeros(width))
+
+    def forward(self, x):
+        if self.training:
+            self.average.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return self.a(x)[:, torch.arange(x.shape[1] - 1, -1, -1)]
+
+
+def test_measuring_leaves_every_buffer_and_generator_and_adds_no_attribute():
+    model = nn.Sequential(Averaging(), nn.Tanh(), Averaging())
+    x, names = torch.randn(16, 64), set(vars(model[0]))
+    numpy_state = numpy.random.get_state()[1].copy()
+    revnets.forward_times(model, x)
+    assert all(not b.any() for b in model.buffers())
+    assert (numpy.random.get_state()[1] == numpy_state).all()
+    assert set(vars(model[0])) == names
 
 
 def test_measuring_leaves_the_model_and_the_random_number_generators_as_they_were():

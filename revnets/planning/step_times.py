@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ from revnets.plan import Store
 from revnets.planning.describe import step_name
 from revnets.planning.model_chain import planning_chain, sequence_of
 from revnets.planning.profile import profile_chain, timing_input
+from revnets.planning.traced import Draws
 from revnets.planning.untouched import ModelState
 from revnets.replay import forked_rng, generators_held
 
@@ -39,6 +42,18 @@ class ForwardTimes:
 
     steps: tuple[str, ...]
     seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(self.steps))
+        object.__setattr__(self, "seconds", tuple(self.seconds))
+        if len(self.seconds) != len(self.steps):
+            raise ValueError(f"ForwardTimes: {len(self.seconds)} seconds for "
+                             f"{len(self.steps)} steps; give one for each step")
+        bad = next((s for s in self.seconds if not isinstance(s, numbers.Real)
+                    or isinstance(s, bool) or not 0 <= s < math.inf), None)  # NaN too
+        if bad is not None:
+            raise ValueError(f"ForwardTimes: seconds must be finite numbers, at least 0 "
+                             f"(got {bad!r})")
 
     def of(self, chain: Sequence[nn.Module]) -> list[float]:
         """The seconds of ``chain``'s steps; a chain of other steps is refused by name."""
@@ -66,7 +81,7 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
     several budgets then follow one measurement, so that a smaller budget never gets a higher
     peak (NOTE [ Times measured once ]). ``model`` is left as it was, and so are the random
     number generators."""
-    kept = ModelState(model)
+    kept, draws = ModelState(model), Draws(model)
     try:
         with forked_rng(input_device(example_input), generators_held(model)):
             chain = planning_chain(model)
@@ -79,14 +94,31 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
             return chain_times(chain, example_input)
     finally:
         kept.restore()
+        draws.restore()  # numpy's generator too
 
 
 def chain_times(chain: nn.Sequential, example_input: Any) -> ForwardTimes:
-    """The forward times of ``chain``'s steps, its reversible sequences left storing."""
+    """The forward times of ``chain``'s steps, its reversible sequences left storing, and every
+    buffer as it was (an average a forward updates)."""
     for step in chain:
         if (sequence := sequence_of(step)) is not None:
             sequence.set_memory(Store())
-    profiles = profile_chain(list(chain), timing_input(example_input), repeats=1)
+    buffers = [(m, name, b, b.clone()) for m in chain.modules()
+               for name, b in m.named_buffers(recurse=False) if b is not None]
+    timed = timing_input(example_input)
+    try:
+        try:
+            profiles = profile_chain(list(chain), timed, repeats=1)
+        except RuntimeError:
+            if timed is example_input:
+                raise
+            # It runs at its own batch size only (a constant shaped to the batch).
+            profiles = profile_chain(list(chain), example_input, repeats=1)
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, saved in buffers:
+                module._buffers[name] = buffer
+                buffer.copy_(saved)
     return ForwardTimes(tuple(step_name(step, i) for i, step in enumerate(chain)),
                         tuple(p.forward_seconds for p in profiles))
 
