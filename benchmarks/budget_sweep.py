@@ -5,9 +5,12 @@ least the planner reaches) and the unplanned step's measured peak bound a range;
 asked for ``--steps + 1`` budgets evenly spaced over it, sizes only (``measure_time=False``: no
 timings, so every run plans alike), and each plan's step is measured (``measure_memory``). A
 pair of budgets where the smaller one's measured peak is the higher is a violation; so is a
-measured peak above its budget, or one unlike the plan's predicted peak.
+measured peak above its budget, or one unlike the plan's predicted peak. With ``--measured``,
+every budget of a model is planned on one measurement of its forward times
+(``revnets.forward_times``: NOTE [ Times measured once ]), which also makes selective plans.
 
     python benchmarks/budget_sweep.py               # writes results/budget_sweep-*
+    python benchmarks/budget_sweep.py --measured    # writes results/budget_sweep-*-measured*
     python benchmarks/budget_sweep.py --steps 8 --only chain    # coarser, two models
 """
 
@@ -63,12 +66,13 @@ def train_step(model: nn.Module, x: torch.Tensor) -> None:
     loss(model(x)).backward()
 
 
-def sweep(name: str, steps: int) -> list[dict]:
+def sweep(name: str, steps: int, measured: bool) -> list[dict]:
     torch.manual_seed(0)
     model, x = MODELS[name]()
     model.train()
+    times = revnets.forward_times(model, x) if measured else False
     try:
-        revnets.auto_checkpoint(model, x, 1, loss_fn=loss, measure_time=False)
+        revnets.auto_checkpoint(model, x, 1, loss_fn=loss, measure_time=times)
     except revnets.PlanningError as refusal:
         floor = refusal.smallest_budget
     else:
@@ -77,7 +81,7 @@ def sweep(name: str, steps: int) -> list[dict]:
     rows = []
     for i in range(steps + 1):
         budget = floor + (unplanned - floor) * i // steps
-        planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss, measure_time=False)
+        planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss, measure_time=times)
         measured = revnets.measure_memory(train_step, planned, x).peak_bytes
         rows.append({"model": name, "budget_b": budget, "measured_b": measured,
                      "predicted_b": planned.memory_plan.peak_bytes})
@@ -91,26 +95,32 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24, help="budgets per model, less one")
     parser.add_argument("--only", default="", help="models whose name contains this")
+    parser.add_argument("--measured", action="store_true",
+                        help="plan each model's budgets on one measurement of its times")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where tables go")
     args = parser.parse_args(argv)
     command = " ".join(["budget_sweep.py", *(sys.argv[1:] if argv is None else argv)])
     rows: list[dict] = []
     summary = []
     for name in (name for name in MODELS if args.only in name):
-        found = sweep(name, args.steps)
+        found = sweep(name, args.steps, args.measured)
         rows += found
         bad = [r for r in found if not r["ok"]]
         summary.append(f"| {name} | {found[0]['budget_b'] / MiB:.3f} | "
                        f"{found[-1]['budget_b'] / MiB:.3f} | {len(found)} | "
                        f"{len({r['measured_b'] for r in found})} | {len(bad)} |")
         print(summary[-1], flush=True)
-    stem = results_stem("budget_sweep") + (f"-{args.only}" if args.only else "")
+    stem = (results_stem("budget_sweep") + ("-measured" if args.measured else "")
+            + (f"-{args.only}" if args.only else ""))
     write_csv(args.results / f"{stem}.csv", rows)
     write_markdown(args.results / f"{stem}.md", [
         "# A smaller budget never gets a higher peak", "", provenance(command), "",
         "Per model: budgets evenly spaced from the one a refusal names (the least the planner "
-        "reaches) to the unplanned step's measured peak, planned on sizes alone "
-        "(`measure_time=False`); each plan's step measured with `measure_memory`. Violations: "
+        "reaches) to the unplanned step's measured peak, "
+        + ("planned on one measurement of the model's forward times (`revnets.forward_times`, "
+           "passed as `measure_time`)" if args.measured else
+           "planned on sizes alone (`measure_time=False`)")
+        + "; each plan's step measured with `measure_memory`. Violations: "
         "a budget whose measured peak is higher than the next larger budget's, a peak over its "
         "budget, or a measured peak unlike the predicted one. Full rows in the CSV file.", "",
         "| model | least budget (MiB) | unplanned peak (MiB) | budgets | distinct peaks | "

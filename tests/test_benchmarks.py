@@ -62,10 +62,12 @@ def test_exact_accuracy_quick_run():
     assert "'model': 'revnet exact', 'precision': 'bf16'" in out
 
 
-def test_budget_sweep_finds_no_smaller_budget_with_a_higher_peak(tmp_path):
+@pytest.mark.parametrize("times", [[], ["--measured"]], ids=["sizes", "measured"])
+def test_budget_sweep_finds_no_smaller_budget_with_a_higher_peak(tmp_path, times):
     done = subprocess.run(
-        [sys.executable, "budget_sweep.py", "--only", "conv_chain", "--steps", "4", "--results",
-         str(tmp_path)], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
+        [sys.executable, "budget_sweep.py", "--only", "conv_chain", "--steps", "4", *times,
+         "--results", str(tmp_path)], cwd=BENCHMARKS, capture_output=True, text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     row = next(line for line in next(tmp_path.glob("*.md")).read_text().splitlines()
