@@ -108,8 +108,9 @@ def auto_checkpoint(
     of their peaks picks the few that are predicted exactly, and only an exact prediction
     accepts a plan (NOTE [ Modelled search, exact acceptance ] in ``planning/search.py``).
     ``measure_time`` may also be the times :func:`revnets.forward_times` measured once: plans at
-    several budgets made on them follow one measurement, so that a smaller budget never gets a
-    higher peak (NOTE [ Times measured once ] in ``planning/step_times.py``).
+    several budgets made on them follow one measurement, so that a smaller budget gets no
+    higher peak where the search ranks its candidates right (NOTE [ Times measured once ] in
+    ``planning/step_times.py``).
 
     ``compiled``: the model will train under ``torch.compile``, whose backward recomputes a
     checkpoint's cheap steps (norms, activations, additions) inside its fused kernels at next to

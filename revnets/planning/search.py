@@ -21,7 +21,9 @@ predictions decide.
 #   (powers of ``ROOM_RATIO``, 2.9 % apart, in auto.py) within 10 % of the budget's room, never
 #   for the budget's own room: a smaller budget's candidates are then the same plans, or plans
 #   for smaller rooms of the same grid, each the cheapest within its room, so that the smaller
-#   budget never gets a higher peak. Made for rooms in proportion to each budget, the candidates
+#   budget gets no higher peak where the ranking above does not err (``budget_sweep.py
+#   --measured``: one pair of 120 budgets, 256 bytes, on a conv chain). Made for rooms in
+#   proportion to each budget, the candidates
 #   of two budgets were different plans, and a sweep of budgets on one set of measured times got
 #   a higher measured peak at a smaller budget in 12 of 12 sweeps of a six-block MLP
 #   (tests/test_step_times.py); the budget's own room added to the grid's, in 2 of 24 sweeps

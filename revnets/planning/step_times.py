@@ -8,7 +8,8 @@
 # sweep of budgets can get a higher peak at a smaller one. Planned on one ``ForwardTimes``, every
 # call ranks the same plans the same way, and a smaller budget's candidates are the larger
 # one's, or the cheapest plans for smaller rooms of the same grid: it gets the same plan, or one
-# that fitted where the larger budget's did not. The times are a value the caller holds and
+# that fitted where the larger budget's did not, as far as the modelled ranking finds them
+# (``benchmarks/budget_sweep.py --measured``). The times are a value the caller holds and
 # passes, never one that planning keeps between calls.
 """
 
@@ -78,9 +79,9 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
     """Measure once the forward times ``auto_checkpoint(model, example_input, ...)`` would
     measure (each step of the chain it plans ``model`` as, its reversible sequences storing, on
     at most 8 samples of ``example_input``), to plan with at any number of budgets: plans at
-    several budgets then follow one measurement, so that a smaller budget never gets a higher
-    peak (NOTE [ Times measured once ]). ``model`` is left as it was, and so are the random
-    number generators."""
+    several budgets then follow one measurement, and a smaller budget gets no higher peak where
+    the search ranks its candidates right (NOTE [ Times measured once ]). ``model`` is left as
+    it was (its buffers, and the random number generators too)."""
     kept, draws = ModelState(model), Draws(model)
     try:
         with forked_rng(input_device(example_input), generators_held(model)):
