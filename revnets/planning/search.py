@@ -23,12 +23,12 @@ predictions decide.
 #   for smaller rooms of the same grid, each the cheapest within its room, so that the smaller
 #   budget gets no higher peak where the ranking above does not err (``budget_sweep.py
 #   --measured``: one pair of 120 budgets, 256 bytes, on a conv chain). Made for rooms in
-#   proportion to each budget, the candidates
-#   of two budgets were different plans, and a sweep of budgets on one set of measured times got
-#   a higher measured peak at a smaller budget in 12 of 12 sweeps of a six-block MLP
-#   (tests/test_step_times.py); the budget's own room added to the grid's, in 2 of 24 sweeps
-#   over four models. A grid 9 % apart left plans a room up to 9 % short of the budget (the
-#   budget's own room is the one whose plan was taken on 13 of 13 torchvision plans, by hand);
+#   proportion to each budget, the candidates of two budgets were different plans, and a sweep
+#   of budgets on one set of measured times got a higher measured peak at a smaller budget in 12
+#   of 12 sweeps of a six-block MLP (tests/test_step_times.py); the budget's own room added to
+#   the grid's, in 2 of 24 sweeps over four models. A grid 9 % apart left plans a room up to
+#   9 % short of the budget (the budget's own room is the one whose plan was taken on 13 of 13
+#   torchvision plans, by hand);
 # - when nothing fitted that way, each choice's floors (the option of least modelled peak, ties
 #   broken by the plan itself, and the cheapest option, which where activations are few peaks lower
 #   than any checkpoint: sizes only, never timings) are predicted, in order of cost, and the first
