@@ -36,6 +36,10 @@ UNKNOWN_KERNELS = {
 #   their saved mean and inverse standard deviation in float32 (the meta kernels: the input's
 #   dtype); native_group_norm_backward returns the input's gradient in the input's dtype (the
 #   meta kernel: float32 when the parameters are);
+# - native_layer_norm_backward returns the input's gradient contiguous (the meta kernel: in the
+#   output gradient's strides, transposed where the norm's output was put back on a grid): a
+#   view of it that the CPU's gradient allows then needs a copy of the fake one (a Linear's
+#   backward, in timm's pvt_v2, predicted 32 KiB high);
 # - mkldnn_rnn_layer (each layer and direction of nn.LSTM) returns a oneDNN workspace whose size
 #   oneDNN computes from the shapes, the instruction set and its version (the meta kernel: empty).
 #   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
@@ -103,6 +107,13 @@ def _batch_norm_backward_with_reserve_outputs(
 
 def _like_input(x: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=suggest_memory_format(x))
+
+
+def _layer_norm_backward(out: Any, args: tuple, kwargs: dict) -> Any:
+    grad_input = out[0]
+    if grad_input is None or grad_input.is_contiguous():
+        return out
+    return (grad_input.new_empty(grad_input.shape), *out[1:])
 
 
 def _group_norm(out: Any, args: tuple, kwargs: dict) -> Any:
@@ -238,6 +249,7 @@ CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     torch.ops.aten._batch_norm_with_update.default: _batch_norm,
     torch.ops.aten._batch_norm_no_update.default: _batch_norm,
     torch.ops.aten.native_layer_norm.default: _layer_norm,
+    torch.ops.aten.native_layer_norm_backward.default: _layer_norm_backward,
     torch.ops.aten.native_group_norm.default: _group_norm,
     torch.ops.aten.native_group_norm_backward.default: _group_norm_backward,
     torch.ops.aten.mkldnn_rnn_layer.default: _rnn_layer,
