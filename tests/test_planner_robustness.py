@@ -144,6 +144,42 @@ def test_untraceable_and_randomly_drawing_modules_are_kept_whole():
             assert torch.equal(p.grad, q.grad)  # the same layers dropped, replayed the same
 
 
+class OptionalArguments(nn.Module):
+    """A forward with optional arguments that steer it (timm's hiera: ``mask=None``)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                      for _ in range(6)))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x, mask=None, return_features=False):
+        x = self.blocks(x)
+        if mask is not None:
+            x = x * mask.view(-1, 1)
+        if return_features:
+            return x
+        return self.head(x)
+
+
+def test_optional_arguments_are_traced_at_the_defaults_every_step_runs():
+    """Traced as proxies, ``mask`` took the branch for a tensor (a step then called
+    ``None.view``) and the flag's branch could not be traced (refused); at their defaults, the
+    planned model computes the model's gradients."""
+    model, x = OptionalArguments(), torch.randn(512, 32)
+    budget = activation_budget(model, x, 0.5)
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert measure_memory(train_step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
+    assert planned.memory_plan.peak_bytes <= budget
+    model.zero_grad(set_to_none=True)
+    reference = copy.deepcopy(model)
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 class DrawsInItsOwnForward(nn.Module):
     def __init__(self):
         super().__init__()

@@ -13,6 +13,8 @@ outputs of each layer need recomputing.
 
 from __future__ import annotations
 
+import inspect
+import operator
 from typing import Any
 
 import torch
@@ -236,7 +238,11 @@ class _Tracer(torch.fx.Tracer):
     def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
         self.modes = grad_and_autocast()
         self.names: dict[bool, dict[int, str]] | None = None
-        return super().trace(root, concrete_args)
+        if concrete_args is None and isinstance(root, nn.Module):
+            concrete_args = _steering_defaults(root)
+        graph = super().trace(root, concrete_args)
+        _drop_specialisation_checks(graph)
+        return graph
 
     # torch.fx names a parameter or buffer it meets by walking all of the root's, at every
     # access: a third of tracing a model of a few hundred layers. Looked up by identity here,
@@ -317,6 +323,34 @@ class _Tracer(torch.fx.Tracer):
         if changed is not None:  # done once, on proxies, and never again: kept whole
             self.changing[name] = changed
             self.attributes.restore(modules)  # so that no module around it is found too
+
+
+# Every step runs the model's optional arguments at their defaults (as_graph_chain). Traced as
+# proxies, a None default takes the branch for a tensor (``if mask is not None: mask.view(...)``,
+# timm's hiera: a step then called a method of None) and a flag's branch cannot be traced at
+# all; traced at their values, the graph takes the branches the defaults take.
+def _steering_defaults(model: nn.Module) -> dict[str, Any]:
+    """The optional arguments of ``model``'s forward after its input whose defaults are None or
+    a flag, with those defaults."""
+    parameters = list(inspect.signature(model.forward).parameters.values())[1:]
+    return {p.name: p.default for p in parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and (p.default is None or isinstance(p.default, bool))}
+
+
+def _drop_specialisation_checks(graph: torch.fx.Graph) -> None:
+    """Remove the checks torch.fx adds that an argument traced at its value has it when the
+    graph runs: the steps run it at that value always, and a check would be a step of its own."""
+    checks = [n for n in graph.nodes if n.op == "call_function"
+              and n.target in (torch.fx._symbolic_trace._assert_is_none, torch._assert)
+              and isinstance(n.args[0], torch.fx.Node)
+              and (n.args[0].op == "placeholder" or n.args[0].target is operator.eq
+                   and n.args[0].args[0].op == "placeholder")]
+    for check in checks:
+        compared = check.args[0]
+        graph.erase_node(check)
+        if compared.op != "placeholder" and not compared.users:
+            graph.erase_node(compared)
 
 
 class _KeepWhole(Exception):
