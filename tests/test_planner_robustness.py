@@ -85,12 +85,16 @@ class FunctionalDropout(nn.Module):
 
 
 class ModeInItsOwnForward(nn.Module):
-    def __init__(self):
+    """Its own forward reads its mode (timm's GhostNet: dropout before its head)."""
+
+    def __init__(self, width: int = 32):
         super().__init__()
-        self.linear = nn.Linear(16, 16)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                      for _ in range(6)))
+        self.head = nn.Linear(width, 1)
 
     def forward(self, x):
-        return self.linear(x) * (0.5 if self.training else 1.0)
+        return self.head(self.blocks(x) * (0.5 if self.training else 1.0))
 
 
 @pytest.mark.parametrize("traced_in", ["train", "eval"])
@@ -111,9 +115,35 @@ def test_a_module_whose_traced_code_depends_on_its_mode_is_kept_whole(traced_in)
         assert torch.equal(out, model(x)), mode
 
 
-def test_a_model_whose_own_forward_depends_on_its_mode_is_refused_by_name():
-    with pytest.raises(revnets.planning.NotAChainError, match="self.training"):
-        as_graph_chain(ModeInItsOwnForward())
+def test_a_model_whose_own_forward_depends_on_its_mode_trains_with_the_branch_it_takes():
+    """The chain freezes the model's training branch (NOTE [ A mode frozen in the model's own
+    code ]): planned, it trains with the model's gradients and evaluates as the model does; the
+    chain run in eval mode, or the model switched to eval under a training plan, raises by
+    name; a model in eval mode is refused by name."""
+    model, x = ModeInItsOwnForward(), torch.randn(512, 32)
+    budget = activation_budget(model, x, 0.5)
+    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    model.zero_grad(set_to_none=True)
+    reference = copy.deepcopy(model)
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    planned.eval()
+    reference.eval()
+    assert torch.equal(planned(x), reference(x))  # the model itself
+
+    chain = as_graph_chain(model.train())
+    assert torch.equal(chain(x), reference.train()(x))
+    with pytest.raises(RuntimeError, match="ModeInItsOwnForward depends on self.training"):
+        chain.eval()(x)
+    planned.train()
+    model.eval()
+    with pytest.raises(RuntimeError, match="depends on self.training"):
+        planned(x)
+    with pytest.raises(revnets.planning.NotAChainError, match="self.training.*eval mode"):
+        as_graph_chain(ModeInItsOwnForward().eval())
 
 
 def test_untraceable_and_randomly_drawing_modules_are_kept_whole():

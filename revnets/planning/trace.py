@@ -13,8 +13,6 @@ outputs of each layer need recomputing.
 
 from __future__ import annotations
 
-import inspect
-import operator
 from typing import Any
 
 import torch
@@ -22,13 +20,16 @@ import torch.fx
 from torch import nn
 
 from revnets.invertible import Invertible
+from revnets.planning.graph_values import Attr, Ref, resolve, substitute
 from revnets.planning.traced import (
     Attributes,
     Draws,
     code_by_module,
+    drop_specialisation_checks,
     grad_and_autocast,
     modes_flipped,
     mutated_argument,
+    steering_defaults,
     writes_in_place,
 )
 from revnets.replay.hooks import hooked
@@ -82,11 +83,16 @@ class GraphStep(nn.Module):
         self.inplace = False
         self.writes_in_place = writes_in_place(node, root)
         self._call_kind: Any = False  # not looked up yet (call_kind gives a kind or None)
+        # The mode the model's own code was traced in, where it depends on it, and the model
+        # (not registered: its modules are the chain's): NOTE [ A mode frozen in the model's
+        # own code ].
+        self.frozen_mode: bool | None = None
+        self.root: tuple[nn.Module, ...] = ()
         self._known_arguments: bool | None = None  # whether its constants are plain values
 
     def _reference(self, node: torch.fx.Node, root: nn.Module) -> Any:
         if node.op != "get_attr":
-            return _Ref(node.name)
+            return Ref(node.name)
         # A parameter or buffer the graph reads directly: registered here too (the same object),
         # so that moving or copying the chain moves it with the step that reads it.
         owner, _, name = node.target.rpartition(".")
@@ -98,12 +104,14 @@ class GraphStep(nn.Module):
             self.register_buffer(key, value)
         else:
             return value
-        return _Attr(key)
+        return Attr(key)
 
     def forward(self, state: Any) -> Any:
+        if self.frozen_mode is not None:
+            self._check_mode()
         env = dict(zip(self.inputs, state if isinstance(state, tuple) else (state,)))
-        args = _resolve(self.args, env, self)
-        kwargs = _resolve(self.kwargs, env, self)
+        args = resolve(self.args, env, self)
+        kwargs = resolve(self.kwargs, env, self)
         if self.op == "call_module":
             value = self.module(*args, **kwargs)
         elif self.op == "call_function":
@@ -112,8 +120,18 @@ class GraphStep(nn.Module):
             value = getattr(args[0], self.target)(*args[1:], **kwargs)
         env[self.label] = value
         if self.outputs is None:
-            return _resolve(self.result, env, self)
+            return resolve(self.result, env, self)
         return tuple(env[name] for name in self.outputs)
+
+    def _check_mode(self) -> None:
+        model = self.root[0]
+        if self.training is not self.frozen_mode or model.training is not self.frozen_mode:
+            raise RuntimeError(
+                f"the forward of {type(model).__name__} depends on self.training, and its "
+                f"chain of steps was traced in {'training' if self.frozen_mode else 'eval'} "
+                f"mode: it runs in that mode only (the chain and the model both), where a "
+                f"PlannedModel runs it; anywhere else, run the model itself"
+            )
 
     def walk_known(self, walk: KnownWalk) -> bool:
         """Whether this step calls only known code (NOTE [ Known layers ], NOTE [ Known calls ]),
@@ -121,12 +139,12 @@ class GraphStep(nn.Module):
         if self._buffers:
             return False  # read directly, a buffer might be statistics a norm updates
         if self._known_arguments is None:  # constants never change (NOTE [ Known calls ])
-            self._known_arguments = plain((self.args, self.kwargs), also=_Ref)
+            self._known_arguments = plain((self.args, self.kwargs), also=Ref)
         if not self._known_arguments or not plain_parameters(self):
             return False
         first = self.args[0] if self.args else None
         # Values are named per graph: chains of two graphs may share names.
-        into_fresh = type(first) is _Ref and (self.graph, first.name) in walk.fresh_values
+        into_fresh = type(first) is Ref and (self.graph, first.name) in walk.fresh_values
         if self.op == "call_module":
             walk.fresh = into_fresh
             if not walk.module(self.module):
@@ -152,35 +170,6 @@ class _GraphKey:
     """Names the graph a step's values belong to (copied once with a copied chain)."""
 
     __slots__ = ()
-
-
-class _Ref:
-    """A value of the graph, looked up by name in the live state."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-class _Attr(_Ref):
-    """A parameter or buffer registered on the step under ``name``."""
-
-
-def _resolve(value: Any, env: dict[str, Any], step: nn.Module) -> Any:
-    if isinstance(value, _Attr):
-        return getattr(step, value.name)
-    if isinstance(value, _Ref):
-        return env[value.name]
-    if isinstance(value, list):  # a plain list, not fx's immutable_list: dynamo traces lists
-        return [_resolve(v, env, step) for v in value]
-    if isinstance(value, tuple):
-        return type(value)(_resolve(v, env, step) for v in value)
-    if isinstance(value, dict):
-        return {k: _resolve(v, env, step) for k, v in value.items()}
-    if isinstance(value, slice):  # x[:, :h] with h computed by the graph
-        return slice(*(_resolve(v, env, step) for v in (value.start, value.stop, value.step)))
-    return value
 
 
 class _Tracer(torch.fx.Tracer):
@@ -239,9 +228,9 @@ class _Tracer(torch.fx.Tracer):
         self.modes = grad_and_autocast()
         self.names: dict[bool, dict[int, str]] | None = None
         if concrete_args is None and isinstance(root, nn.Module):
-            concrete_args = _steering_defaults(root)
+            concrete_args = steering_defaults(root)
         graph = super().trace(root, concrete_args)
-        _drop_specialisation_checks(graph)
+        drop_specialisation_checks(graph)
         return graph
 
     # torch.fx names a parameter or buffer it meets by walking all of the root's, at every
@@ -325,34 +314,6 @@ class _Tracer(torch.fx.Tracer):
             self.attributes.restore(modules)  # so that no module around it is found too
 
 
-# Every step runs the model's optional arguments at their defaults (as_graph_chain). Traced as
-# proxies, a None default takes the branch for a tensor (``if mask is not None: mask.view(...)``,
-# timm's hiera: a step then called a method of None) and a flag's branch cannot be traced at
-# all; traced at their values, the graph takes the branches the defaults take.
-def _steering_defaults(model: nn.Module) -> dict[str, Any]:
-    """The optional arguments of ``model``'s forward after its input whose defaults are None or
-    a flag, with those defaults."""
-    parameters = list(inspect.signature(model.forward).parameters.values())[1:]
-    return {p.name: p.default for p in parameters
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and (p.default is None or isinstance(p.default, bool))}
-
-
-def _drop_specialisation_checks(graph: torch.fx.Graph) -> None:
-    """Remove the checks torch.fx adds that an argument traced at its value has it when the
-    graph runs: the steps run it at that value always, and a check would be a step of its own."""
-    checks = [n for n in graph.nodes if n.op == "call_function"
-              and n.target in (torch.fx._symbolic_trace._assert_is_none, torch._assert)
-              and isinstance(n.args[0], torch.fx.Node)
-              and (n.args[0].op == "placeholder" or n.args[0].target is operator.eq
-                   and n.args[0].args[0].op == "placeholder")]
-    for check in checks:
-        compared = check.args[0]
-        graph.erase_node(check)
-        if compared.op != "placeholder" and not compared.users:
-            graph.erase_node(compared)
-
-
 class _KeepWhole(Exception):
     """A module found, while tracing, to be one the chain must run whole."""
 
@@ -361,14 +322,26 @@ class _KeepWhole(Exception):
         self.name, self.why = name, why
 
 
-def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str]]:
+# NOTE [ A mode frozen in the model's own code ]
+# A trace runs ``self.training`` as a constant. A submodule whose traced code reads it is kept
+# whole, called as itself by its step, so it reads its mode when it runs; the model's own code
+# cannot be (it is the chain). Where only the model's own code depends on its mode (timm's
+# GhostNet: ``F.dropout(x, p, training=self.training)`` before its head), the chain is the trace
+# in the mode the model is in, which must be training: a PlannedModel runs its plan in training
+# steps only (evaluation runs the model itself), so the frozen branch is the one each of those
+# steps would take. Every step of such a chain checks, when it runs, that it and the model are
+# both still in that mode, and raises otherwise: a chain used on its own, or a model switched to
+# eval under a training PlannedModel, never runs the training branch in evaluation silently.
+def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
     trace, that draws random numbers (a layer dropped at random: :class:`Draws`), assigns attributes
     (NOTE [ Traced modules run as their graph ] in traced.py), or whose traced code depends on
     ``training`` (``F.dropout(x, p, self.training)``, ``if self.training: ...``)
     stays whole, called as a module by its step (a coarser chain), which reads its mode when it
-    runs; the model's own forward must trace, and not depend on its mode. Returns the graph and
-    the names of the constants the traces stored on the model (its graph reads them)."""
+    runs; the model's own forward must trace. Returns the graph, the names of the constants
+    the traces stored on the model (its graph reads them), and the mode the model's own code
+    was traced in where it depends on it (NOTE [ A mode frozen in the model's own code ]), else
+    None."""
     whole: frozenset[str] = frozenset()
     locate = False  # check attributes after each module's trace, to find the one assigning
     draws, watched = Draws(model), False  # and the generators, to find the one drawing
@@ -419,13 +392,15 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str]]:
                        code_by_module(graph, model, attributes.tracer_names)
                        ^ code_by_module(flipped, model, attributes.tracer_names)}
             if not depends:
-                return graph, attributes.tracer_names
+                return graph, attributes.tracer_names, None
             if depends == {""}:
+                if model.training:
+                    return graph, attributes.tracer_names, True
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} depends on "
-                    "self.training or builds a tensor unlike in each trace (a random draw such "
-                    "as torch.randn), which a trace would freeze. Move that code into a "
-                    "submodule (kept whole, running its code each time)"
+                    "self.training, which a trace freezes, and the model is in eval mode: "
+                    "plan it in training mode (its chain then runs training steps only), or "
+                    "move that code into a submodule (kept whole, running its code each time)"
                 )
             # The innermost first: a module calling one that depends on its mode (a layer
             # dropped in training) looks as if it did too, and may not once that one is whole.
@@ -446,9 +421,11 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     BatchNorm statistics those of the model. Raises :class:`NotAChainError` for models with
     several inputs or whose own forward draws random numbers, and torch.fx's errors
     for a forward of the model itself it cannot trace (data-dependent control flow); submodules
-    it cannot trace are kept whole (:func:`_trace`).
+    it cannot trace are kept whole (:func:`_trace`). Where the model's own forward depends on
+    its mode, the chain runs in training mode only (NOTE [ A mode frozen in the model's own
+    code ]).
     """
-    graph, stored = _trace(model)
+    graph, stored, frozen_mode = _trace(model)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     # Optional arguments (attention masks and the like) keep their defaults.
@@ -483,7 +460,9 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
             node, model, list(live), None if is_last else after,
             output.args[0] if is_last else None, graph_key,
         )
-        step.args, step.kwargs = _substitute((step.args, step.kwargs), defaults)
+        step.args, step.kwargs = substitute((step.args, step.kwargs), defaults)
+        if frozen_mode is not None:
+            step.frozen_mode, step.root = frozen_mode, (model,)
         mutated = mutated_argument(node, model)
         if mutated is not None and mutated.name in position:
             step.mutates_from = position[mutated.name]
@@ -494,15 +473,3 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     for name in stored & vars(model).keys():  # the steps hold them now: every trace adds some
         delattr(model, name)
     return nn.Sequential(*steps)
-
-
-def _substitute(value: Any, constants: dict[str, Any]) -> Any:
-    if isinstance(value, _Ref) and value.name in constants:
-        return constants[value.name]
-    if isinstance(value, (tuple, list)):
-        return type(value)(_substitute(v, constants) for v in value)
-    if isinstance(value, dict):
-        return {k: _substitute(v, constants) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(*(_substitute(v, constants) for v in (value.start, value.stop, value.step)))
-    return value

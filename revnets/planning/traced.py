@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import operator
 import random
 import sys
@@ -23,8 +24,9 @@ from revnets.replay.known_calls import bound_arguments
 from revnets.replay.state import _NumpyGenerator, generators_held
 
 __all__ = [
-    "Attributes", "Draws", "Frozen", "code_by_module", "grad_and_autocast", "modes_flipped",
-    "mutated_argument", "refuse_hooks", "writes_in_place",
+    "Attributes", "Draws", "Frozen", "code_by_module", "drop_specialisation_checks",
+    "grad_and_autocast", "modes_flipped", "mutated_argument", "refuse_hooks", "steering_defaults",
+    "writes_in_place",
 ]
 
 # NOTE [ Traced modules run as their graph ]
@@ -425,3 +427,31 @@ def mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | No
     first = node.args[0] if node.args else None
     writes = writes_in_place(node, root)
     return first if writes and isinstance(first, torch.fx.Node) else None
+
+
+# Every step runs the model's optional arguments at their defaults (as_graph_chain). Traced as
+# proxies, a None default takes the branch for a tensor (``if mask is not None: mask.view(...)``,
+# timm's hiera: a step then called a method of None) and a flag's branch cannot be traced at
+# all; traced at their values, the graph takes the branches the defaults take.
+def steering_defaults(model: nn.Module) -> dict[str, Any]:
+    """The optional arguments of ``model``'s forward after its input whose defaults are None or
+    a flag, with those defaults."""
+    parameters = list(inspect.signature(model.forward).parameters.values())[1:]
+    return {p.name: p.default for p in parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and (p.default is None or isinstance(p.default, bool))}
+
+
+def drop_specialisation_checks(graph: torch.fx.Graph) -> None:
+    """Remove the checks torch.fx adds that an argument traced at its value has it when the
+    graph runs: the steps run it at that value always, and a check would be a step of its own."""
+    checks = [n for n in graph.nodes if n.op == "call_function"
+              and n.target in (torch.fx._symbolic_trace._assert_is_none, torch._assert)
+              and isinstance(n.args[0], torch.fx.Node)
+              and (n.args[0].op == "placeholder" or n.args[0].target is operator.eq
+                   and n.args[0].args[0].op == "placeholder")]
+    for check in checks:
+        compared = check.args[0]
+        graph.erase_node(check)
+        if compared.op != "placeholder" and not compared.users:
+            graph.erase_node(compared)
