@@ -146,6 +146,25 @@ def test_a_model_whose_own_forward_depends_on_its_mode_trains_with_the_branch_it
         as_graph_chain(ModeInItsOwnForward().eval())
 
 
+class ReadsItsBlocksMode(ModeInItsOwnForward):
+    def forward(self, x):
+        return self.head(self.blocks(x) * (0.5 if self.blocks.training else 1.0))
+
+
+def test_a_chain_freezing_a_submodules_mode_refuses_to_run_once_it_changed():
+    """The model's own code reads a traced-through module's flag: the plan trains as the model
+    does until that module is switched to eval, and then raises rather than run the branch it
+    froze."""
+    model, x = ReadsItsBlocksMode(), torch.randn(512, 32)
+    planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.5),
+                                      measure_time=False)
+    reference = copy.deepcopy(model)
+    assert torch.equal(planned(x), reference(x))
+    model.blocks.eval()
+    with pytest.raises(RuntimeError, match="ReadsItsBlocksMode depends on self.training"):
+        planned(x)
+
+
 def test_untraceable_and_randomly_drawing_modules_are_kept_whole():
     model = Net()
     state = random.getstate()

@@ -88,6 +88,8 @@ class GraphStep(nn.Module):
         # own code ].
         self.frozen_mode: bool | None = None
         self.root: tuple[nn.Module, ...] = ()
+        # The first step's: every module the chain runs as its graph, with its mode then.
+        self.frozen_modes: tuple[tuple[nn.Module, bool], ...] = ()
         self._known_arguments: bool | None = None  # whether its constants are plain values
 
     def _reference(self, node: torch.fx.Node, root: nn.Module) -> Any:
@@ -125,12 +127,14 @@ class GraphStep(nn.Module):
 
     def _check_mode(self) -> None:
         model = self.root[0]
-        if self.training is not self.frozen_mode or model.training is not self.frozen_mode:
+        if (self.training is not self.frozen_mode or model.training is not self.frozen_mode
+                or any(m.training is not mode for m, mode in self.frozen_modes)):
             raise RuntimeError(
                 f"the forward of {type(model).__name__} depends on self.training, and its "
                 f"chain of steps was traced in {'training' if self.frozen_mode else 'eval'} "
-                f"mode: it runs in that mode only (the chain and the model both), where a "
-                f"PlannedModel runs it; anywhere else, run the model itself"
+                f"mode, the modules it traced through in the modes they had then: it runs "
+                f"in those only (the chain and the model both), where a PlannedModel runs it; "
+                f"anywhere else, run the model itself"
             )
 
     def walk_known(self, walk: KnownWalk) -> bool:
@@ -330,8 +334,10 @@ class _KeepWhole(Exception):
 # in the mode the model is in, which must be training: a PlannedModel runs its plan in training
 # steps only (evaluation runs the model itself), so the frozen branch is the one each of those
 # steps would take. Every step of such a chain checks, when it runs, that it and the model are
-# both still in that mode, and raises otherwise: a chain used on its own, or a model switched to
-# eval under a training PlannedModel, never runs the training branch in evaluation silently.
+# both still in that mode, and the first step that every module the chain traced through (whose
+# flag the model's code may read: ``if self.blocks.training``) is in the mode it was traced in;
+# any other mode raises: a chain used on its own, or a model switched to eval under a training
+# PlannedModel, never runs the training branch in evaluation silently.
 def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
     trace, that draws random numbers (a layer dropped at random: :class:`Draws`), assigns attributes
@@ -472,4 +478,9 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
         live = after
     for name in stored & vars(model).keys():  # the steps hold them now: every trace adds some
         delattr(model, name)
+    if frozen_mode is not None:  # NOTE [ A mode frozen in the model's own code ]
+        called = {id(m) for step in steps if step.op == "call_module"
+                  for m in step.module.modules()}
+        steps[0].frozen_modes = tuple((m, m.training) for m in model.modules()
+                                      if id(m) not in called)
     return nn.Sequential(*steps)
