@@ -307,6 +307,22 @@ def test_a_refusal_names_the_lowest_floor_not_a_guess_that_missed_lower():
     assert found is not None and exact[found] <= peaks[named]
 
 
+def test_near_floors_are_one_plan_of_each_modelled_peak():
+    """Plans the model sees alike (differing in a cut or two) peaked alike: timm's
+    efficientvit_m0 spent four predictions, half a second each, on near floors modelled as its
+    floor. One of each modelled peak is predicted, none modelled as a floor."""
+    nothing = frozenset()
+    cheapest = Option(nothing, ((0, 3, False),), cost=0.0, modelled=100)
+    floor = Option(nothing, ((0, 1, True), (1, 2, True), (2, 3, False)), cost=3.0, modelled=50)
+    as_floor = Option(nothing, ((0, 2, True), (2, 3, False)), cost=2.0, modelled=50)
+    near = [Option(nothing, ((0, 1, True), (1, 3, False)), cost=1.0, modelled=55),
+            Option(nothing, ((0, 1, True), (1, 2, False), (2, 3, False)), cost=1.0, modelled=55)]
+    options = [cheapest, near[0], near[1], as_floor, floor]
+    peaks = {cheapest: 400, floor: 390}  # the floors predicted: errors 300 and 340
+    found = near_floors(options, peaks)
+    assert len(found) == 1 and found[0] in near
+
+
 def test_a_compiled_plan_asks_the_programme_a_bounded_number_of_times(monkeypatch):
     """Planned for torch.compile, many plans tie on time (NOTE [ Of equal cost, the lowest ]),
     and the programme is asked again under lower budgets for the lowest of them. Stepping

@@ -33,11 +33,12 @@ predictions decide.
 #   broken by the plan itself, and the cheapest option, which where activations are few peaks lower
 #   than any checkpoint: sizes only, never timings) are predicted, in order of cost, and the first
 #   that fits is kept; where none fits, the near floors (``near_floors``: those the floors' own
-#   errors estimate below the lowest floor, found from sizes and the floors' peaks alone) are
-#   predicted alike. With the budget the one kept leaves spare, up to ``MAX_GUESSES`` more
-#   predictions try options that recompute less, each choice's estimate corrected by the largest
-#   error seen for it. A refusal names the smallest floor or near floor predicted, so asked for
-#   that budget the search predicts the same floors and near floors again and one fits;
+#   errors estimate below the lowest floor, found from sizes and the floors' peaks alone, one of
+#   each modelled peak) are predicted alike. With the budget the one kept leaves spare, up to
+#   ``MAX_GUESSES`` more predictions try options that recompute less, each choice's estimate
+#   corrected by the largest error seen for it. A refusal names the smallest floor or near
+#   floor predicted, so asked for that budget the search predicts the same floors and near
+#   floors again and one fits;
 # - planned for torch.compile, the plan found is retried once against the selective plan made for
 #   the room its own error leaves (``auto_checkpoint``'s planner; selective candidates were made for
 #   the room the parameters and buffers leave, before any error was known). Compiled, a selective
@@ -192,7 +193,16 @@ def near_floors(options: Sequence[Option], peaks: dict[Option, int]) -> list[Opt
             and option.modelled + error[option.reconstructed] < least]
     near.sort(key=lambda option: (option.modelled + error[option.reconstructed],
                                   sorted(option.reconstructed), option.segments))
-    return near[:MAX_GUESSES]
+    # One of each modelled peak: plans alike to the model differ in a cut or two, and peaked
+    # alike (timm's efficientvit_m0: four near floors modelled as a floor, each predicted at
+    # its peak, half a second apiece).
+    seen = {(floor.reconstructed, floor.modelled) for floor in lowest}
+    distinct = []
+    for option in near:
+        if (option.reconstructed, option.modelled) not in seen:
+            seen.add((option.reconstructed, option.modelled))
+            distinct.append(option)
+    return distinct[:MAX_GUESSES]
 
 
 def lowest_floor(options: Sequence[Option], peaks: dict[Option, int]) -> Option:
