@@ -227,6 +227,8 @@ def test_optional_arguments_are_traced_at_the_defaults_every_step_runs():
     reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+    with pytest.raises(TypeError, match="takes its input alone.*'mask'"):
+        planned(x, mask=torch.ones(512))
 
 
 class DrawsInItsOwnForward(nn.Module):

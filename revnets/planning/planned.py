@@ -115,5 +115,12 @@ class PlannedModel(nn.Module):
         if self.training and torch.is_grad_enabled():
             refuse_hooks(self._traced)
             self._frozen.check()
-            return self.plan(*args, **kwargs)
+            if len(args) != 1 or kwargs:
+                raise TypeError(
+                    f"a planned training step of {type(self.model).__name__} takes its input "
+                    f"alone (got {len(args)} positional and {sorted(kwargs)} keyword "
+                    f"arguments): its chain runs the optional arguments at the defaults it was "
+                    f"traced with; train with those, or plan a model that takes the others"
+                )
+            return self.plan(*args)
         return self.model(*args, **kwargs)
