@@ -84,14 +84,34 @@ class FunctionalDropout(nn.Module):
         return nn.functional.dropout(torch.relu(self.linear(x)), 0.5, self.training)
 
 
-class ModeInItsOwnForward(nn.Module):
-    """Its own forward reads its mode (timm's GhostNet: dropout before its head)."""
+class TanhBlocks(nn.Module):
+    """Six Linear-Tanh blocks and a head, for models whose own forward does more."""
 
     def __init__(self, width: int = 32):
         super().__init__()
         self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh())
                                       for _ in range(6)))
         self.head = nn.Linear(width, 1)
+
+
+def planned_at_half(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``model`` planned at half its activations, checked to train with the gradients it
+    computes itself (left zeroed)."""
+    planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.5),
+                                      measure_time=False)
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    model.zero_grad(set_to_none=True)
+    reference = copy.deepcopy(model)
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    model.zero_grad(set_to_none=True)
+    return planned
+
+
+class ModeInItsOwnForward(TanhBlocks):
+    """Its own forward reads its mode (timm's GhostNet: dropout before its head)."""
 
     def forward(self, x):
         return self.head(self.blocks(x) * (0.5 if self.training else 1.0))
@@ -121,15 +141,8 @@ def test_a_model_whose_own_forward_depends_on_its_mode_trains_with_the_branch_it
     chain run in eval mode, or the model switched to eval under a training plan, raises by
     name; a model in eval mode is refused by name."""
     model, x = ModeInItsOwnForward(), torch.randn(512, 32)
-    budget = activation_budget(model, x, 0.5)
-    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
-    model.zero_grad(set_to_none=True)
+    planned = planned_at_half(model, x)
     reference = copy.deepcopy(model)
-    planned(x).sum().backward()
-    reference(x).sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad)
     planned.eval()
     reference.eval()
     assert torch.equal(planned(x), reference(x))  # the model itself
@@ -156,10 +169,7 @@ def test_a_chain_freezing_a_submodules_mode_refuses_to_run_once_it_changed():
     does until that module is switched to eval, and then raises rather than run the branch it
     froze."""
     model, x = ReadsItsBlocksMode(), torch.randn(512, 32)
-    planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.5),
-                                      measure_time=False)
-    reference = copy.deepcopy(model)
-    assert torch.equal(planned(x), reference(x))
+    planned = planned_at_half(model, x)
     model.blocks.eval()
     with pytest.raises(RuntimeError, match="ReadsItsBlocksMode depends on self.training"):
         planned(x)
@@ -193,14 +203,8 @@ def test_untraceable_and_randomly_drawing_modules_are_kept_whole():
             assert torch.equal(p.grad, q.grad)  # the same layers dropped, replayed the same
 
 
-class OptionalArguments(nn.Module):
+class OptionalArguments(TanhBlocks):
     """A forward with optional arguments that steer it (timm's hiera: ``mask=None``)."""
-
-    def __init__(self, width: int = 32):
-        super().__init__()
-        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh())
-                                      for _ in range(6)))
-        self.head = nn.Linear(width, 1)
 
     def forward(self, x, mask=None, return_features=False):
         x = self.blocks(x)
@@ -216,17 +220,9 @@ def test_optional_arguments_are_traced_at_the_defaults_every_step_runs():
     ``None.view``) and the flag's branch could not be traced (refused); at their defaults, the
     planned model computes the model's gradients."""
     model, x = OptionalArguments(), torch.randn(512, 32)
-    budget = activation_budget(model, x, 0.5)
-    planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    planned = planned_at_half(model, x)
     assert measure_memory(train_step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
-    assert planned.memory_plan.peak_bytes <= budget
-    model.zero_grad(set_to_none=True)
-    reference = copy.deepcopy(model)
-    planned(x).sum().backward()
-    reference(x).sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    assert planned.memory_plan.peak_bytes <= activation_budget(model, x, 0.5)
     with pytest.raises(TypeError, match="takes its input alone.*'mask'"):
         planned(x, mask=torch.ones(512))
 
