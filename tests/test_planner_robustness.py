@@ -159,6 +159,24 @@ def test_a_model_whose_own_forward_depends_on_its_mode_trains_with_the_branch_it
         as_graph_chain(ModeInItsOwnForward().eval())
 
 
+CALLS = [0]
+
+
+class CountsItsCalls(TanhBlocks):
+    """Its own forward reads a number it keeps outside the model, unlike in each trace."""
+
+    def forward(self, x):
+        CALLS[0] += 1
+        return self.head(self.blocks(x) * CALLS[0])
+
+
+def test_a_model_whose_own_code_differs_from_trace_to_trace_is_refused_not_frozen():
+    """Its two traces differ as a mode-dependent model's do, but so do two traces in one mode:
+    frozen, the chain would scale by the count of one trace forever."""
+    with pytest.raises(revnets.planning.NotAChainError, match="CountsItsCalls builds a value"):
+        as_graph_chain(CountsItsCalls())
+
+
 class ReadsItsBlocksMode(ModeInItsOwnForward):
     def forward(self, x):
         return self.head(self.blocks(x) * (0.5 if self.blocks.training else 1.0))

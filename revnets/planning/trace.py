@@ -333,7 +333,9 @@ class _KeepWhole(Exception):
 # GhostNet: ``F.dropout(x, p, training=self.training)`` before its head), the chain is the trace
 # in the mode the model is in, which must be training: a PlannedModel runs its plan in training
 # steps only (evaluation runs the model itself), so the frozen branch is the one each of those
-# steps would take. Every step of such a chain checks, when it runs, that it and the model are
+# steps would take (a third trace in that mode must give the same code: a value unlike in
+# every trace, a counter kept outside the model, is refused, not frozen). Every step of such a
+# chain checks, when it runs, that it and the model are
 # both still in that mode, and the first step that every module the chain traced through (whose
 # flag the model's code may read: ``if self.blocks.training``) is in the mode it was traced in;
 # any other mode raises: a chain used on its own, or a model switched to eval under a training
@@ -400,6 +402,18 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None]:
             if not depends:
                 return graph, attributes.tracer_names, None
             if depends == {""}:
+                # Only the mode, if the same mode traced again gives the same code: a value
+                # unlike in each trace (a counter the forward keeps outside the model) would be
+                # frozen as well.
+                again = _Tracer(whole, attributes, locate, None).trace(model)
+                if code_by_module(again, model, attributes.tracer_names) != code_by_module(
+                        graph, model, attributes.tracer_names):
+                    raise NotAChainError(
+                        f"as_graph_chain: the forward of {type(model).__name__} builds a value "
+                        "unlike in each trace (a number it keeps outside the model, a time), "
+                        "which a trace would freeze. Move that code into a submodule (kept "
+                        "whole, running its code each time)"
+                    )
                 if model.training:
                     return graph, attributes.tracer_names, True
                 raise NotAChainError(
