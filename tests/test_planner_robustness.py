@@ -159,6 +159,58 @@ def test_a_model_whose_own_forward_depends_on_its_mode_trains_with_the_branch_it
         as_graph_chain(ModeInItsOwnForward().eval())
 
 
+class ReadsItsNormsMode(TanhBlocks):
+    """Its own code reads the mode of a module its chain calls whole (a BatchNorm)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__(width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(x)) * (0.5 if self.norm.training else 1.0))
+
+
+class FrozenNormOwnMode(ReadsItsNormsMode):
+    """Reads its own mode only: its BatchNorm may be frozen under a training plan."""
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(x)) * (0.5 if self.training else 1.0))
+
+
+def test_a_model_reading_a_whole_modules_mode_refuses_once_it_changed_and_its_own_may():
+    """The norm frozen (eval) under a training plan: read by the model's code, the chain raises
+    rather than scale by the training branch's 0.5; not read, it trains as the model does."""
+    x = torch.randn(512, 32)
+    reads = ReadsItsNormsMode()
+    planned = planned_at_half(reads, x)
+    reads.norm.eval()
+    with pytest.raises(RuntimeError, match="ReadsItsNormsMode depends on self.training"):
+        planned(x)
+    own = FrozenNormOwnMode()
+    planned = planned_at_half(own, x)
+    own.norm.eval()
+    reference = copy.deepcopy(own)
+    planned(x).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(own.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class Doubled(nn.Sequential):
+    """An nn.Sequential with a forward of its own."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_sequential_with_a_forward_of_its_own_is_planned_with_it():
+    """Planned as its layers, it lost its forward: half the model's output, silently."""
+    model = Doubled(*(layer for _ in range(6) for layer in (nn.Linear(32, 32), nn.Tanh())))
+    x = torch.randn(512, 32)
+    planned = planned_at_half(model, x)
+    assert torch.equal(planned(x), model(x))
+
+
 CALLS = [0]
 
 

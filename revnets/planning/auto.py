@@ -38,7 +38,12 @@ from revnets.planning.describe import (
     step_name,
 )
 from revnets.planning.memory_model import ChainModel
-from revnets.planning.model_chain import choose_preset, planning_chain, sequence_of
+from revnets.planning.model_chain import (
+    choose_preset,
+    plain_sequential,
+    planning_chain,
+    sequence_of,
+)
 from revnets.planning.nested import (
     group_chain,
     most_frugal_schedule,
@@ -176,7 +181,7 @@ def _auto_checkpoint(
     if planned is chain:  # nothing checkpointed: the model itself, as predicted, runs the plan
         result = model
     else:
-        result = planned if isinstance(model, nn.Sequential) else PlannedModel(model, planned)
+        result = planned if plain_sequential(model) else PlannedModel(model, planned)
     result.memory_plan = plan
     return result
 

@@ -17,7 +17,7 @@ from revnets.planning.traced import refuse_hooks
 from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
 
-__all__ = ["choose_preset", "planning_chain", "sequence_of"]
+__all__ = ["choose_preset", "plain_sequential", "planning_chain", "sequence_of"]
 
 
 def planning_chain(model: nn.Module) -> nn.Sequential | None:
@@ -26,7 +26,7 @@ def planning_chain(model: nn.Module) -> nn.Sequential | None:
     reconstructing where they can, else storing), which its memory plan is switched to. None for
     a zoo model torch.fx cannot trace (its memory plan as it was: :func:`choose_preset` plans
     it); any other such model is refused (TypeError) naming why."""
-    if isinstance(model, nn.Sequential):
+    if plain_sequential(model):
         refuse_hooks([("", model)])  # the chain returned is another Sequential
         return model
     zoo = isinstance(model, SwitchableMemory)
@@ -43,6 +43,13 @@ def planning_chain(model: nn.Module) -> nn.Sequential | None:
             f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
             f"single-input steps ({error}); express it as an nn.Sequential of its stages"
         ) from error
+
+
+def plain_sequential(model: nn.Module) -> bool:
+    """An ``nn.Sequential`` that runs its layers in turn: planned as itself. A subclass with a
+    forward of its own (scaling the output, a dropout) is traced as any model is: planned as
+    its layers, it lost that forward."""
+    return isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
 
 
 def sequence_of(step: nn.Module) -> ReversibleSequence | None:

@@ -29,6 +29,7 @@ from revnets.planning.traced import (
     grad_and_autocast,
     modes_flipped,
     mutated_argument,
+    own_code,
     steering_defaults,
     writes_in_place,
 )
@@ -83,12 +84,10 @@ class GraphStep(nn.Module):
         self.inplace = False
         self.writes_in_place = writes_in_place(node, root)
         self._call_kind: Any = False  # not looked up yet (call_kind gives a kind or None)
-        # The mode the model's own code was traced in, where it depends on it, and the model
-        # (not registered: its modules are the chain's): NOTE [ A mode frozen in the model's
-        # own code ].
+        # NOTE [ A mode frozen in the model's own code ]: the mode it was traced in, the model
+        # (not registered: its modules are the chain's) and, the first step's, every module's.
         self.frozen_mode: bool | None = None
         self.root: tuple[nn.Module, ...] = ()
-        # The first step's: every module the chain runs as its graph, with its mode then.
         self.frozen_modes: tuple[tuple[nn.Module, bool], ...] = ()
         self._known_arguments: bool | None = None  # whether its constants are plain values
 
@@ -335,21 +334,22 @@ class _KeepWhole(Exception):
 # steps only (evaluation runs the model itself), so the frozen branch is the one each of those
 # steps would take (a third trace in that mode must give the same code: a value unlike in
 # every trace, a counter kept outside the model, is refused, not frozen). Every step of such a
-# chain checks, when it runs, that it and the model are
-# both still in that mode, and the first step that every module the chain traced through (whose
-# flag the model's code may read: ``if self.blocks.training``) is in the mode it was traced in;
-# any other mode raises: a chain used on its own, or a model switched to eval under a training
-# PlannedModel, never runs the training branch in evaluation silently.
-def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None]:
+# chain checks, when it runs, that it and the model are both still in that mode. Where the
+# model's code reads other modules' modes too (``if self.bn.training``: a fourth trace, every
+# module but the model flipped, changes its code), the first step also checks that every module
+# is in the mode it was traced in; where it reads only its own, its modules may change theirs
+# (a frozen BatchNorm). Any other mode raises: a chain used on its own, or a model or a module
+# it reads switched to eval under a training PlannedModel, never runs the training branch in
+# evaluation silently.
+def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None, bool]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
-    trace, that draws random numbers (a layer dropped at random: :class:`Draws`), assigns attributes
-    (NOTE [ Traced modules run as their graph ] in traced.py), or whose traced code depends on
-    ``training`` (``F.dropout(x, p, self.training)``, ``if self.training: ...``)
-    stays whole, called as a module by its step (a coarser chain), which reads its mode when it
-    runs; the model's own forward must trace. Returns the graph, the names of the constants
-    the traces stored on the model (its graph reads them), and the mode the model's own code
-    was traced in where it depends on it (NOTE [ A mode frozen in the model's own code ]), else
-    None."""
+    trace, that draws random numbers (:class:`Draws`), assigns attributes (NOTE [ Traced modules
+    run as their graph ]) or whose traced code depends on ``training`` stays whole, called as a
+    module by its step (a coarser chain), reading its mode when it runs; the model's own
+    forward must trace. Returns the graph, the names of the constants the traces stored on the
+    model (its graph reads them), the mode the model's own code was traced in where it depends
+    on it, else None, and whether that code reads other modules' modes too (NOTE [ A mode
+    frozen in the model's own code ])."""
     whole: frozenset[str] = frozenset()
     locate = False  # check attributes after each module's trace, to find the one assigning
     draws, watched = Draws(model), False  # and the generators, to find the one drawing
@@ -400,14 +400,12 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None]:
                        code_by_module(graph, model, attributes.tracer_names)
                        ^ code_by_module(flipped, model, attributes.tracer_names)}
             if not depends:
-                return graph, attributes.tracer_names, None
+                return graph, attributes.tracer_names, None, False
             if depends == {""}:
-                # Only the mode, if the same mode traced again gives the same code: a value
-                # unlike in each trace (a counter the forward keeps outside the model) would be
-                # frozen as well.
+                # Only the mode, if the same mode traced again gives the same code (NOTE).
                 again = _Tracer(whole, attributes, locate, None).trace(model)
-                if code_by_module(again, model, attributes.tracer_names) != code_by_module(
-                        graph, model, attributes.tracer_names):
+                if own_code(again, model, attributes.tracer_names) != \
+                        own_code(graph, model, attributes.tracer_names):
                     raise NotAChainError(
                         f"as_graph_chain: the forward of {type(model).__name__} builds a value "
                         "unlike in each trace (a number it keeps outside the model, a time), "
@@ -415,7 +413,13 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None]:
                         "whole, running its code each time)"
                     )
                 if model.training:
-                    return graph, attributes.tracer_names, True
+                    with modes_flipped(model):  # every module's mode but the model's own
+                        model.training = not model.training
+                        others = _Tracer(whole, attributes, locate, None).trace(model)
+                        model.training = not model.training
+                    reads_others = own_code(others, model, attributes.tracer_names) != \
+                        own_code(graph, model, attributes.tracer_names)
+                    return graph, attributes.tracer_names, True, reads_others
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} depends on "
                     "self.training, which a trace freezes, and the model is in eval mode: "
@@ -445,7 +449,7 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     its mode, the chain runs in training mode only (NOTE [ A mode frozen in the model's own
     code ]).
     """
-    graph, stored, frozen_mode = _trace(model)
+    graph, stored, frozen_mode, reads_others = _trace(model)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     # Optional arguments (attention masks and the like) keep their defaults.
@@ -492,9 +496,6 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
         live = after
     for name in stored & vars(model).keys():  # the steps hold them now: every trace adds some
         delattr(model, name)
-    if frozen_mode is not None:  # NOTE [ A mode frozen in the model's own code ]
-        called = {id(m) for step in steps if step.op == "call_module"
-                  for m in step.module.modules()}
-        steps[0].frozen_modes = tuple((m, m.training) for m in model.modules()
-                                      if id(m) not in called)
+    if reads_others:  # NOTE [ A mode frozen in the model's own code ]
+        steps[0].frozen_modes = tuple((m, m.training) for m in model.modules())
     return nn.Sequential(*steps)

@@ -25,8 +25,8 @@ from revnets.replay.state import _NumpyGenerator, generators_held
 
 __all__ = [
     "Attributes", "Draws", "Frozen", "code_by_module", "drop_specialisation_checks",
-    "grad_and_autocast", "modes_flipped", "mutated_argument", "refuse_hooks", "steering_defaults",
-    "writes_in_place",
+    "grad_and_autocast", "modes_flipped", "mutated_argument", "own_code", "refuse_hooks",
+    "steering_defaults", "writes_in_place",
 ]
 
 # NOTE [ Traced modules run as their graph ]
@@ -376,6 +376,11 @@ def code_by_module(graph: torch.fx.Graph, model: nn.Module,
         )
         code.setdefault(owner[node], []).append(f"{node.op} {target} {args} {kwargs}")
     return {(name, "\n".join(entries)) for name, entries in code.items()}
+
+
+def own_code(graph: torch.fx.Graph, model: nn.Module, constants: Container[str] = ()) -> set:
+    """The code of ``model``'s own forward in ``graph`` (:func:`code_by_module`)."""
+    return {code for name, code in code_by_module(graph, model, constants) if not name}
 
 
 def _value(value: Any) -> Any:
