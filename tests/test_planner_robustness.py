@@ -293,7 +293,9 @@ def test_optional_arguments_are_traced_at_the_defaults_every_step_runs():
     planned = planned_at_half(model, x)
     assert measure_memory(train_step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
     assert planned.memory_plan.peak_bytes <= activation_budget(model, x, 0.5)
-    with pytest.raises(TypeError, match="takes its input alone.*'mask'"):
+    for call in ((x, None), (x,), ()):  # the defaults given, or the input by name
+        assert torch.equal(planned(*call, **({} if call else {"x": x})), model(x))
+    with pytest.raises(TypeError, match=r"runs \['mask'\] at the defaults"):
         planned(x, mask=torch.ones(512))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -111,16 +112,29 @@ class PlannedModel(nn.Module):
         self.model.train(mode)
         return self
 
+    def _input_of(self, args: tuple, kwargs: dict) -> Any:
+        """The input of a training step's call: its chain runs every optional argument at the
+        default it was traced with, so one passed as another value is refused by name."""
+        signature = inspect.signature(self.model.forward)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{type(self.model).__name__}: {error}") from error
+        (_, value), *rest = bound.arguments.items()
+        defaults = {name: p.default for name, p in signature.parameters.items()}
+        other = [name for name, given in rest if given is not defaults[name] and not (
+            type(given) in (bool, int, float, str) and given == defaults[name])]
+        if other:
+            raise TypeError(
+                f"a planned training step of {type(self.model).__name__} runs {other} at the "
+                f"defaults its chain was traced with; train with those, or plan a model that "
+                f"takes them as they are given"
+            )
+        return value
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.training and torch.is_grad_enabled():
             refuse_hooks(self._traced)
             self._frozen.check()
-            if len(args) != 1 or kwargs:
-                raise TypeError(
-                    f"a planned training step of {type(self.model).__name__} takes its input "
-                    f"alone (got {len(args)} positional and {sorted(kwargs)} keyword "
-                    f"arguments): its chain runs the optional arguments at the defaults it was "
-                    f"traced with; train with those, or plan a model that takes the others"
-                )
-            return self.plan(*args)
+            return self.plan(self._input_of(args, kwargs))
         return self.model(*args, **kwargs)
