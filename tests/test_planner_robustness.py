@@ -157,6 +157,8 @@ def test_a_model_whose_own_forward_depends_on_its_mode_trains_with_the_branch_it
         planned(x)
     with pytest.raises(revnets.planning.NotAChainError, match="self.training.*eval mode"):
         as_graph_chain(ModeInItsOwnForward().eval())
+    with pytest.raises(TypeError, match="^forward_times: ModeInItsOwnForward.*eval mode"):
+        revnets.forward_times(ModeInItsOwnForward().eval(), x)
 
 
 class ReadsItsNormsMode(TanhBlocks):

@@ -20,12 +20,12 @@ from revnets.reversible import ReversibleSequence
 __all__ = ["choose_preset", "plain_sequential", "planning_chain", "sequence_of"]
 
 
-def planning_chain(model: nn.Module) -> nn.Sequential | None:
+def planning_chain(model: nn.Module, caller: str = "auto_checkpoint") -> nn.Sequential | None:
     """The chain ``model`` is planned as: an ``nn.Sequential`` itself, any other model its graph
     (:func:`as_graph_chain`); a zoo model is traced on its plain code path (its reversible stages
     reconstructing where they can, else storing), which its memory plan is switched to. None for
     a zoo model torch.fx cannot trace (its memory plan as it was: :func:`choose_preset` plans
-    it); any other such model is refused (TypeError) naming why."""
+    it); any other such model is refused (TypeError) naming why, and ``caller``."""
     if plain_sequential(model):
         refuse_hooks([("", model)])  # the chain returned is another Sequential
         return model
@@ -40,7 +40,7 @@ def planning_chain(model: nn.Module) -> nn.Sequential | None:
             model.set_memory(original)
             return None
         raise TypeError(
-            f"auto_checkpoint: {type(model).__name__} cannot be traced into a graph of "
+            f"{caller}: {type(model).__name__} cannot be traced into a graph of "
             f"single-input steps ({error}); express it as an nn.Sequential of its stages"
         ) from error
 

@@ -85,7 +85,7 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
     kept, draws = ModelState(model), Draws(model)
     try:
         with forked_rng(input_device(example_input), generators_held(model)):
-            chain = planning_chain(model)
+            chain = planning_chain(model, caller="forward_times")
             if chain is None:
                 raise TypeError(
                     f"forward_times: {type(model).__name__} cannot be traced; auto_checkpoint "
