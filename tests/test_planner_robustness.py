@@ -299,6 +299,8 @@ def test_optional_arguments_are_traced_at_the_defaults_every_step_runs():
         assert torch.equal(planned(*call, **({} if call else {"x": x})), model(x))
     with pytest.raises(TypeError, match=r"runs \['mask'\] at the defaults"):
         planned(x, mask=torch.ones(512))
+    with pytest.raises(TypeError, match="OptionalArguments: missing a required argument"):
+        planned()
 
 
 class DrawsInItsOwnForward(nn.Module):

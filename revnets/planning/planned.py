@@ -120,6 +120,8 @@ class PlannedModel(nn.Module):
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{type(self.model).__name__}: {error}") from error
+        if not bound.arguments:
+            raise TypeError(f"{type(self.model).__name__}: no input given")
         (_, value), *rest = bound.arguments.items()
         defaults = {name: p.default for name, p in signature.parameters.items()}
         other = [name for name, given in rest if given is not defaults[name] and not (
