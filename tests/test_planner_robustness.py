@@ -213,6 +213,29 @@ def test_a_sequential_with_a_forward_of_its_own_is_planned_with_it():
     assert torch.equal(planned(x), model(x))
 
 
+class TakesKeywords(TanhBlocks):
+    def forward(self, x, **options):
+        return self.head(self.blocks(x))
+
+
+class TakesInputs(TanhBlocks):
+    def forward(self, *inputs, scale=1.0):
+        return self.head(self.blocks(inputs[0])) * scale
+
+
+def test_keyword_arguments_are_run_empty_and_positional_ones_refused_by_name():
+    """``**options`` is empty in every planned step (before: counted as a second required
+    input and refused); ``*inputs`` holds the input itself and is refused, naming it."""
+    x = torch.randn(512, 32)
+    model = TakesKeywords()
+    planned = planned_at_half(model, x)
+    assert torch.equal(planned(x), model(x))
+    with pytest.raises(TypeError, match=r"runs \['options'\] at the defaults"):
+        planned(x, extra=1)
+    with pytest.raises(revnets.planning.NotAChainError, match=r"takes \['\*inputs'\] without"):
+        as_graph_chain(TakesInputs())
+
+
 CALLS = [0]
 
 

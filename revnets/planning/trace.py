@@ -130,11 +130,9 @@ class GraphStep(nn.Module):
                 or any(m.training is not mode for m, mode in self.frozen_modes)):
             raise RuntimeError(
                 f"the forward of {type(model).__name__} depends on self.training, and its "
-                f"chain of steps was traced in {'training' if self.frozen_mode else 'eval'} "
-                f"mode, the modules it traced through in the modes they had then: it runs "
-                f"in those only (the chain and the model both), where a PlannedModel runs it; "
-                f"anywhere else, run the model itself"
-            )
+                f"chain of steps runs in the modes it was traced in only (the model in "
+                f"{'training' if self.frozen_mode else 'eval'} mode), where a PlannedModel "
+                f"runs it; anywhere else, run the model itself")
 
     def walk_known(self, walk: KnownWalk) -> bool:
         """Whether this step calls only known code (NOTE [ Known layers ], NOTE [ Known calls ]),
@@ -452,14 +450,15 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     graph, stored, frozen_mode, reads_others = _trace(model)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    # Optional arguments (attention masks and the like) keep their defaults.
-    required = [n for n in placeholders if not n.args]
+    # Optional arguments (attention masks and the like) keep their defaults, **kwargs none.
+    required = [n for n in placeholders if not n.args and not str(n.target).startswith("**")]
     if len(placeholders) == 0 or required[1:] or (required and required[0] is not placeholders[0]):
         raise NotAChainError(
-            f"as_graph_chain: {type(model).__name__} takes {len(required)} required inputs; "
-            "only models called with a single input can be planned as a chain"
+            f"as_graph_chain: the forward of {type(model).__name__} takes "
+            f"{[str(n.target) for n in required]} without defaults; only a model called with "
+            f"a single input (the rest optional) can be planned as a chain"
         )
-    defaults = {n.name: n.args[0] for n in placeholders[1:]}
+    defaults = {n.name: n.args[0] if n.args else {} for n in placeholders[1:]}
     output = next(n for n in nodes if n.op == "output")
     compute = [n for n in nodes if n.op in ("call_module", "call_function", "call_method")]
     if not compute:
