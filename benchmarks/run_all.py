@@ -1,4 +1,4 @@
-"""Regenerate everything in results/ (about two and three quarter hours on 2 CPU cores; needs
+"""Regenerate everything in results/ (about three hours on 2 CPU cores; needs
 `.[bench]`).
 
     pip install -e '.[bench]' && python benchmarks/run_all.py
@@ -32,3 +32,10 @@ if __name__ == "__main__":
                    exact_error_vs_depth, exact_accuracy, frontier):
         print(f"== {script.__name__}", flush=True)
         script.main([])
+    # The tables these scripts write under other arguments.
+    for script, arguments in ((planner_zoo, ["--set", "torchvision", "--cuts", "0.5",
+                                             "--repeats", "1"]),
+                              (planner_zoo, ["--set", "timm", "--cuts", "0.5", "--repeats", "1"]),
+                              (budget_sweep, ["--measured"])):
+        print(f"== {script.__name__} {' '.join(arguments)}", flush=True)
+        script.main(arguments)
