@@ -37,7 +37,7 @@ import torchvision
 from torch import Tensor, nn
 
 import revnets
-from revnets.planning import PlanningError
+from revnets.planning import CheckpointedModules, PlanningError
 
 from common import (
     RESULTS,
@@ -308,12 +308,18 @@ def run_case(case: Case, repeats: int, device: torch.device = torch.device("cpu"
             "measured_minus_predicted_b": peak - predicted if case.measured else "-",
             "measured_eq_predicted": peak == predicted if case.measured else "-",
             "overhead_pct": round(100 * overhead, 1) if case.measured else "-",
-            "verdict": ("refused, named budget plans" if "refused_named_mib" in row
-                        else "planned") if ok else "WRONG",
+            "verdict": (("refused, named budget plans" if "refused_named_mib" in row
+                         else "planned") + _whole_modules(planned)) if ok else "WRONG",
         })
         previous_peak = peak
         rows.append(row)
     return rows
+
+
+def _whole_modules(planned: nn.Module) -> str:
+    if isinstance(planned, CheckpointedModules):
+        return " (whole modules: torch.fx cannot trace its own forward)"
+    return ""
 
 
 FIELDS = ["model", "input", "cut_asked_pct", "budget_mib", "refused_named_mib", "cut_reached_pct",

@@ -165,8 +165,9 @@ class DataDependent(nn.Module):
         return x if x.sum() > 0 else -x
 
 
-def test_auto_checkpoint_refuses_what_it_cannot_plan():
-    with pytest.raises(TypeError, match="DataDependent cannot be traced"):
+def test_auto_checkpoint_refuses_what_it_can_neither_trace_nor_predict():
+    with pytest.raises(TypeError, match="DataDependent cannot be traced.*cannot be predicted"), \
+            pytest.warns(UserWarning, match="DataDependent cannot be traced"):
         revnets.auto_checkpoint(DataDependent(), torch.randn(1, 2), budget=10**6)
 
 

@@ -15,6 +15,7 @@ from revnets.planning.chain import (
     sqrt_plan,
 )
 from revnets.planning.memory_model import ChainModel
+from revnets.planning.module_plan import CheckpointedModules
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, profile_chain
 from revnets.planning.step_times import ForwardTimes, forward_times
@@ -22,6 +23,7 @@ from revnets.planning.trace import GraphStep, NotAChainError, as_graph_chain
 
 __all__ = [
     "ChainModel",
+    "CheckpointedModules",
     "ForwardTimes",
     "GraphStep",
     "LayerProfile",

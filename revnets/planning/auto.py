@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -39,11 +40,13 @@ from revnets.planning.describe import (
 )
 from revnets.planning.memory_model import ChainModel
 from revnets.planning.model_chain import (
+    Untraceable,
     choose_preset,
     plain_sequential,
     planning_chain,
     sequence_of,
 )
+from revnets.planning.module_plan import plan_modules
 from revnets.planning.nested import (
     group_chain,
     most_frugal_schedule,
@@ -129,9 +132,12 @@ def auto_checkpoint(
     An ``nn.Sequential`` comes back as a new ``nn.Sequential`` over the same layers; any other
     model as a :class:`PlannedModel` that trains with the plan and evaluates with the model
     itself (same weights, same outputs), or as itself when storing everything fits. Models that
-    cannot be traced: a zoo model gets the cheapest preset that fits; anything else is refused
-    naming why. Raises :class:`PlanningError` stating the smallest reachable budget when no plan
-    fits. Python's cycle collector is paused while it plans, and resumed as it was.
+    cannot be traced: a zoo model gets the cheapest preset that fits; any other, with a warning
+    naming why, comes back as a :class:`CheckpointedModules` whose training steps run its own
+    forward with whole modules it calls checkpointed (NOTE [ Plans of whole modules ] in
+    ``planning/module_plan.py``; ``measure_time`` is not used there). Raises
+    :class:`PlanningError` stating the smallest reachable budget when no plan fits. Python's
+    cycle collector is paused while it plans, and resumed as it was.
     """
     if not isinstance(measure_time, (bool, ForwardTimes)):
         raise TypeError(f"auto_checkpoint: measure_time is True, False or the ForwardTimes "
@@ -173,7 +179,14 @@ def _auto_checkpoint(
     compiled: bool = False,
 ) -> nn.Module:
     check_optimizer(optimizer)
-    chain = planning_chain(model)
+    try:
+        chain = planning_chain(model)
+    except Untraceable as untraceable:
+        warnings.warn(f"{untraceable}; it is planned as checkpoints of whole modules its forward "
+                      f"calls (NOTE [ Plans of whole modules ]), coarser than a graph's plan: "
+                      f"for a finer one, make its forward traceable or an nn.Sequential of its "
+                      f"stages", stacklevel=3)
+        return plan_modules(model, example_input, budget, loss_fn, optimizer, untraceable)
     if chain is None:
         return choose_preset(model, example_input, budget, loss_fn, optimizer)
     planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time, compiled)

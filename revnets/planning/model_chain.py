@@ -17,7 +17,11 @@ from revnets.planning.traced import refuse_hooks
 from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
 
-__all__ = ["choose_preset", "plain_sequential", "planning_chain", "sequence_of"]
+__all__ = ["Untraceable", "choose_preset", "plain_sequential", "planning_chain", "sequence_of"]
+
+
+class Untraceable(TypeError):
+    """torch.fx cannot trace a model's own forward into a chain of steps."""
 
 
 def planning_chain(model: nn.Module, caller: str = "auto_checkpoint") -> nn.Sequential | None:
@@ -25,7 +29,7 @@ def planning_chain(model: nn.Module, caller: str = "auto_checkpoint") -> nn.Sequ
     (:func:`as_graph_chain`); a zoo model is traced on its plain code path (its reversible stages
     reconstructing where they can, else storing), which its memory plan is switched to. None for
     a zoo model torch.fx cannot trace (its memory plan as it was: :func:`choose_preset` plans
-    it); any other such model is refused (TypeError) naming why, and ``caller``."""
+    it); any other such model raises :class:`Untraceable`, naming why and ``caller``."""
     if plain_sequential(model):
         refuse_hooks([("", model)])  # the chain returned is another Sequential
         return model
@@ -39,9 +43,9 @@ def planning_chain(model: nn.Module, caller: str = "auto_checkpoint") -> nn.Sequ
         if zoo:
             model.set_memory(original)
             return None
-        raise TypeError(
+        raise Untraceable(
             f"{caller}: {type(model).__name__} cannot be traced into a graph of "
-            f"single-input steps ({error}); express it as an nn.Sequential of its stages"
+            f"single-input steps ({error})"
         ) from error
 
 

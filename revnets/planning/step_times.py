@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from revnets.plan import Store
 from revnets.planning.describe import step_name
-from revnets.planning.model_chain import planning_chain, sequence_of
+from revnets.planning.model_chain import Untraceable, planning_chain, sequence_of
 from revnets.planning.profile import profile_chain, timing_input
 from revnets.planning.traced import Draws
 from revnets.planning.untouched import ModelState
@@ -81,17 +81,18 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
     at most 8 samples of ``example_input``), to plan with at any number of budgets: plans at
     several budgets then follow one measurement, and a smaller budget gets no higher peak where
     the search ranks its candidates right (NOTE [ Times measured once ]). ``model`` is left as
-    it was (its buffers, and the random number generators too)."""
+    it was (its buffers, and the random number generators too). A model torch.fx cannot trace
+    has no steps: its plans are ranked on sizes and counted costs alone (NOTE [ Plans of whole
+    modules ] in ``planning/module_plan.py``), and its times are empty."""
     kept, draws = ModelState(model), Draws(model)
     try:
         with forked_rng(input_device(example_input), generators_held(model)):
-            chain = planning_chain(model, caller="forward_times")
-            if chain is None:
-                raise TypeError(
-                    f"forward_times: {type(model).__name__} cannot be traced; auto_checkpoint "
-                    f"chooses among its memory plans by their peaks alone: pass "
-                    f"measure_time=False"
-                )
+            try:
+                chain = planning_chain(model, caller="forward_times")
+            except Untraceable:
+                chain = None
+            if chain is None:  # planned on sizes and counted costs alone: no times to measure
+                return ForwardTimes((), ())
             return chain_times(chain, example_input)
     finally:
         kept.restore()
