@@ -4,6 +4,7 @@ trace, Python randomness, refusals, and failures that must leave the user's mode
 import copy
 import gc
 import random
+import warnings
 
 import numpy
 import pytest
@@ -324,6 +325,29 @@ def test_optional_arguments_are_traced_at_the_defaults_every_step_runs():
         planned(x, mask=torch.ones(512))
     with pytest.raises(TypeError, match="OptionalArguments: missing a required argument"):
         planned()
+
+
+class ConstantArguments(TanhBlocks):
+    """Optional arguments whose constant defaults steer it: a string, a count, a scale."""
+
+    def forward(self, x, pool="head", repeats=1, scale=2.0):
+        x = self.blocks(x) * scale
+        for _ in range(repeats):
+            x = x.tanh()
+        return self.head(x) if pool == "head" else x.mean(-1)
+
+
+def test_optional_arguments_with_constant_defaults_are_traced_at_them():
+    """Traced as proxies, ``pool == "head"`` and ``range(repeats)`` could not be traced: the
+    model was refused (then planned as whole modules); at their defaults, it is a chain."""
+    model, x = ConstantArguments(), torch.randn(512, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not planned as whole modules
+        planned = planned_at_half(model, x)
+    assert measure_memory(train_step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
+    assert torch.equal(planned(x, pool="head", repeats=1, scale=2.0), model(x))
+    with pytest.raises(TypeError, match=r"runs \['pool', 'scale'\] at the defaults"):
+        planned(x, pool="mean", scale=3.0)
 
 
 class DrawsInItsOwnForward(nn.Module):

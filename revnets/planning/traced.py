@@ -440,11 +440,11 @@ def mutated_argument(node: torch.fx.Node, root: nn.Module) -> torch.fx.Node | No
 # all; traced at their values, the graph takes the branches the defaults take.
 def steering_defaults(model: nn.Module) -> dict[str, Any]:
     """The optional arguments of ``model``'s forward after its input whose defaults are None or
-    a flag, with those defaults."""
+    a Python constant (a flag, a number, a string: ``pool="avg"``), with those defaults."""
     parameters = list(inspect.signature(model.forward).parameters.values())[1:]
     return {p.name: p.default for p in parameters
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and (p.default is None or isinstance(p.default, bool))}
+            and (p.default is None or type(p.default) in (bool, int, float, str))}
 
 
 def drop_specialisation_checks(graph: torch.fx.Graph) -> None:
