@@ -428,3 +428,18 @@ def test_a_forward_moving_its_submodules_is_refused_by_name_as_assigning_attribu
     walk decides, and the model is refused for what its forward assigns."""
     with pytest.raises(revnets.planning.NotAChainError, match="assign"):
         as_graph_chain(Renaming())
+
+
+def test_timing_the_forward_leaves_what_kept_whole_modules_hold_as_it_was():
+    """Forward times are measured by running the chain for real: a kept-whole block's counter,
+    cached features and list moved on with every timing run (found by a review)."""
+    torch.manual_seed(0)
+    model, x = Stack(Counting), torch.randn(1024, 32)
+    budget = activation_budget(model, x, 0.95)  # a step of the model itself
+    for block in model.blocks:
+        block.calls, block.seen = 0, []
+        del block.last
+    revnets.forward_times(model, x)
+    revnets.auto_checkpoint(model, x, budget)  # times measured too
+    for block in model.blocks:
+        assert block.calls == 0 and block.seen == [] and not hasattr(block, "last")

@@ -29,7 +29,7 @@ from revnets.plan import Store
 from revnets.planning.describe import step_name
 from revnets.planning.model_chain import Untraceable, planning_chain, sequence_of
 from revnets.planning.profile import profile_chain, timing_input
-from revnets.planning.traced import Draws
+from revnets.planning.traced import Attributes, Draws
 from revnets.planning.untouched import ModelState
 from revnets.replay import forked_rng, generators_held
 
@@ -100,13 +100,13 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
 
 
 def chain_times(chain: nn.Sequential, example_input: Any) -> ForwardTimes:
-    """The forward times of ``chain``'s steps, its reversible sequences left storing, and every
-    buffer as it was (an average a forward updates)."""
+    """The forward times of ``chain``'s steps, its reversible sequences left storing, and what
+    its modules hold as it was (an average a forward updates, a kept-whole module's counter or
+    cache: ``Attributes``)."""
     for step in chain:
         if (sequence := sequence_of(step)) is not None:
             sequence.set_memory(Store())
-    buffers = [(m, name, b, b.clone()) for m in chain.modules()
-               for name, b in m.named_buffers(recurse=False) if b is not None]
+    kept = Attributes(chain.modules())
     timed = timing_input(example_input)
     try:
         try:
@@ -117,10 +117,7 @@ def chain_times(chain: nn.Sequential, example_input: Any) -> ForwardTimes:
             # It runs at its own batch size only (a constant shaped to the batch).
             profiles = profile_chain(list(chain), example_input, repeats=1)
     finally:
-        with torch.no_grad():
-            for module, name, buffer, saved in buffers:
-                module._buffers[name] = buffer
-                buffer.copy_(saved)
+        kept.restore()
     return ForwardTimes(tuple(step_name(step, i) for i, step in enumerate(chain)),
                         tuple(p.forward_seconds for p in profiles))
 

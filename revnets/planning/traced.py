@@ -51,8 +51,9 @@ __all__ = [
 # reads (a drop-path rate raised by a schedule), a parameter or buffer it reads directly,
 # replaced (``load_state_dict(..., assign=True)``, a move of the model alone). Code changing the
 # grad mode or autocast keeps its module whole (trace.py), since a graph records neither.
-# Planning's runs on the meta device run kept-whole modules too, and put back what they assign
-# the same way (profile.on_meta).
+# Planning's runs on the meta device run kept-whole modules too, and so do the real runs that
+# time the forward; both put back what they assign the same way (profile.on_meta,
+# step_times.chain_times).
 
 # Modes are flipped on purpose, to find code that depends on them (trace.py).
 _MODE = "training"
