@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.utils.checkpoint
@@ -106,12 +106,22 @@ def checkpoint(
     module's weights were swapped or modified in place after the forward
     (``torch.func.functional_call``, an optimizer step).
     """
+    return checkpoint_forward(module, module, args, kwargs, preserve_rng_state, selective)
+
+
+def checkpoint_forward(
+    module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict,
+    preserve_rng_state: bool = True, selective: bool = False,
+) -> Any:
+    """``forward(*args, **kwargs)`` as :func:`checkpoint` runs ``module``, its replay following
+    ``module``: ``forward`` is ``module`` itself, or its forward alone, whose module's own hooks
+    run once around it (NOTE [ Plans of whole modules ] in ``planning/module_plan.py``)."""
     if torch.compiler.is_compiling():
         # Dynamo turns the region into part of the graph, whose compiled backward recomputes
         # from the graph rather than by rerunning Python: statistics are not updated twice and
         # the weights are the graph's own. It also accepts no custom context_fn.
         return torch.utils.checkpoint.checkpoint(
-            module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+            forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
             **({"context_fn": _compiled_selective_contexts} if selective else {}), **kwargs,
         )
     # The first tensor's device, also inside the tuple a traced graph's steps hand on; None
@@ -119,7 +129,7 @@ def checkpoint(
     device = plain_device((args, kwargs))
     replay = _Replay(module, preserve_rng_state, device, selective)
     return torch.utils.checkpoint.checkpoint(
-        module,
+        forward,
         *args,
         use_reentrant=False,
         preserve_rng_state=preserve_rng_state,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from revnets.checkpoint import Checkpointed
+from revnets.checkpoint import checkpoint_forward
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, no_fit, training_step
 from revnets.planning.profile import _address, _flops
@@ -26,20 +27,28 @@ __all__ = ["CheckpointedModules", "ModuleProfile", "plan_modules"]
 # NOTE [ Plans of whole modules ]
 # A model whose own forward torch.fx cannot trace (Python control flow on shapes: CrossViT) has
 # no chain of steps to cut, but it has its modules, each called by its code. Its plan is a set
-# of them, none inside another, that run as checkpoints: for a training step each is swapped at
-# its parent for a Checkpointed of itself (revnets.checkpoint: generators, module state and hooks
-# replayed), and put back after, so the model's own code runs unchanged around them; attributes
-# its code reads through them are the module's. One prediction of the unplanned step profiles
-# every module call: the storages it saves for backward besides its inputs and the model's
-# state, what a checkpoint keeps instead (its inputs), and what rerunning it costs, counted (the
-# floating-point operations of its products and the elements its operators make), so that every
-# call at one budget ranks the same plans the same way, and a refusal names a budget that then
-# plans. For each depth of the call tree, its modules (and the leaves above it), ordered by
-# bytes saved per cost, give plans of growing prefixes; a modelled peak (the unplanned peak, less
-# what each saves, plus the largest recomputation) orders them, and an exact prediction accepts
-# one, as for chains (NOTE [ Modelled search, exact acceptance ] in search.py). The most frugal
-# plan as modelled is always predicted last: its exact peak is the budget a refusal names.
+# of them, none inside another, that run as checkpoints. For a step with grad enabled, each
+# gets an instance attribute ``forward`` over its class's, which runs that forward as a
+# checkpoint (revnets.checkpoint: generators, module state and the hooks of its submodules
+# replayed), removed after. The module itself stays where it is: the model's code sees the same
+# object (its type, its mode, its attributes, what it writes to it, ``self.modules()``), and its
+# own hooks run once around the checkpoint, as ``nn.Module.__call__`` runs them around any
+# forward. (A stand-in module swapped in at its parent was seen by that code: ``isinstance``
+# failed, writes landed on the stand-in, ``modules()`` met both.) A module that writes its
+# input in place, or whose input is written in place before the backward, is never
+# checkpointed: its recomputation would read the written value.
+# A prediction of the unplanned step profiles every module call: the storages it saves for
+# backward besides its inputs and the model's state, what a checkpoint keeps instead (its
+# inputs), and what rerunning it costs, counted (the floating-point operations of its products
+# and the elements its operators make), so that every call at one budget ranks the same plans
+# the same way. For each depth of the call tree, its modules (and the leaves above it), ordered
+# by bytes saved per cost, give plans of growing prefixes; a modelled peak (the unplanned peak,
+# less what each saves, plus the largest recomputation) orders them, and an exact prediction
+# accepts one, as for chains (NOTE [ Modelled search, exact acceptance ] in search.py). The
+# ``FLOORS`` plans of least modelled peak are predicted last, from the cheapest; where none
+# fits, a refusal names the least of their exact peaks, which they meet again when asked for.
 MAX_PREDICTIONS = 4  # exact predictions of plans within the budget as modelled, cheapest first
+FLOORS = 3  # then those of least modelled peak
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class ModuleProfile:
     kept: int  # bytes of its tensor inputs: what a checkpoint keeps of it instead
     cost: int  # operations of its products and elements its operators make
     leaf: bool  # it calls no other module
+    written: bool  # an input of it is written in place before the backward
 
     @property
     def saving(self) -> int:
@@ -65,6 +75,8 @@ class _Calls:
     kept: int = 0
     cost: int = 0
     leaf: bool = True
+    written: bool = False
+    inputs: list[tuple[weakref.ref, int | None]] = field(default_factory=list)
 
 
 class _Profiler(TorchDispatchMode):
@@ -74,13 +86,16 @@ class _Profiler(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, _Calls] = {}
-        self._stack: list[tuple[_Calls, set[int]]] = []
+        # The calls under way, innermost last; None where a module runs again in the backward
+        # (the reversible engine's blocks): the forward alone is profiled.
+        self._stack: list[tuple[_Calls, set[int]] | None] = []
         self._state: set[int] = set()
+        self._forward = True
 
     def __call__(self, model: nn.Module, x: Any, loss_fn: LossFn,
                  optimizer: torch.optim.Optimizer | None) -> None:
         self._state = {_address(t) for t in (*model.parameters(), *model.buffers())}
-        handles = []
+        handles = [model.register_forward_hook(self._forward_done, always_call=True)]
         for name, module in model.named_modules():
             if name:
                 handles += [
@@ -95,23 +110,35 @@ class _Profiler(TorchDispatchMode):
                 handle.remove()
 
     def _enter(self, name: str) -> Any:
-        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        # The reversible engine calls a block's pre-hooks itself, without keywords.
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+            if not self._forward:
+                self._stack.append(None)
+                return
             calls = self.calls.setdefault(name, _Calls(len(self._stack) + 1))
             if self._stack:
                 self._stack[-1][0].leaf = False
-            inputs = {_address(t): t.untyped_storage().nbytes()
-                      for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+            inputs = {_address(t): t.untyped_storage().nbytes() for t in tensors}
             calls.kept += sum(inputs.values())
+            calls.inputs += [(weakref.ref(t), _version(t)) for t in tensors]
             self._stack.append((calls, set(inputs)))
         return pre_hook
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._stack.pop()
 
+    def _forward_done(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._forward = False
+        for calls in self.calls.values():
+            calls.written |= any(t is not None and _version(t) != version
+                                 for t, version in ((ref(), v) for ref, v in calls.inputs))
+            calls.inputs.clear()
+
     def _pack(self, t: Tensor) -> Tensor:
         address = _address(t)
         if address not in self._state:
-            for calls, inputs in self._stack:
+            for calls, inputs in filter(None, self._stack):
                 if address not in inputs:
                     calls.saved[address] = t.untyped_storage().nbytes()
         return t
@@ -119,7 +146,7 @@ class _Profiler(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self._stack:
+        if self._forward and self._stack:
             cost = _flops(func, args, kwargs, out) + sum(
                 t.numel() for t in tree_leaves(out) if isinstance(t, Tensor))
             for calls, _ in self._stack:
@@ -127,7 +154,8 @@ class _Profiler(TorchDispatchMode):
         return out
 
     def profiles(self) -> list[ModuleProfile]:
-        return [ModuleProfile(name, c.depth, sum(c.saved.values()), c.kept, c.cost, c.leaf)
+        return [ModuleProfile(name, c.depth, sum(c.saved.values()), c.kept, c.cost, c.leaf,
+                              c.written)
                 for name, c in self.calls.items()]
 
 
@@ -135,39 +163,54 @@ def _same(t: Tensor) -> Tensor:
     return t
 
 
-class _InPlaceOf(Checkpointed):
-    """A checkpoint of a module, standing in its place for a step: the model's code reads the
-    module's attributes through it."""
+def _version(t: Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (nor can be written)
+        return None
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["module"], name)
+
+class _CheckpointedForward:
+    """A module's forward run as a checkpoint, set over its class's for a step."""
+
+    def __init__(self, module: nn.Module, forward: Any) -> None:
+        self.module, self.forward = module, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_forward(self.module, self.forward, args, kwargs)
 
 
 @contextlib.contextmanager
-def _swapped_in(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
-    """Each module of ``names`` replaced at its parent by a checkpoint of itself, and put back."""
-    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+def _checkpointed(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """The forward of each module of ``names`` run as a checkpoint, the module left in place
+    (NOTE [ Plans of whole modules ]); put back as it was after."""
+    overridden: list[tuple[nn.Module, Any]] = []
     try:
         for name in names:
-            parent_name, _, key = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            module = parent._modules[key]
-            parent._modules[key] = _InPlaceOf(module)
-            swapped.append((parent, key, module))
+            module = model.get_submodule(name)
+            if any(module is m for m, _ in overridden):
+                continue
+            own = module.__dict__.get("forward", _NONE)  # a forward set on the object already
+            module.__dict__["forward"] = _CheckpointedForward(module, module.forward)
+            overridden.append((module, own))
         yield
     finally:
-        for parent, key, module in reversed(swapped):
-            parent._modules[key] = module
+        for module, own in reversed(overridden):
+            if own is _NONE:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = own
+
+
+_NONE = object()
 
 
 class CheckpointedModules(nn.Module):
-    """A model whose training steps (training mode, grad enabled) run ``names``, modules it
-    calls, as checkpoints, its own forward around them (NOTE [ Plans of whole modules ]);
-    everything else runs the model as it is. It shares every parameter and buffer with
-    ``model``: save and load weights through ``.model``."""
+    """A model whose steps with grad enabled run ``names``, modules it calls, as checkpoints,
+    its own forward around them (NOTE [ Plans of whole modules ]); without grad, the model as
+    it is. It shares every parameter and buffer with ``model``: save and load weights through
+    ``.model``. The plan's peak is that of the training step planned, in the modes the modules
+    had then."""
 
     memory_plan: MemoryPlan
 
@@ -181,9 +224,9 @@ class CheckpointedModules(nn.Module):
         return self.memory_plan
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():
             return self.model(*args, **kwargs)
-        with _swapped_in(self.model, self.names):
+        with _checkpointed(self.model, self.names):
             return self.model(*args, **kwargs)
 
 
@@ -194,13 +237,18 @@ class _Candidate:
     modelled: int
 
 
-def _candidates(profiles: Sequence[ModuleProfile], unplanned: int) -> list[_Candidate]:
-    """Prefixes of each depth's modules, most bytes saved per cost first, with their modelled
-    peaks (NOTE [ Plans of whole modules ])."""
+def _candidates(profiles: Sequence[ModuleProfile], unplanned: int,
+                around: dict[str, set[str]]) -> list[_Candidate]:
+    """Prefixes of each depth's modules, most bytes saved per cost first, none inside another
+    (``around``: the names of the modules each is inside), with their modelled peaks (NOTE
+    [ Plans of whole modules ])."""
     found: dict[tuple[str, ...], _Candidate] = {}
     for depth in sorted({p.depth for p in profiles}):
-        level = [p for p in profiles if p.saving > 0 and (
+        level = [p for p in profiles if p.saving > 0 and not p.written and (
             p.depth == depth or (p.leaf and p.depth < depth))]
+        # A module shared by two parents may be called at one depth and named inside another.
+        names = {p.name for p in level}
+        level = [p for p in level if not around[p.name] & names]
         level.sort(key=lambda p: -p.saving / max(p.cost, 1))
         saving = cost = largest = 0
         for k, p in enumerate(level, 1):
@@ -224,7 +272,7 @@ def plan_modules(
     predictor, profiler = Predictor(), _Profiler()
     try:
         unplanned = predictor.predict(
-            profiler, (model, example_input, loss_fn, optimizer), {}).peak_bytes
+            training_step, (model, example_input, loss_fn, optimizer), {}).peak_bytes
     except ValueError as error:  # the prediction's refusal: a tensor's value read
         raise TypeError(f"{untraceable}, and its training step cannot be predicted to plan "
                         f"its modules instead: {error}") from error
@@ -234,24 +282,50 @@ def plan_modules(
         model.memory_plan = MemoryPlan(stages, Store(), (PartPlan(type(model).__name__, Store()),),
                                        unplanned, budget)
         return model
+    # Not the peak: code may run otherwise under saved-tensor hooks (a reversible sequence
+    # stores what it would reconstruct).
+    predictor.predict(profiler, (model, example_input, loss_fn, optimizer), {})
     profiles = {p.name: p for p in profiler.profiles()}
-    candidates = _candidates(list(profiles.values()), unplanned)
+    candidates = _candidates(list(profiles.values()), unplanned, _around(model))
     if not candidates:
         raise no_fit(budget, unplanned, f"{type(model).__name__} as it is: no module it calls "
                                         f"saves memory checkpointed")
-    frugal = min(candidates, key=lambda c: (c.modelled, c.cost, c.names))
-    tries = [c for c in candidates if c.modelled <= budget and c is not frugal][:MAX_PREDICTIONS]
-    for candidate in (*tries, frugal):
+    floors = sorted(candidates, key=lambda c: (c.modelled, c.cost, c.names))[:FLOORS]
+    tries = [c for c in candidates if c.modelled <= budget and c not in floors][:MAX_PREDICTIONS]
+    peaks: dict[_Candidate, int] = {}
+    for candidate in (*tries, *sorted(floors, key=lambda c: (c.cost, c.modelled, c.names))):
         planned = CheckpointedModules(model, candidate.names)
-        peak = predictor.predict(
+        peaks[candidate] = predictor.predict(
             training_step, (planned, example_input, loss_fn, optimizer), {}).peak_bytes
-        if peak <= budget:
+        if peaks[candidate] <= budget:
             parts = tuple(PartPlan(name, Checkpoint(), profiles[name].kept, math.nan)
                           for name in candidate.names)
-            planned.memory_plan = MemoryPlan(stages, Checkpoint(), parts, peak, budget)
+            planned.memory_plan = MemoryPlan(stages, Checkpoint(), parts, peaks[candidate],
+                                             budget)
             return planned
-    raise no_fit(budget, peak, f"checkpoints of {len(frugal.names)} whole modules, "
-                               f"{_listed(frugal.names)}")
+    lowest = min(floors, key=lambda c: (peaks[c], c.cost, c.names))
+    if peaks[lowest] >= unplanned:
+        raise no_fit(budget, unplanned, f"{type(model).__name__} as it is")
+    raise no_fit(budget, peaks[lowest], f"checkpoints of {len(lowest.names)} whole modules, "
+                                        f"{_listed(lowest.names)}")
+
+
+def _around(model: nn.Module) -> dict[str, set[str]]:
+    """The names of the modules each module of ``model`` is inside (by its first name; a module
+    registered under several parents is inside each)."""
+    first = {id(m): name for name, m in model.named_modules()}
+    above: dict[str, set[str]] = {name: set() for name in first.values()}
+
+    def walk(module: nn.Module, path: frozenset[str]) -> None:
+        for child in module.children():
+            name = first[id(child)]
+            if not path - above[name] and above[name]:
+                continue  # reached this way already
+            above[name] |= path
+            walk(child, path | {name})
+
+    walk(model, frozenset())
+    return above
 
 
 def _listed(names: Sequence[str]) -> str:
