@@ -410,13 +410,15 @@ class _Planner:
                               NESTED_GROUPS)[1]
         low_peak, how = smallest
         frugal = most_frugal_schedule(grouped)
-        # No plan peaks below what the step holds at its end (the model state, every gradient,
-        # the input). Where the lowest floor is within NESTED_MIN_GAIN of that, nested
-        # checkpoints are not searched: what they could save is next to nothing, and their
-        # predictions cost seconds on a large model (torchvision's ViT-H/14, whose peak is its
-        # weights and their gradients). Sizes and the floor decide, never the budget.
-        end = self.model_state + ChainModel.of(profiles, self.input_state).end_bytes
-        if frugal is None or low_peak - end < NESTED_MIN_GAIN * low_peak:
+        # No plan peaks below the least every plan holds at some moment (the model state, and
+        # in the chain model the step's end state, or a step's backward: what it saves, the
+        # gradients made by then). Where the lowest floor is within NESTED_MIN_GAIN of that,
+        # nested checkpoints are not searched: what they could save is next to nothing, and
+        # their predictions cost seconds on a large model (torchvision's ViT-H/14, whose peak
+        # is its weights and their gradients; RegNet-Y-128GF, whose last stage's backward makes
+        # most of its 2.6 GB of gradients). Sizes and the floor decide, never the budget.
+        least = self.model_state + ChainModel.of(profiles, self.input_state).least_bytes
+        if frugal is None or low_peak - least < NESTED_MIN_GAIN * low_peak:
             raise no_fit(budget, low_peak, how)
         candidates = nested_candidates(
             frugal, lambda room: nested_schedule(counted, room, slots=NESTED_SLOTS))

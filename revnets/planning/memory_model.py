@@ -187,6 +187,18 @@ class ChainModel:
         gradient and the input."""
         return int(self.state_bytes[0] + self.grads_after[0])
 
+    @property
+    def least_bytes(self) -> int:
+        """What every plan holds at some moment, in this model: once backpropagated, every
+        parameter gradient and the input (``end_bytes``); while step j is backpropagated, what
+        it saves itself (recomputed, if not stored), the parameter gradients of it and the
+        steps after it, and the gradients of the values live at its two cuts."""
+        if not self.n:
+            return self.end_bytes
+        states = np.array(self.state_bytes, dtype=np.int64)
+        moments = self.step_saved + self.grads_after[:-1] + states[:-1] + states[1:]
+        return max(self.end_bytes, int(moments.max()))
+
     def held(self, a: int, b: int) -> int:
         """What segment [a, b) holds once it has run forward (NOTE [ A storage saved twice is
         held once ])."""
