@@ -135,9 +135,9 @@ def auto_checkpoint(
     cannot be traced: a zoo model gets the cheapest preset that fits; any other, with a warning
     naming why, comes back as a :class:`CheckpointedModules` whose training steps run its own
     forward with whole modules it calls checkpointed (NOTE [ Plans of whole modules ] in
-    ``planning/module_plan.py``; ``measure_time`` is not used there). Raises
-    :class:`PlanningError` stating the smallest reachable budget when no plan fits. Python's
-    cycle collector is paused while it plans, and resumed as it was.
+    ``planning/module_plan.py``; ``measure_time`` and ``compiled`` are not used there).
+    Raises :class:`PlanningError` stating the smallest reachable budget when no plan fits.
+    Python's cycle collector is paused while it plans, and resumed as it was.
     """
     if not isinstance(measure_time, (bool, ForwardTimes)):
         raise TypeError(f"auto_checkpoint: measure_time is True, False or the ForwardTimes "
