@@ -2,7 +2,9 @@
 calls (NOTE [ Plans of whole modules ]): measured == predicted within the budget, training
 exactly as the model itself does, and left as it was."""
 
+import inspect
 import random
+import threading
 
 import pytest
 import torch
@@ -199,7 +201,8 @@ class Peeking(nn.Module):
         h = h.flip(0) if h.shape[0] > 1 else h
         for block in self.blocks:
             block.scale = block.scale * 0.5
-            h = block(h, gate=2.0) if isinstance(block, Gated) else block(h)
+            h = block(h, gate=2.0) if isinstance(block, Gated) and "gate" in inspect.signature(
+                block.forward).parameters else block(h)
             h = h if block.training else 2 * h
             h = h * block.memory
         aux = sum(m.aux for m in self.modules() if hasattr(m, "aux"))
@@ -208,7 +211,8 @@ class Peeking(nn.Module):
 
 def test_the_model_s_code_sees_its_own_modules_in_a_planned_step():
     """Checkpointed blocks stay what they are to the model's code: their type, mode, attributes
-    (also those named as a Checkpointed's), what it writes to them, and ``self.modules()`` (a
+    (also those named as a Checkpointed's), what it writes to them, their forward's signature,
+    and ``self.modules()`` (a
     stand-in swapped in at their parent had the model's code take other branches, count each
     auxiliary loss twice and write to the stand-in: other gradients, silently)."""
     torch.manual_seed(0)
@@ -347,3 +351,94 @@ def test_a_checkpointed_module_s_own_hooks_run_once_around_it():
     module.register_forward_hook(lambda *args: calls.append("forward"))
     train_step(planned, x)
     assert calls == ["pre", "forward"]
+
+
+class Shifted(nn.Module):
+    """Its first step saves nothing of its input."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, 4 * width), nn.Tanh(),
+                                  nn.Linear(4 * width, width))
+
+    def forward(self, input):
+        return self.body(input + 1.0)
+
+
+class Configured(nn.Module):
+    """Blocks reading a setting their model changes after calling them (a config dict), and
+    blocks taking their input by keyword, which the loss then writes in place."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, width), nn.Linear(width, 3)
+        self.blocks = nn.ModuleList([*(nn.Sequential(nn.Linear(width, 4 * width), nn.Tanh(),
+                                                     nn.Linear(4 * width, width))
+                                       for _ in range(2)), Shifted(width), Shifted(width)])
+        self.config = {"scale": 1.0}
+        self.blocks[0].config = self.blocks[1].config = self.config
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h.flip(0) if h.shape[0] > 1 else h
+        for block in self.blocks[:2]:
+            h = h + torch.tanh(block(h) * block.config["scale"])
+            self.config["scale"] += 1.0
+        kept = h
+        for block in self.blocks[2:]:
+            h = h + block(input=kept)
+        return self.head(h), kept
+
+
+def test_modules_whose_input_or_state_is_written_before_the_backward_train_as_themselves():
+    """Recomputed, a block read the setting as changed after its call, and the input the loss
+    wrote (torch checks positional inputs only): other gradients, silently."""
+    torch.manual_seed(0)
+    model, x = Configured().double(), torch.randn(256, 8, dtype=torch.float64)
+
+    def loss(out):
+        logits, kept = out
+        kept.mul_(2.0)
+        return logits.sum()
+
+    def step(trained):
+        model.config["scale"] = 1.0
+        model.zero_grad(set_to_none=True)
+        loss(trained(x)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    peak = measure_memory(lambda: step(model)).peak_bytes
+    with pytest.warns(UserWarning):
+        planned = revnets.auto_checkpoint(model, x, int(0.9 * peak), loss_fn=loss)
+    assert not {"blocks.0", "blocks.1", "blocks.2", "blocks.3"} & set(planned.names)
+    assert all(torch.equal(a, b) for a, b in zip(step(model), step(planned)))
+
+
+def test_another_thread_sharing_a_module_runs_its_own_forward():
+    """Two planned models sharing blocks, both steps under way in two threads, the first ending
+    first: it put back the forward it had found, and the second then put back the first's,
+    which stayed on the module."""
+    model, x = untraceable()
+    other = TwoStreams()
+    other.blocks = model.blocks
+    first, second = (plan(net, x, activation_budget(net, x, 0.5)) for net in (model, other))
+    inside, first_done = threading.Barrier(2), threading.Event()
+
+    def wait(*args):
+        inside.wait()
+        if threading.current_thread().name == "second":
+            first_done.wait()
+
+    model.blocks[0].register_forward_pre_hook(wait)
+
+    def run_first():
+        train_step(first, x)
+        first_done.set()
+
+    threads = [threading.Thread(target=run_first),
+               threading.Thread(target=train_step, args=(second, x), name="second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not any("forward" in vars(m) for m in model.modules())

@@ -4,7 +4,9 @@ some of the modules it calls run as checkpoints (NOTE [ Plans of whole modules ]
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -13,12 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from revnets.checkpoint import checkpoint_forward
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, no_fit, training_step
 from revnets.planning.profile import _address, _flops
+from revnets.planning.traced import Attributes
 from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
 
@@ -33,10 +36,14 @@ __all__ = ["CheckpointedModules", "ModuleProfile", "plan_modules"]
 # replayed), removed after. The module itself stays where it is: the model's code sees the same
 # object (its type, its mode, its attributes, what it writes to it, ``self.modules()``), and its
 # own hooks run once around the checkpoint, as ``nn.Module.__call__`` runs them around any
-# forward. (A stand-in module swapped in at its parent was seen by that code: ``isinstance``
-# failed, writes landed on the stand-in, ``modules()`` met both.) A module that writes its
-# input in place, or whose input is written in place before the backward, is never
-# checkpointed: its recomputation would read the written value.
+# forward, which reads as the module's own (its signature). (A stand-in module swapped in at its
+# parent was seen by that code: ``isinstance`` failed, writes landed on the stand-in,
+# ``modules()`` met both.) Only the thread running the step checkpoints: the forward goes back
+# when the last step using it ends, unless the step set one of its own. A module whose input,
+# or state its modules hold (a config dict, a float the parent changes), is written between
+# its call and the loss, is never checkpointed: its recomputation would read the written value.
+# Its inputs go to torch's checkpoint as positional tensors, which torch checks for writes
+# before it recomputes.
 # A prediction of the unplanned step profiles every module call: the storages it saves for
 # backward besides its inputs and the model's state, what a checkpoint keeps instead (its
 # inputs), and what rerunning it costs, counted (the floating-point operations of its products
@@ -61,7 +68,7 @@ class ModuleProfile:
     kept: int  # bytes of its tensor inputs: what a checkpoint keeps of it instead
     cost: int  # operations of its products and elements its operators make
     leaf: bool  # it calls no other module
-    written: bool  # an input of it is written in place before the backward
+    written: bool  # its input, or state its modules hold, is written before the backward
 
     @property
     def saving(self) -> int:
@@ -77,6 +84,7 @@ class _Calls:
     leaf: bool = True
     written: bool = False
     inputs: list[tuple[weakref.ref, int | None]] = field(default_factory=list)
+    state: list[Attributes] = field(default_factory=list)
 
 
 class _Profiler(TorchDispatchMode):
@@ -95,16 +103,22 @@ class _Profiler(TorchDispatchMode):
     def __call__(self, model: nn.Module, x: Any, loss_fn: LossFn,
                  optimizer: torch.optim.Optimizer | None) -> None:
         self._state = {_address(t) for t in (*model.parameters(), *model.buffers())}
-        handles = [model.register_forward_hook(self._forward_done, always_call=True)]
+        handles = []
         for name, module in model.named_modules():
-            if name:
+            if name and not isinstance(module, torch.jit.ScriptModule):  # no hooks there
                 handles += [
                     module.register_forward_pre_hook(self._enter(name), with_kwargs=True),
                     module.register_forward_hook(self._leave, always_call=True),
                 ]
+
+        def loss(output: Any) -> Tensor:
+            value = loss_fn(output)
+            self._forward_done()  # what the loss wrote too, before the backward reads it
+            return value
+
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _same), self:
-                training_step(model, x, loss_fn, optimizer)
+                training_step(model, x, loss, optimizer)
         finally:
             for handle in handles:
                 handle.remove()
@@ -126,14 +140,20 @@ class _Profiler(TorchDispatchMode):
         return pre_hook
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._stack.pop()
+        top = self._stack.pop()
+        if top is not None:  # what its recomputation reads of the state its modules hold
+            top[0].state.append(Attributes(module.modules()))
 
-    def _forward_done(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _forward_done(self) -> None:
+        if not self._forward:  # a second step (an optimizer's first)
+            return
         self._forward = False
         for calls in self.calls.values():
             calls.written |= any(t is not None and _version(t) != version
                                  for t, version in ((ref(), v) for ref, v in calls.inputs))
+            calls.written |= any(state.changed() is not None for state in calls.state)
             calls.inputs.clear()
+            calls.state.clear()
 
     def _pack(self, t: Tensor) -> Tensor:
         address = _address(t)
@@ -171,38 +191,86 @@ def _version(t: Tensor) -> int | None:
 
 
 class _CheckpointedForward:
-    """A module's forward run as a checkpoint, set over its class's for a step."""
+    """A module's forward run as a checkpoint, set over its class's for the steps under way:
+    in a thread running none of them (another model sharing the module), the forward as it
+    was. It reads as that forward (``inspect.signature``, ``__wrapped__``, ``__self__``)."""
 
     def __init__(self, module: nn.Module, forward: Any) -> None:
         self.module, self.forward = module, forward
+        functools.update_wrapper(self, forward)
+        self.__self__ = module
+        self.__func__ = getattr(forward, "__func__", forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint_forward(self.module, self.forward, args, kwargs)
+        if id(self.module) not in _running():
+            return self.forward(*args, **kwargs)
+        # Every tensor handed over positionally: torch checks those for writes in place
+        # before it recomputes (a keyword's or a list's, it would read as written).
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+
+        def forward(*tensors: Tensor) -> Any:
+            values = list(leaves)
+            for i, tensor in zip(where, tensors):
+                values[i] = tensor
+            args, kwargs = tree_unflatten(values, spec)
+            return self.forward(*args, **kwargs)
+
+        return checkpoint_forward(self.module, forward, tuple(leaves[i] for i in where), {})
+
+
+class _Running(threading.local):
+    def __init__(self) -> None:
+        self.modules: dict[int, int] = {}  # id: steps under way in this thread
+
+
+_RUNNING = _Running()
+_INSTALLED: dict[int, tuple[nn.Module, Any, _CheckpointedForward, int]] = {}
+_LOCK = threading.Lock()
+_NONE = object()
+
+
+def _running() -> dict[int, int]:
+    return _RUNNING.modules
 
 
 @contextlib.contextmanager
 def _checkpointed(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
-    """The forward of each module of ``names`` run as a checkpoint, the module left in place
-    (NOTE [ Plans of whole modules ]); put back as it was after."""
-    overridden: list[tuple[nn.Module, Any]] = []
-    try:
-        for name in names:
-            module = model.get_submodule(name)
-            if any(module is m for m, _ in overridden):
+    """The forward of each module of ``names`` run as a checkpoint in this thread, the module
+    left in place (NOTE [ Plans of whole modules ]); put back as it was after the last step
+    using it, unless the step set a forward of its own."""
+    modules = list({id(m): m for m in map(model.get_submodule, names)}.values())
+    running = _running()
+    with _LOCK:
+        for module in modules:
+            key = id(module)
+            if key in _INSTALLED:
+                found, own, wrapper, users = _INSTALLED[key]
+                _INSTALLED[key] = (found, own, wrapper, users + 1)
                 continue
             own = module.__dict__.get("forward", _NONE)  # a forward set on the object already
-            module.__dict__["forward"] = _CheckpointedForward(module, module.forward)
-            overridden.append((module, own))
+            wrapper = _CheckpointedForward(module, module.forward)
+            module.__dict__["forward"] = wrapper
+            _INSTALLED[key] = (module, own, wrapper, 1)
+    for module in modules:
+        running[id(module)] = running.get(id(module), 0) + 1
+    try:
         yield
     finally:
-        for module, own in reversed(overridden):
-            if own is _NONE:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = own
-
-
-_NONE = object()
+        for module in modules:
+            running[id(module)] -= 1
+            if not running[id(module)]:
+                del running[id(module)]
+        with _LOCK:
+            for module in modules:
+                found, own, wrapper, users = _INSTALLED.pop(id(module))
+                if users > 1:
+                    _INSTALLED[id(module)] = (found, own, wrapper, users - 1)
+                elif module.__dict__.get("forward") is wrapper:
+                    if own is _NONE:
+                        del module.__dict__["forward"]
+                    else:
+                        module.__dict__["forward"] = own
 
 
 class CheckpointedModules(nn.Module):
