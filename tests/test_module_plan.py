@@ -431,12 +431,15 @@ def test_another_thread_sharing_a_module_runs_its_own_forward():
 
     model.blocks[0].register_forward_pre_hook(wait)
 
+    def step(planned):  # no zero_grad: the threads would set the same gradients at once
+        planned(x).sum().backward()
+
     def run_first():
-        train_step(first, x)
+        step(first)
         first_done.set()
 
     threads = [threading.Thread(target=run_first),
-               threading.Thread(target=train_step, args=(second, x), name="second")]
+               threading.Thread(target=step, args=(second,), name="second")]
     for thread in threads:
         thread.start()
     for thread in threads:
