@@ -21,7 +21,7 @@ from revnets.checkpoint import checkpoint_forward
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, no_fit, training_step
 from revnets.planning.profile import _address, _flops
-from revnets.planning.traced import Attributes
+from revnets.planning.traced import Attributes, _version
 from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
 
@@ -181,13 +181,6 @@ class _Profiler(TorchDispatchMode):
 
 def _same(t: Tensor) -> Tensor:
     return t
-
-
-def _version(t: Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no version counter (nor can be written)
-        return None
 
 
 class _CheckpointedForward:
