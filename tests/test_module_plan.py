@@ -422,17 +422,21 @@ def test_another_thread_sharing_a_module_runs_its_own_forward():
     other = TwoStreams()
     other.blocks = model.blocks
     first, second = (plan(net, x, activation_budget(net, x, 0.5)) for net in (model, other))
-    inside, first_done = threading.Barrier(2), threading.Event()
+    inside, first_done = threading.Barrier(2, timeout=120), threading.Event()
+    errors = []
 
     def wait(*args):
         inside.wait()
         if threading.current_thread().name == "second":
-            first_done.wait()
+            assert first_done.wait(timeout=120)
 
     model.blocks[0].register_forward_pre_hook(wait)
 
     def step(planned):  # no zero_grad: the threads would set the same gradients at once
-        planned(x).sum().backward()
+        try:
+            planned(x).sum().backward()
+        except Exception as error:  # noqa: BLE001  reported below, not lost in the thread
+            errors.append(error)
 
     def run_first():
         step(first)
@@ -443,5 +447,6 @@ def test_another_thread_sharing_a_module_runs_its_own_forward():
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout=300)
+    assert not errors and not any(thread.is_alive() for thread in threads)
     assert not any("forward" in vars(m) for m in model.modules())
