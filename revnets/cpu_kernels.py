@@ -25,6 +25,11 @@ UNKNOWN_KERNELS = {
         "cuDNN's RNN kernel (nn.LSTM, nn.GRU or nn.RNN on CUDA) keeps a reserve of "
         "activations whose size torch's fake kernel does not know (it says 0)"
     ),
+    torch.ops.aten._nested_tensor_from_mask.default: (
+        "nn.TransformerEncoder's fast path (evaluation, no grad, enable_nested_tensor=True) "
+        "packs a padded batch into a nested tensor by its src_key_padding_mask, whose size "
+        "depends on the mask's values"
+    ),
 }
 
 
@@ -43,8 +48,13 @@ UNKNOWN_KERNELS = {
 # - mkldnn_rnn_layer (each layer and direction of nn.LSTM) returns a oneDNN workspace whose size
 #   oneDNN computes from the shapes, the instruction set and its version (the meta kernel: empty).
 #   Its size is asked of oneDNN itself: the layer runs once for real, on zeros of the same shapes,
-#   and the size is remembered for those shapes. Its backward returns the gradients of the two
-#   biases in two tensors (the meta kernel: one).
+#   and the size is remembered for those shapes and grad mode (with grad disabled it makes
+#   none). Its backward returns the gradients of the two biases in two tensors (the meta
+#   kernel: one).
+# - im2col and col2im (``F.unfold`` and ``F.fold``, each the other's backward) make their output
+#   like their input and resize it: it keeps a storage of the larger of the two sizes (a fold's
+#   output the size of its columns, nine times its own for a 3x3 kernel at stride 1; the meta
+#   kernels: the output's own size).
 # - mse_loss, smooth_l1_loss, binary_cross_entropy and soft_margin_loss, reduced (mean or sum),
 #   compute the unreduced loss into a tensor of the broadcast inputs' size and reduce it into
 #   that same tensor, resized to a scalar: the scalar they return keeps the unreduced storage
@@ -152,7 +162,7 @@ def _rnn_layer(out: Any, args: tuple, kwargs: dict) -> Any:
             return tuple(key(v) for v in value)
         return value
 
-    signature = key((args, sorted(kwargs.items())))
+    signature = key((args, sorted(kwargs.items()), torch.is_grad_enabled()))
     if signature not in _RNN_WORKSPACE:
         def real(value: Any) -> Any:
             if isinstance(value, Tensor):
@@ -165,9 +175,14 @@ def _rnn_layer(out: Any, args: tuple, kwargs: dict) -> Any:
             workspace = torch.ops.aten.mkldnn_rnn_layer.default(
                 *real(args), **real(kwargs)
             )[3]
-        _RNN_WORKSPACE[signature] = workspace.numel()
+        _RNN_WORKSPACE[signature] = 0 if workspace is None else workspace.numel()
     y, hy, cy, workspace = out
     return y, hy, cy, workspace.new_empty(_RNN_WORKSPACE[signature])
+
+
+def _in_input_sized_storage(out: Any, args: tuple, kwargs: dict) -> Any:
+    # Resizing down keeps the storage.
+    return out.new_empty(max(args[0].numel(), out.numel())).resize_(out.shape)
 
 
 def _rnn_layer_backward(out: Any, args: tuple, kwargs: dict) -> Any:
@@ -253,6 +268,8 @@ CPU_KERNELS: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     torch.ops.aten.native_group_norm.default: _group_norm,
     torch.ops.aten.native_group_norm_backward.default: _group_norm_backward,
     torch.ops.aten.mkldnn_rnn_layer.default: _rnn_layer,
+    torch.ops.aten.im2col.default: _in_input_sized_storage,
+    torch.ops.aten.col2im.default: _in_input_sized_storage,
 }
 
 CPU_OUTPUTS: dict[Any, Callable[..., Any]] = {

@@ -187,10 +187,37 @@ def _schedulers_of(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
     return found
 
 
-def stand_ins_of(owners: list[Any], memo: dict[int, Any]) -> WeakIdKeyDictionary:
-    """The argument modules' parameters and buffers, each with its fake: what stands for them
-    where the call reaches them some other way (a closure)."""
-    found = WeakIdKeyDictionary()
+class StandIns:
+    """The argument modules' parameters and buffers, each with the fake that stands for it where
+    the call reaches it some other way (a closure). Both are held weakly: a fake the call drops
+    (a buffer it reassigns) is freed where the real one would be (NOTE [ Real tensors in a
+    prediction ], 7 in revnets/fake_device.py)."""
+
+    def __init__(self) -> None:
+        self._fakes = WeakIdKeyDictionary()
+
+    def __setitem__(self, real: Tensor, fake: Tensor) -> None:
+        self._fakes[real] = weakref.ref(fake)
+
+    def get(self, real: Tensor, default: Any = None) -> Any:
+        held = self._fakes.get(real)
+        fake = held() if held is not None else None
+        return default if fake is None else fake
+
+    def __contains__(self, real: Tensor) -> bool:
+        return self.get(real) is not None
+
+    def __bool__(self) -> bool:
+        return bool(self._fakes)
+
+    def items(self) -> list[tuple[Tensor, Tensor]]:
+        return [(real, fake) for real in list(self._fakes.keys())
+                if (fake := self.get(real)) is not None]
+
+
+def stand_ins_of(owners: list[Any], memo: dict[int, Any]) -> StandIns:
+    """The argument modules' parameters and buffers and their fakes (made into ``memo``)."""
+    found = StandIns()
     for owner in owners:
         if isinstance(owner, nn.Module):
             for t in (*owner.parameters(), *owner.buffers()):
@@ -199,7 +226,7 @@ def stand_ins_of(owners: list[Any], memo: dict[int, Any]) -> WeakIdKeyDictionary
     return found
 
 
-def replaced(value: Any, fakes: WeakIdKeyDictionary) -> Any:
+def replaced(value: Any, fakes: Any) -> Any:
     """``value`` (an operator's arguments) with each real tensor in ``fakes`` replaced by its
     fake."""
     if isinstance(value, Tensor):

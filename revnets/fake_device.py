@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
-from revnets.fake_copies import is_cpu_scalar, replaced, scalar_to_fake
+from revnets.fake_copies import StandIns, is_cpu_scalar, replaced, scalar_to_fake
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 __all__ = ["LikeTheDevice", "layout_of"]
@@ -68,6 +68,11 @@ def layout_of(tensor: Tensor) -> tuple:
 #    on it, is refused.
 # 6. GradScaler's check for infinite gradients has no values to check; it is taken to find none
 #    (its ``found_inf`` is left as it was, 0), so that the scaler steps the optimizer.
+# 7. Nothing of the prediction's own holds a fake of an argument's tensor while the call runs
+#    (``StandIns``, the copy memo, the predictor's fakes kept for the next prediction, all weak
+#    or dropped), so that one the call drops is freed when the real run frees its tensor: a
+#    buffer reassigned (``self.ema = self.ema * m + ...``), a tensor a module keeps between
+#    steps (its last output) and lets go of in this one.
 
 
 class LikeTheDevice(TorchDispatchMode):
@@ -85,7 +90,7 @@ class LikeTheDevice(TorchDispatchMode):
     """
 
     def __init__(
-        self, mode: FakeTensorMode, device: torch.device, stand_ins: WeakIdKeyDictionary
+        self, mode: FakeTensorMode, device: torch.device, stand_ins: StandIns
     ) -> None:
         super().__init__()
         self.mode = mode
@@ -94,14 +99,14 @@ class LikeTheDevice(TorchDispatchMode):
         # argument's (a model's weight a closure reaches too), or a fake that took a write and
         # every later read. Held weakly: a real tensor's memory lives as long as in a real run.
         self.stand_ins = stand_ins
-        self.written: WeakIdKeyDictionary = WeakIdKeyDictionary(stand_ins)
+        self.written = _Written(stand_ins)
         # A real scalar read along with fake tensors, and its constant.
         self.constants: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # Real tensors the call met (a closure's, and the arguments' own), with what is put
         # back after it: an alias of their data (``p.data = ...`` replaces it) and their
         # gradient (the backward gives a closure's parameters fakes; ``zero_grad`` drops them).
         self.met: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        for t in stand_ins:
+        for t, _ in stand_ins.items():
             self._meet(t)
         # Generators drawn from by name, with their states before the call.
         self.generators: dict[int, tuple[torch.Generator, Tensor]] = {}
@@ -175,8 +180,8 @@ class LikeTheDevice(TorchDispatchMode):
                 )
             if written:
                 out = self._as_real(self.__torch_dispatch__(func, types, args, kwargs), written)
-                if func is _CHECK_AND_UNSCALE and real_args[1] in self.written:
-                    del self.written[real_args[1]]  # NOTE [ Real tensors in a prediction ], 6
+                if func is _CHECK_AND_UNSCALE:
+                    self.written.forget(real_args[1])  # NOTE [ Real tensors in a prediction ], 6
                 return out
             if func.is_view and not any(isinstance(t, FakeTensor) for t in tensors):
                 # A view of a written tensor is a view of the user's, as in a real run (its
@@ -260,7 +265,7 @@ class LikeTheDevice(TorchDispatchMode):
                     found.append(t)
         return found
 
-    def _fake_of(self, real: Tensor, fakes: WeakIdKeyDictionary) -> None:
+    def _fake_of(self, real: Tensor, fakes: WeakIdKeyDictionary | _Written) -> None:
         """Make the fake that stands for ``real`` in ``fakes``, once. Scalars keep their values
         (Adam's step counts, which ``torch._foreach_add_`` raises and ``.item()`` reads), in a
         copy."""
@@ -272,7 +277,7 @@ class LikeTheDevice(TorchDispatchMode):
     def _as_real(self, value: Any, written: list[Tensor]) -> Any:
         """An operator's output, the fakes of the user's tensors it wrote given back as theirs."""
         if isinstance(value, FakeTensor):
-            return next((real for real in written if self.written[real] is value), value)
+            return next((real for real in written if self.written.get(real) is value), value)
         if isinstance(value, (list, tuple)):
             return type(value)(self._as_real(v, written) for v in value)
         return value
@@ -313,3 +318,29 @@ class LikeTheDevice(TorchDispatchMode):
             return func(*args, **kwargs)
         finally:
             self.mode.cache_enabled = cached
+
+
+class _Written:
+    """Real tensors and the fakes that take their writes and every later read: fakes made for a
+    write held as long as their real tensor lives, the arguments' stand-ins weakly (NOTE [ Real
+    tensors in a prediction ], 2 and 7)."""
+
+    def __init__(self, stand_ins: StandIns) -> None:
+        self.made = WeakIdKeyDictionary()
+        self.stand_ins = stand_ins
+
+    def get(self, real: Tensor, default: Any = None) -> Any:
+        fake = self.made.get(real)
+        return fake if fake is not None else self.stand_ins.get(real, default)
+
+    def __contains__(self, real: Tensor) -> bool:
+        return real in self.made or real in self.stand_ins
+
+    def __setitem__(self, real: Tensor, fake: Tensor) -> None:
+        self.made[real] = fake
+
+    def __bool__(self) -> bool:
+        return bool(self.made) or bool(self.stand_ins)
+
+    def forget(self, real: Tensor) -> None:
+        self.made.pop(real, None)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
+
+if TYPE_CHECKING:
+    from revnets.fake_copies import StandIns
 
 __all__ = ["MemoryReport", "MemoryTracker", "measure_memory"]
 
@@ -170,8 +173,9 @@ class MemoryTracker(TorchDispatchMode):
         self._end_labels: dict[int, str] = {}
         self.module: str | None = None  # set by a timeline while a top-level module runs
         # id(real storage): a fake tensor whose storage stands for it (a prediction's copy of a
-        # model's parameter, reached through a closure too).
-        self.stand_ins: dict[int, tuple[Any, Tensor]] = {}
+        # model's parameter, reached through a closure too), held weakly (NOTE [ Real tensors in
+        # a prediction ], 7 in fake_device.py).
+        self.stand_ins: dict[int, tuple[Any, weakref.ref[Tensor]]] = {}
         self._weak_self = weakref.ref(self)
 
     # -- recording -------------------------------------------------------------------------------
@@ -245,8 +249,10 @@ class MemoryTracker(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
             return None
         key = id(storage)
-        if key in self.stand_ins:
-            return self._see(self.stand_ins[key][1], allocated, found)
+        held = self.stand_ins.get(key)
+        fake = held[1]() if held is not None else None
+        if fake is not None:
+            return self._see(fake, allocated, found)
         record = self._storages.get(key)
         # A fake tensor's storage is a meta storage; the tensor names the device it stands for.
         device = tensor.device if isinstance(tensor, FakeTensor) else storage.device
@@ -410,7 +416,7 @@ def _measure(
     kwargs: dict,
     predicted: bool = False,
     watch: Watch | None = None,
-    stand_ins: Mapping[Tensor, Tensor] | None = None,
+    stand_ins: StandIns | None = None,
 ) -> MemoryReport:
     """measure_memory's work; ``watch(tracker, owners)``, if given, is a context entered around
     the call inside the tracker (a timeline attributes storages to modules with it).
@@ -440,8 +446,9 @@ def _measure(
     tracker = MemoryTracker(*owners, inputs=tensors, device=str(named) if named else None)
     tracker.allocator_devices = watched
     if stand_ins:
-        tracker.stand_ins = {id(storage): (storage, fake) for real, fake in stand_ins.items()
-                             for storage in [real.untyped_storage()]}  # held: ids stay theirs
+        tracker.stand_ins = {id(storage): (storage, weakref.ref(fake))  # storage held: ids
+                             for real, fake in stand_ins.items()  # stay theirs
+                             for storage in [real.untyped_storage()]}
     with tracker, watch(tracker, owners) if watch else contextlib.nullcontext():
         result = fn(*args, **kwargs)
     if named is None:

@@ -22,6 +22,7 @@ ones.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -113,6 +114,12 @@ class Predictor:
         mode = self.mode
         optimizers = [o for o in owners if isinstance(o, torch.optim.Optimizer)]
         like = LikeTheDevice(mode, device, stand_ins_of(owners, memo))
+        # The fakes the call is given are held by its arguments alone while it runs (NOTE
+        # [ Real tensors in a prediction ], 7, in fake_device.py).
+        del memo
+        weak = {key: (real, weakref.ref(fake), layout)
+                for key, (real, fake, layout) in self._made.items()}
+        self._made = {}
         try:
             with (kept_as_found(optimizers, like.active),
                   forked_rng(device), mode, like):
@@ -126,6 +133,9 @@ class Predictor:
                 f"reads out of the predicted call, or measure it with measure_memory"
             ) from error
         finally:
+            # Those the call kept (not a buffer it reassigned) serve the next prediction.
+            self._made = {key: (real, fake, layout) for key, (real, ref, layout) in weak.items()
+                          if (fake := ref()) is not None}
             changed = like.restore()
             # Autocast keeps the casts of leaf tensors (weights) until its outermost region
             # ends: inside a user's region, the next prediction with the same fake weights

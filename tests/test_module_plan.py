@@ -243,6 +243,51 @@ def test_the_model_s_code_sees_its_own_modules_in_a_planned_step():
     assert max((a - b).abs().max().item() for a, b in zip(grads, planned_grads)) < 1e-10
 
 
+class KeepsItsOutput(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        self.out = x + self.b(torch.tanh(self.a(x)))  # read by the caller; nothing returned
+
+
+class OutputsKept(TwoStreams):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(KeepsItsOutput(32) for _ in range(4))
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h.flip(0) if h.shape[0] > 1 else h
+        for block in self.blocks:
+            block(h)
+            h = block.out
+        return self.head(h)
+
+
+@pytest.mark.parametrize("refused_first", [False, True])
+def test_a_module_keeping_its_output_on_itself_is_predicted_to_the_byte(refused_first):
+    """Each block holds its last output from one step to the next. The real run frees the old
+    one once the block's checkpoint no longer needs it; the prediction held its fake for the
+    whole step (a block's output per block above the measure). After a refusal, the
+    refusal's traceback held the old outputs until Python's cycle collector ran, and the next
+    step measured them (a block's output per block above the prediction)."""
+    torch.manual_seed(0)
+    model, x = OutputsKept(), torch.randn(256, 8)
+    train_step(model, x)  # every block now holds an output
+    budget = activation_budget(model, x, 0.5 if refused_first else 0.8)
+    with pytest.warns(UserWarning, match="OutputsKept cannot be traced"):
+        if refused_first:
+            with pytest.raises(revnets.PlanningError) as refusal:
+                revnets.auto_checkpoint(model, x, budget)
+            budget = refusal.value.smallest_budget
+            del refusal
+        planned = revnets.auto_checkpoint(model, x, budget)
+    assert any(name.startswith("blocks.") for name in planned.names)
+    assert measure_memory(train_step, planned, x).peak_bytes == planned.memory_plan.peak_bytes
+
+
 class WritesItsInput(nn.Module):
     def __init__(self, width: int):
         super().__init__()
