@@ -13,13 +13,18 @@ import collections
 import contextlib
 import copy
 import gc
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
@@ -139,6 +144,34 @@ def scaler_to_fake(
 
 
 @contextlib.contextmanager
+def real_modules_kept(predicting: Callable[[], bool]) -> Iterator[None]:
+    """A real module's parameter or buffer that the call replaces with a fake (a loss module a
+    closure holds, keeping a running centre: ``self.center = 0.9 * self.center + ...``) is
+    put back after it; it stays the fake for the rest of the call, as the real run's module
+    holds the new tensor. An assignment is no operator, which LikeTheDevice would see."""
+    found: list[tuple[dict, str, Tensor]] = []
+
+    def kept(table: str) -> Callable[[nn.Module, str, Any], None]:
+        def hook(module: nn.Module, name: str, value: Any) -> None:
+            old = getattr(module, table).get(name)
+            if (isinstance(value, FakeTensor) and isinstance(old, Tensor)
+                    and not isinstance(old, FakeTensor) and predicting()):
+                found.append((getattr(module, table), name, old))
+
+        return hook
+
+    handles = [register_module_buffer_registration_hook(kept("_buffers")),
+               register_module_parameter_registration_hook(kept("_parameters"))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for table, name, old in reversed(found):  # the first one found last: as before the call
+            table[name] = old
+
+
+@contextlib.contextmanager
 def kept_as_found(
     optimizers: list[torch.optim.Optimizer], predicting: Callable[[], bool]
 ) -> Iterator[None]:
@@ -213,6 +246,44 @@ class StandIns:
     def items(self) -> list[tuple[Tensor, Tensor]]:
         return [(real, fake) for real in list(self._fakes.keys())
                 if (fake := self.get(real)) is not None]
+
+
+def held_elsewhere(owners: list[Any], own: list[Tensor]) -> set[int]:
+    """The ids of the argument modules' tensors (parameters, buffers, tensor attributes) that
+    something besides those modules holds: a list of the user's or an optimizer (the Python
+    object), a view or ``state_dict()``'s detached alias (the storage), autograd's graph (the
+    tensor itself, in C++); ``own``: what the predictor holds of them. Dropped by its module in
+    the call, such a tensor stays alive in the real run, and its fake is held through the
+    prediction too (NOTE [ Real tensors in a prediction ], 7, in fake_device.py). Counted from
+    reference counts against those of a tensor only a dict holds, on the same path (the
+    interpreter's own references cancel); a holder missed errs towards holding the fake: the
+    safe side."""
+    slots: collections.Counter[int] = collections.Counter(id(t) for t in own)
+    tensors: dict[int, Tensor] = {}
+    for owner in owners:
+        if not isinstance(owner, nn.Module):
+            continue
+        for m in owner.modules():
+            for table in (m._parameters, m._buffers, vars(m)):
+                for value in table.values():
+                    if isinstance(value, Tensor):
+                        slots[id(value)] += 1
+                        tensors[id(value)] = value
+    python, tensor, storage = _references({0: torch.empty(())})[0]
+    return {key for key, (p, t, s) in _references(tensors).items()
+            if p - slots[key] > python or t > tensor or s > storage}
+
+
+def _references(tensors: dict[int, Tensor]) -> dict[int, tuple[int, int, int]]:
+    return {key: (sys.getrefcount(t), t._use_count(), _storage_references(t))
+            for key, t in tensors.items()}
+
+
+def _storage_references(tensor: Tensor) -> int:
+    try:
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return sys.maxsize  # held, as far as anyone can tell
 
 
 def stand_ins_of(owners: list[Any], memo: dict[int, Any]) -> StandIns:

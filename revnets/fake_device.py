@@ -72,7 +72,11 @@ def layout_of(tensor: Tensor) -> tuple:
 #    (``StandIns``, the copy memo, the predictor's fakes kept for the next prediction, all weak
 #    or dropped), so that one the call drops is freed when the real run frees its tensor: a
 #    buffer reassigned (``self.ema = self.ema * m + ...``), a tensor a module keeps between
-#    steps (its last output) and lets go of in this one.
+#    steps (its last output) and lets go of in this one. Where something else holds the real
+#    tensor (a list of the user's, a ``state_dict()``, a view: ``held_elsewhere``), the real
+#    run keeps it, and the prediction holds its fake to the end. A real module a closure holds
+#    that the call gives a fake parameter or buffer gets its own back after the call
+#    (``real_modules_kept``).
 
 
 class LikeTheDevice(TorchDispatchMode):

@@ -38,9 +38,11 @@ from torch._subclasses.fake_tensor import (
 from revnets.fake_copies import (
     empty_containers_copied,
     generators_shared,
+    held_elsewhere,
     is_cpu_scalar,
     kept_as_found,
     optimizer_to_fake,
+    real_modules_kept,
     scalar_to_fake,
     scaler_to_fake,
     scheduler_to_fake,
@@ -93,7 +95,10 @@ class Predictor:
     only while something holds it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, held: set[int] | None = None) -> None:
+        # The ids of the arguments' tensors something else holds (held_elsewhere), where known
+        # before the caller took references of its own (a planner's); else counted per call.
+        self.held = held
         # A tensor the call reaches outside its arguments (a closure) is made fake on first use.
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         # id(real): (real, fake, the real one's layout when made): ``param.data = ...`` and
@@ -105,6 +110,8 @@ class Predictor:
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
     ) -> MemoryReport:
         owners = _owners_in(*args, **kwargs)
+        held = self.held if self.held is not None else held_elsewhere(
+            owners, [real for real, _, _ in self._made.values()])
         # A call that takes no tensors (a closure) makes fakes of its tensors on their devices.
         device = _device_of(owners, args, kwargs) or torch.device("cpu")
         memo: dict[int, Any] = {key: fake for key, (real, fake, layout) in self._made.items()
@@ -114,14 +121,16 @@ class Predictor:
         mode = self.mode
         optimizers = [o for o in owners if isinstance(o, torch.optim.Optimizer)]
         like = LikeTheDevice(mode, device, stand_ins_of(owners, memo))
-        # The fakes the call is given are held by its arguments alone while it runs (NOTE
-        # [ Real tensors in a prediction ], 7, in fake_device.py).
+        # The fakes the call is given are held by its arguments alone while it runs, and those
+        # of tensors something else holds (NOTE [ Real tensors in a prediction ], 7, in
+        # fake_device.py).
+        pinned = [fake for key, fake in memo.items() if key in held]  # noqa: F841
         del memo
         weak = {key: (real, weakref.ref(fake), layout)
                 for key, (real, fake, layout) in self._made.items()}
         self._made = {}
         try:
-            with (kept_as_found(optimizers, like.active),
+            with (kept_as_found(optimizers, like.active), real_modules_kept(like.active),
                   forked_rng(device), mode, like):
                 report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch,
                                   stand_ins=like.stand_ins)

@@ -345,6 +345,40 @@ def test_a_buffer_the_forward_reassigns_is_freed_when_the_real_one_is(where):
     assert again == [measure_memory(train_step, model, x).peak_bytes] * 2
 
 
+@pytest.mark.parametrize("holder", ["a list", "a state_dict", "a view"])
+def test_a_reassigned_buffer_something_else_holds_stays_alive_as_in_the_real_run(holder):
+    """The real run keeps the old buffer where the user holds it too (the tensor, or its
+    storage through a detached alias or a view): its fake is held through the prediction,
+    which came out a buffer below the measure (a plan over its budget) when it freed it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LargeAverage(64, 4096), LargeAverage(64, 4096), nn.Linear(64, 1))
+    x = torch.randn(4096, 64)
+    train_step(model, x)
+    held = {"a list": lambda: [m.ema for m in model[:2]], "a state_dict": model.state_dict,
+            "a view": lambda: [m.ema[:1] for m in model[:2]]}[holder]()
+    assert_predicted_exactly(train_step, model, x)
+    assert len(held) > 0
+
+
+def test_a_prediction_leaves_the_buffers_of_a_module_a_closure_holds_as_they_were():
+    """A loss module reached through a closure keeps a running centre, reassigned in the call:
+    the prediction left the user's module holding a fake tensor."""
+    class CentredLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("center", torch.zeros(1, 64))
+
+        def forward(self, out):
+            loss = ((out - self.center) ** 2).sum()
+            self.center = 0.9 * self.center + 0.1 * out.detach().mean(0, keepdim=True)
+            return loss
+
+    criterion, model = CentredLoss(), nn.Linear(64, 64)
+    center = criterion.center
+    predict_memory(lambda model, x: train_step(model, x, criterion), model, torch.randn(512, 64))
+    assert criterion.center is center
+
+
 @pytest.mark.parametrize("grads", ["none", "left from a step"])
 def test_a_predictor_reused_predicts_each_call_as_a_fresh_prediction(grads):
     """The planner predicts plan after plan in one Predictor, its modules' tensors made fake

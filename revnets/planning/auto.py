@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from revnets.checkpoint import Checkpointed
+from revnets.fake_copies import held_elsewhere
 from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import (
     LossFn,
@@ -143,6 +144,8 @@ def auto_checkpoint(
     if not isinstance(measure_time, (bool, ForwardTimes)):
         raise TypeError(f"auto_checkpoint: measure_time is True, False or the ForwardTimes "
                         f"revnets.forward_times measured, not {type(measure_time).__name__}")
+    # Which of the model's tensors the user holds too, counted before planning holds any.
+    predictor = Predictor(held_elsewhere([model], []))
     kept = ModelState(model)
     try:
         # Timing runs the model for real: its draws, from torch's generators, Python's and its
@@ -150,7 +153,7 @@ def auto_checkpoint(
         with (forked_rng(input_device(example_input), generators_held(model)),
               _collector_paused()):
             return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer,
-                                    measure_time, compiled)
+                                    measure_time, compiled, predictor)
     except BaseException:  # no plan, the user's loss function failing, an interrupt
         kept.restore()
         raise
@@ -188,7 +191,8 @@ def _auto_checkpoint(
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
     measure_time: bool | ForwardTimes,
-    compiled: bool = False,
+    compiled: bool,
+    predictor: Predictor,
 ) -> nn.Module:
     check_optimizer(optimizer)
     try:
@@ -198,10 +202,12 @@ def _auto_checkpoint(
                       f"calls (NOTE [ Plans of whole modules ]), coarser than a graph's plan: "
                       f"for a finer one, make its forward traceable or an nn.Sequential of its "
                       f"stages", stacklevel=3)
-        return plan_modules(model, example_input, budget, loss_fn, optimizer, untraceable)
+        return plan_modules(model, example_input, budget, loss_fn, optimizer, untraceable,
+                            predictor)
     if chain is None:
-        return choose_preset(model, example_input, budget, loss_fn, optimizer)
-    planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time, compiled)
+        return choose_preset(model, example_input, budget, loss_fn, optimizer, predictor)
+    planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time, compiled,
+                       predictor)
     planned, plan = planner.fit(budget)
     if planned is chain:  # nothing checkpointed: the model itself, as predicted, runs the plan
         result = model
@@ -223,6 +229,7 @@ class _Planner:
         optimizer: torch.optim.Optimizer | None,
         measure_time: bool | ForwardTimes,
         compiled: bool = False,
+        predictor: Predictor | None = None,
     ) -> None:
         self.model, self.chain, self.example_input = model, chain, example_input
         self.loss_fn, self.optimizer, self.compiled = loss_fn, optimizer, compiled
@@ -269,7 +276,8 @@ class _Planner:
         tensors = (*chain.parameters(), *chain.buffers())
         self.model_state = sum(t.numel() * t.element_size() for t in tensors)
         self.predictions = 0
-        self.predictor = Predictor()  # every plan's parameters and buffers made fake once
+        # Every plan's parameters and buffers made fake once.
+        self.predictor = predictor or Predictor(held_elsewhere([model], []))
 
     # -- predictions ------------------------------------------------------------------------
     def peak(self, module: nn.Module) -> int:

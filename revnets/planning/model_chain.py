@@ -76,10 +76,12 @@ def choose_preset(
     budget: int,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
+    predictor: Predictor,
 ) -> nn.Module:
-    """For zoo models torch.fx cannot trace: the cheapest preset that fits."""
+    """For zoo models torch.fx cannot trace: the cheapest preset that fits, each predicted by
+    ``predictor``."""
     original = model.memory
-    peaks, predictor = {}, Predictor()
+    peaks = {}
     for name in ("none", "reversible", "checkpoint", "reversible+checkpoint"):
         if name not in model.memory_strategies:
             continue

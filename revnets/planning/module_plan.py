@@ -326,11 +326,13 @@ def plan_modules(
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
     untraceable: Exception,
+    predictor: Predictor,
 ) -> nn.Module:
     """``model`` set up to train within ``budget`` with whole modules checkpointed (NOTE
     [ Plans of whole modules ]), or ``model`` itself where it fits as it is. ``untraceable``:
-    why it has no chain, for an error where its step cannot be predicted either."""
-    predictor, profiler = Predictor(), _Profiler()
+    why it has no chain, for an error where its step cannot be predicted either; ``predictor``
+    predicts every step."""
+    profiler = _Profiler()
     try:
         unplanned = predictor.predict(
             training_step, (model, example_input, loss_fn, optimizer), {}).peak_bytes
