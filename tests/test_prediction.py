@@ -15,7 +15,7 @@ from torch._prims_common import suggest_memory_format
 import revnets
 from revnets.memory import measure_memory
 from revnets.planning import as_graph_chain
-from revnets.prediction import predict_memory
+from revnets.prediction import Predictor, predict_memory
 from revnets.timeline import predict_timeline, record_timeline
 
 from conftest import conv_unit, make_stack
@@ -338,8 +338,6 @@ def test_a_buffer_the_forward_reassigns_is_freed_when_the_real_one_is(where):
     x = torch.randn(4096, 64)
     train_step(model, x)  # the modules now hold a buffer and an output from this step
     assert_predicted_exactly(train_step, model, x)
-    from revnets.prediction import Predictor
-
     predictor = Predictor()  # the planner's: fakes kept between predictions
     again = [predictor.predict(train_step, (model, x), {}).peak_bytes for _ in range(2)]
     assert again == [measure_memory(train_step, model, x).peak_bytes] * 2
@@ -357,7 +355,7 @@ def test_a_reassigned_buffer_something_else_holds_stays_alive_as_in_the_real_run
     held = {"a list": lambda: [m.ema for m in model[:2]], "a state_dict": model.state_dict,
             "a view": lambda: [m.ema[:1] for m in model[:2]]}[holder]()
     assert_predicted_exactly(train_step, model, x)
-    assert len(held) > 0
+    assert held  # alive through both steps
 
 
 def test_a_prediction_leaves_the_buffers_of_a_module_a_closure_holds_as_they_were():
@@ -384,8 +382,6 @@ def test_a_predictor_reused_predicts_each_call_as_a_fresh_prediction(grads):
     """The planner predicts plan after plan in one Predictor, its modules' tensors made fake
     once: gradients the first run leaves, optimizer state and step counts it makes, buffers it
     writes or reassigns, must not reach the next run."""
-    from revnets.prediction import Predictor
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), MovingAverage(), nn.BatchNorm1d(8), nn.ReLU(),
                           nn.Linear(8, 4))
@@ -495,8 +491,6 @@ def test_a_prediction_leaves_the_optimizers_step_counts_alone(kind):
     it counts its own steps in copies: the user's optimizer is where it was, and a Predictor
     asked again predicts the same step (ASGD's second prediction used to find its ``mu`` and
     ``eta`` without values, RAdam's rectification a step the real run never took)."""
-    from revnets.prediction import Predictor
-
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     optimizer = kind(model.parameters())
@@ -523,8 +517,6 @@ def test_a_prediction_leaves_the_optimizers_step_counts_alone(kind):
 def test_a_predictor_sees_parameters_converted_in_place():
     """``module.double()`` and ``.to(memory_format=...)`` change parameters and gradients under
     the same tensor objects: a Predictor that made them fake before makes them again."""
-    from revnets.prediction import Predictor
-
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
     x = torch.randn(2, 3, 8, 8)
     predictor = Predictor()
