@@ -8,6 +8,7 @@ from torch import nn
 
 import revnets.planning.auto as auto
 from revnets.planning.chain import modelled_peaks
+from revnets.planning.memory_model import SELECTIVE
 from revnets.planning.search import Option
 
 
@@ -15,11 +16,18 @@ def errors(model: nn.Sequential, x: torch.Tensor, plans: list[list[tuple[int, in
            loss=lambda out: out.square().mean()) -> list:
     """Exact peak less modelled peak of one-level ``plans`` (checkpointed segments; the rest of
     the chain stored), as the planner predicts and models them."""
-    planner = auto._Planner(model, model, x, loss, None, measure_time=False)
-    profiles = planner._profiles_of(frozenset())
     segmentations = [tuple((a, b, True) for a, b in plan)
                      + ((plan[-1][1] if plan else 0, len(model), False),) for plan in plans]
-    modelled = modelled_peaks(segmentations, profiles, planner.input_state)
+    return segment_errors(model, x, segmentations, loss, whole_inputs=True)
+
+
+def segment_errors(model: nn.Sequential, x: torch.Tensor, segmentations: list[tuple],
+                   loss=lambda out: out.square().mean(), whole_inputs: bool = False) -> list:
+    """Exact peak less modelled peak of ``segmentations`` ((start, stop, recompute) covering
+    the chain), modelled as a search ranks them."""
+    planner = auto._Planner(model, model, x, loss, None, measure_time=False)
+    profiles = planner._profiles_of(frozenset())
+    modelled = modelled_peaks(segmentations, profiles, planner.input_state, whole_inputs)
     return [planner._predict(Option(frozenset(), s, 0.0, m)) - m
             for s, m in zip(segmentations, modelled)]
 
@@ -32,6 +40,22 @@ def test_a_storage_two_steps_save_is_counted_once():
     plans = [[], [(0, 13)], [(0, 12), (12, 24)], [(0, 7), (7, 18), (18, 28)],
              [(0, 8), (8, 15), (15, 22), (22, 28), (28, 34)]]
     found = errors(conv_chain(), torch.randn(4, 3, 16, 16), plans)
+    assert len(set(found)) == 1, found
+
+
+def test_a_value_a_segment_holds_and_the_next_keeps_as_its_input_is_counted_once():
+    """A checkpoint keeps its input, which the segment before it may hold already: a stored
+    segment whose ReLU saves its own output, a selective one that keeps its convolution's
+    output. Counted twice, such plans were modelled 64 kB (the value) above the others, and a
+    search passed over them for dearer plans (test_step_times.py)."""
+    segmentations = [
+        ((0, 13, True), (13, 21, SELECTIVE), (21, 28, True), (28, 39, False)),  # ends on a ReLU
+        ((0, 13, True), (13, 22, SELECTIVE), (22, 28, True), (28, 39, False)),  # on a convolution
+        ((0, 13, True), (13, 19, SELECTIVE), (19, 28, False), (28, 34, True), (34, 39, False)),
+        ((0, 2, False), (2, 13, True), (13, 39, False)),  # stored up to a BatchNorm
+        ((0, 3, False), (3, 13, True), (13, 39, False)),  # up to a ReLU
+    ]
+    found = segment_errors(conv_chain(), torch.randn(4, 3, 16, 16), segmentations)
     assert len(set(found)) == 1, found
 
 

@@ -401,10 +401,21 @@ def segments_peak(plan, profiles):
                        + gradients_from(j) + sum(states[j].values())
                        + sum(states[j + 1].values()) for j in range(start, stop))
         peak = max(peak, sum(kept.values()) + held + backward)
+        # What it keeps (selective) or saves (stored) of the values live at a later cut is one
+        # storage with what a checkpoint there keeps: counted with those.
+        values = {}
         if kind == SELECTIVE:
-            held += sum(p.selective_bytes for p in profiles[start:stop])
+            values = {name: nbytes for p in profiles[start:stop]
+                      for name, nbytes in p.selective_values.items()}
+            held += sum(p.selective_bytes for p in profiles[start:stop]) - sum(values.values())
         elif not kind:
-            held += inside
+            saved = {key: nbytes for p in profiles[start:stop]
+                     for key, nbytes in p.saved_values.items()}
+            for (name, _), nbytes in saved.items():
+                if name in states[stop] and name not in states[start]:
+                    values[name] = values.get(name, 0) + nbytes
+            held += inside - sum(values.values())
+        kept.update(values)
     return max(peak, gradients_from(0))  # after the backward: every gradient
 
 

@@ -220,7 +220,8 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
             continue
         fits = active
         at = cut[fits]
-        adds = added_after[k][np.searchsorted(appeared[k], at, side="right")]
+        after = np.searchsorted(appeared[k], at, side="right")
+        adds = added_after[k][after]
         new_kept = kept[fits] + adds
         new_spent = spent[fits] + times[k] - times[at]
         new_parent, new_kind = fits, np.full(len(fits), _CHECKPOINT)
@@ -229,9 +230,12 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
             # selective where no kept output is modified in place.
             selective = fits[unsafe_prefix[k] == unsafe_prefix[at]]
             s_at = cut[selective]
-            s_adds = added_after[k][np.searchsorted(appeared[k], s_at, side="right")]
+            # What it keeps of the values live at k is what a checkpoint at k keeps.
+            s_after = np.searchsorted(appeared[k], s_at, side="right")
+            s_adds = added_after[k][s_after] - chain.kept_after[k][s_after]
             new_kept = np.concatenate([
-                new_kept, new_kept + saved[k] - saved[at] - live[at],  # live[at] = Y(at, k)
+                # live[at] = Y(at, k); what it saves of the values live at k, the checkpoint's
+                new_kept, new_kept + saved[k] - saved[at] - live[at] - chain.saved_after[k][after],
                 kept[selective] + s_adds + kept_prefix[k] - kept_prefix[s_at]])
             new_spent = np.concatenate([
                 new_spent, spent[fits],

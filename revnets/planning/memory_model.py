@@ -13,7 +13,12 @@ search needs and the more alike its errors are from plan to plan.
 # sums, held(a, b) = G[b] - G[a] - Y(a, b): G[k] counts each saved storage at the first step
 # that saves it (intermediates at their step), Y(a, b) the storages live at cut a that one of
 # steps a..b-1 is the first to save (a squeeze-excitation block's input, saved by its last
-# multiplication; a ViT's input, saved by the patch embedding several steps on).
+# multiplication; a ViT's input, saved by the patch embedding several steps on). Likewise the
+# other way: of a value live at cut k, what the segment ending there holds already (a stored
+# segment's ReLU saves its output, a selective one keeps its convolution's output) is the
+# checkpoint's too, counted once with the values live at k. Counted twice, such plans were
+# modelled a value high, and a search passed over them for dearer ones: a smaller budget got
+# a higher peak (tests/test_step_times.py).
 #
 # NOTE [ Gradients in flight ]
 # A training step starts from freed gradients. While step j of segment [a, b) is
@@ -98,10 +103,17 @@ class ChainModel:
     # checkpoint at k adds to one at i (values that appeared after i) is a suffix sum.
     appeared: list[np.ndarray]
     added_after: list[np.ndarray]
+    # Alike, of the same values what the step making each keeps of it in a selective checkpoint
+    # (one storage with what a checkpoint at k keeps: NOTE [ A storage saved twice is held
+    # once ]).
+    kept_after: list[np.ndarray]
+    saved_after: list[np.ndarray]  # and what the steps before k save of them
+    saved_live: list[dict[str, tuple[int, int]]]  # the same by value: (first cut, bytes)
     states: list[dict[str, int]]
     state_bytes: list[int]
     saved_names: list[frozenset[str]]  # per step: the values whose storages it saves
     selective_bytes: np.ndarray
+    kept_values: list[dict[str, int]]  # per step: of what it keeps, its values', by name
 
     @classmethod
     def of(
@@ -115,25 +127,38 @@ class ChainModel:
         for c, state in enumerate(states):
             for name in state:
                 first_seen.setdefault(name, c)
-        appeared, added_after = [], []
-        for state in states:
-            pairs = sorted((first_seen[name], nbytes) for name, nbytes in state.items())
-            appeared.append(np.array([c for c, _ in pairs], dtype=np.int64))
-            nbytes = np.array([b for _, b in pairs] + [0], dtype=np.int64)
-            added_after.append(np.cumsum(nbytes[::-1])[::-1])
         counted = []  # per step: its intermediates and the storages it is the first to save
         first_step: set[tuple[str, int]] = set()
         live: list[tuple[int, int, int]] = []  # (first saving step, live from cut, bytes)
+        saved_of: dict[str, list[tuple[int, int]]] = {}  # by value: (first saving step, bytes)
         for p in profiles:
             new = 0
             for key, nbytes in p.saved_values.items():
                 if key not in first_step:
                     first_step.add(key)
                     new += nbytes
+                    saved_of.setdefault(key[0], []).append((p.index, nbytes))
                     seen = first_seen.get(key[0], 0)
                     if seen <= p.index:  # live at cuts seen..p.index, first saved by p
                         live.append((p.index, seen, nbytes))
             counted.append(p.saved_bytes - sum(p.saved_values.values()) + new)
+        # Of each value live at a cut, what the steps before the cut save of it (a ReLU its
+        # output), and what the step making it keeps in a selective checkpoint: one storage
+        # with what a checkpoint at the cut keeps.
+        kept_values = [{name: min(nbytes, states[p.index + 1].get(name, nbytes))
+                        for name, nbytes in p.selective_values.items()} for p in profiles]
+        appeared, added_after, saved_after, kept_after = [], [], [], []
+        saved_live: list[dict[str, tuple[int, int]]] = []
+        for k, state in enumerate(states):
+            rows = sorted((first_seen[name], nbytes,
+                           sum(b for step, b in saved_of.get(name, ()) if step < k),
+                           kept_values[first_seen[name] - 1].get(name, 0) if first_seen[name]
+                           else 0, name) for name, nbytes in state.items())
+            appeared.append(np.array([row[0] for row in rows], dtype=np.int64))
+            for column, sums in ((1, added_after), (2, saved_after), (3, kept_after)):
+                nbytes = np.array([row[column] for row in rows] + [0], dtype=np.int64)
+                sums.append(np.cumsum(nbytes[::-1])[::-1])
+            saved_live.append({row[4]: (row[0], row[2]) for row in rows if row[2]})
         live.sort()
         first_saved = np.cumsum([0, *counted], dtype=np.int64)
         grads_after = np.cumsum([0] + [p.grad_bytes for p in profiles][::-1],
@@ -163,10 +188,14 @@ class ChainModel:
             unsafe_prefix=np.cumsum([0] + [not p.selective_safe for p in profiles]),
             appeared=appeared,
             added_after=added_after,
+            kept_after=kept_after,
+            saved_after=saved_after,
+            saved_live=saved_live,
             states=states,
             saved_names=[frozenset(name for name, _ in p.saved_values) for p in profiles],
             state_bytes=state_bytes.tolist(),
             selective_bytes=np.array(selective, dtype=np.int64),
+            kept_values=kept_values,
         )
 
     def live_saved(self, a: int, b: int) -> int:
@@ -251,9 +280,15 @@ class ChainModel:
             peak = max(peak, sum(kept.values()) + held
                        + self.while_backpropagated(start, stop))
             if recompute == SELECTIVE:  # what it keeps stays until its backward
-                held += int(self.selective_bytes[start:stop].sum())
+                values = {name: nbytes for i in range(start, stop)
+                          for name, nbytes in self.kept_values[i].items()}
+                held += int(self.selective_bytes[start:stop].sum()) - sum(values.values())
+                kept.update(values)  # values live at a later cut: one storage with what it keeps
             elif not recompute:
-                held += self.held(start, stop)
+                values = {name: nbytes for name, (seen, nbytes) in self.saved_live[stop].items()
+                          if seen > start}
+                held += self.held(start, stop) - sum(values.values())
+                kept.update(values)
         return max(peak, self.end_bytes)
 
     def _needed(self, start: int, stop: int) -> dict[str, int]:

@@ -46,6 +46,10 @@ class LayerProfile:
     # What a selective checkpoint keeps of it (NOTE [ Selective recomputation ]): the outputs of
     # its matrix products, convolutions and attention (0: it has none, and is recomputed whole).
     selective_bytes: int = 0
+    # Of those, the bytes of the values it passes on, by the value's name: a convolution's
+    # output the next layer takes is one storage with what a checkpoint after it keeps (NOTE
+    # [ A storage saved twice is held once ]).
+    selective_values: dict[str, int] = field(default_factory=dict)
     # None of those outputs is modified in place afterwards, inside the layer or by a later one
     # (a selective checkpoint over it would be refused in backward).
     selective_safe: bool = True
@@ -264,6 +268,7 @@ def _profile(
                     default=index - 1) if inplace else None),
                 intermediate,
                 kept.nbytes(),
+                _kept_values(y, list(named), kept),
                 kept.intact(),
                 saved_values,
                 product_flops=kept.flops,
@@ -437,6 +442,19 @@ def _named_bytes(output: Any, names: Sequence[str] | None, index: int) -> dict[s
     if names is None or len(names) != len(values):
         names = [f"{index}.{j}" for j in range(len(values))]
     return {name: _nbytes(value) for name, value in zip(names, values)}
+
+
+def _kept_values(output: Any, names: Sequence[str], kept: _SelectiveOutputs) -> dict[str, int]:
+    """The bytes of each value of ``output`` (named ``names``) that ``kept`` keeps."""
+    storages = {_address(t) for t, _ in kept.outputs}
+    values = output if isinstance(output, tuple) else (output,)
+    found = {}
+    for name, value in zip(names, values):
+        tensors = [t for t in tree_leaves(value) if isinstance(t, Tensor)
+                   and _address(t) in storages]
+        if tensors:
+            found[name] = _nbytes(tensors)
+    return found
 
 
 def _carriers(
