@@ -562,3 +562,42 @@ def test_a_full_backward_hook_on_a_block_fires_when_stored_and_is_refused_when_r
     model.memory = Reconstruct()
     with pytest.raises(RuntimeError, match="block 0 has a backward hook"):
         model(torch.randn(2, 8, 4, 4, requires_grad=True))
+
+
+def block_hook_calls(memory, register) -> list:
+    """The hooks ``register(block, calls)`` puts on (or around) each block of a two-block
+    sequence, as called by one training step."""
+    calls: list = []
+    model = make_stack(2, memory=memory)
+    handles = [handle for block in model for handle in register(block, calls)]
+    try:
+        model(torch.randn(2, 8, 4, 4, requires_grad=True)).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@pytest.mark.parametrize("register", [
+    lambda block, calls: [
+        block.register_forward_pre_hook(lambda m, a, k: calls.append("pre"), with_kwargs=True),
+        block.register_forward_hook(lambda m, a, k, o: calls.append("hook"), with_kwargs=True)],
+    lambda block, calls: [
+        nn.modules.module.register_module_forward_pre_hook(
+            lambda m, a: calls.append("pre") if m is block else None),
+        nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: calls.append("hook") if m is block else None)],
+], ids=["with_kwargs", "global"])
+def test_forward_hooks_of_a_block_fire_when_reconstructed_as_when_stored(register):
+    assert block_hook_calls(Reconstruct(), register) == block_hook_calls(Store(), register) \
+        == ["pre", "hook"] * 2
+
+
+def test_a_global_backward_hook_is_refused_when_reconstructed():
+    hook = lambda *args: None  # noqa: E731
+    handle = nn.modules.module.register_module_full_backward_hook(hook)
+    try:
+        with pytest.raises(RuntimeError, match="global module backward hook"):
+            block_hook_calls(Reconstruct(), lambda block, calls: [])
+    finally:
+        handle.remove()

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from revnets.invertible import Invertible
 from revnets.plan import Checkpoint, Decision, Reconstruct, Store
-from revnets.replay.hooks import hooked
+from revnets.replay.hooks import has_forward_hooks, hooked
 from revnets.reversible import compiled, grid
 from revnets.reversible.block import ReversibleBlock, split_halves
 from revnets.reversible.coupling import AdditiveCoupling, ExactAdditiveCoupling
@@ -223,7 +223,8 @@ class ReversibleSequence(nn.Module):
         for block in self.blocks:
             if isinstance(block, Invertible):
                 x1, x2 = self.split(block(self.merge(x1, x2)))
-            elif hooked(block) or nn.modules.module._global_backward_hooks:
+            elif has_forward_hooks([block]) or hooked(block) or (
+                    nn.modules.module._global_backward_hooks):  # a call of the block runs them
                 x1, x2 = self.split(block(self.merge(x1, x2), *context))
             else:
                 x1, x2 = block.forward_halves(x1, x2, *context)
@@ -286,6 +287,16 @@ def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:
 
 
 def _refuse_backward_hooks(blocks: Iterable[nn.Module]) -> None:
+    module = nn.modules.module
+    if any(isinstance(block, ReversibleBlock) for block in blocks) and (
+            module._global_backward_hooks or module._global_backward_pre_hooks):
+        raise RuntimeError(
+            "ReversibleSequence: a global module backward hook is registered "
+            "(register_module_full_backward_hook or register_module_full_backward_pre_hook). The "
+            "reversible engine differentiates f and g, never its blocks as modules, so the hook "
+            "would never fire for them. Remove it while the sequence trains, or run the sequence "
+            "with memory=revnets.Store()."
+        )
     for i, block in enumerate(blocks):
         if isinstance(block, ReversibleBlock) and (
             block._backward_hooks or block._backward_pre_hooks

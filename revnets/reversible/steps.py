@@ -86,6 +86,20 @@ class BlockPlan:
         self.params = list(dict.fromkeys((*self.f_params, *self.g_params)))
 
 
+def _forward_hooks_of(block: nn.Module) -> tuple[list[tuple[Any, bool]], list[tuple[Any, bool]]]:
+    """The forward pre-hooks and hooks a call of ``block`` runs, global ones first as
+    ``Module.__call__`` runs them, each with whether it takes the keyword arguments."""
+    module = nn.modules.module
+    pre_hooks = [(hook, False) for hook in module._global_forward_pre_hooks.values()] + [
+        (hook, key in block._forward_pre_hooks_with_kwargs)
+        for key, hook in block._forward_pre_hooks.items()]
+    hooks = [(hook, key in module._global_forward_hooks_with_kwargs)
+             for key, hook in module._global_forward_hooks.items()] + [
+        (hook, key in block._forward_hooks_with_kwargs)
+        for key, hook in block._forward_hooks.items()]
+    return pre_hooks, hooks
+
+
 def _parameters_and_hooks(root: nn.Module) -> tuple[list[Any], bool]:
     """``state_tensors(root, buffers=False)`` (in its order), and whether a module in it has a
     forward hook or pre-hook or a global one is registered; one walk (it runs for every block
@@ -357,12 +371,14 @@ class CouplingStep(_CouplingBackward):
         run.chain.cut()  # the hooks run outside the recordings
         with hooks_own_graph():
             x1, x2 = graph_start(x1, where), graph_start(x2, where)
-            hooked = bool(block._forward_pre_hooks or block._forward_hooks)
+            pre_hooks, hooks = _forward_hooks_of(block)
+            hooked = bool(pre_hooks or hooks)
             if hooked:
                 merged = block.merge(x1, x2)
                 version = merged._version
-                for hook in block._forward_pre_hooks.values():
-                    if hook(block, (merged, *context)) is not None or merged._version != version:
+                for hook, kwargs in pre_hooks:
+                    args = (block, (merged, *context), *(({},) if kwargs else ()))
+                    if hook(*args) is not None or merged._version != version:
                         raise RuntimeError(
                             f"{where}: a forward pre-hook on the block replaced or modified its "
                             "input; the block could not be inverted. Register it on the sequence "
@@ -374,8 +390,8 @@ class CouplingStep(_CouplingBackward):
             if hooked:
                 output = block.merge(y1, y2)
                 version = output._version
-                for hook in block._forward_hooks.values():
-                    result = hook(block, (merged, *context), output)
+                for hook, kwargs in hooks:
+                    result = hook(block, (merged, *context), *(({},) if kwargs else ()), output)
                     if (result is not None and result is not output) or output._version != version:
                         raise RuntimeError(
                             f"{where}: a forward hook on the block replaced or changed its "
