@@ -11,6 +11,7 @@ import numpy
 import pytest
 import timm
 import torch
+from test_planning_speed import conv_chain
 from torch import nn
 
 import revnets
@@ -18,7 +19,6 @@ from revnets.memory import measure_memory
 from revnets.planning import step_times
 
 from conftest import activation_budget, train_step
-from test_planning_speed import conv_chain
 
 
 def blocks(depth: int = 6, width: int = 64) -> nn.Sequential:
