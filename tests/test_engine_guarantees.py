@@ -601,3 +601,55 @@ def test_a_global_backward_hook_is_refused_when_reconstructed():
             block_hook_calls(Reconstruct(), lambda block, calls: [])
     finally:
         handle.remove()
+
+
+class ReentrantlyCheckpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=True)
+
+
+def test_a_reentrant_checkpoint_inside_f_is_named_in_backward():
+    sequence = revnets.ReversibleSequence([
+        revnets.ReversibleBlock(ReentrantlyCheckpointed(), ReentrantlyCheckpointed())])
+    out = sequence(torch.randn(4, 6, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match="use_reentrant=True.*use use_reentrant=False"):
+        out.backward()
+
+
+class Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+
+    def forward(self, x, context):
+        shift = context["shift"] if isinstance(context, dict) else context[0]
+        return torch.tanh(self.layer(x) + shift)
+
+
+@pytest.mark.parametrize("wrap", [lambda t: [t], lambda t: {"shift": t}], ids=["list", "dict"])
+def test_a_context_container_holding_a_tensor_that_requires_grad_is_refused_by_name(wrap):
+    sequence = revnets.ReversibleSequence([revnets.ReversibleBlock(Shifted(), Shifted())])
+    shift = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="context argument 0 is a .* pass each one"):
+        sequence(torch.randn(4, 6), wrap(shift))
+
+
+@pytest.mark.parametrize("sharded", ["block", "f"])
+def test_a_block_or_transform_sharded_with_fsdp2_is_refused_by_name(sharded, tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        sequence = make_stack(2)
+        fully_shard(sequence[0] if sharded == "block" else sequence[0].f)
+        with pytest.raises(RuntimeError, match="sharded with FSDP2's fully_shard.*"
+                                               "apply fully_shard to the ReversibleSequence"):
+            sequence(torch.randn(2, 8, 4, 4, requires_grad=True))
+    finally:
+        dist.destroy_process_group()

@@ -2,19 +2,24 @@
 begins at a node that refuses to be backpropagated into, and the same refusal on tensors the
 forward stored as module attributes. Both mean a loss reached an activation inside a block,
 which the reversible engine does not store or differentiate: an error naming the block, never
-a silently missing gradient."""
+a silently missing gradient. Also the hooks a call of a block runs, and the refusal of blocks
+that FSDP2 shards by hooks."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from revnets.replay import Recording
 
-__all__ = ["graph_start", "hooks_own_graph", "refuse_gradients"]
+__all__ = [
+    "forward_hooks_of", "graph_start", "hooks_own_graph", "refuse_gradients", "refuse_sharded",
+]
 
 
 def _identity(tensor: Tensor) -> Tensor:
@@ -64,3 +69,32 @@ class _NoGradientThroughForward(torch.autograd.Function):
             "gradient. Compute it from the sequence's output or its context, or run this "
             "sequence with memory=revnets.Store()."
         )
+
+
+def refuse_sharded(block: nn.Module) -> None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    name = next((name for name, m in block.named_modules() if isinstance(m, fsdp.FSDPModule)),
+                None)
+    if name is not None:
+        raise RuntimeError(
+            f"ReversibleSequence: {type(block).__name__}{'.' + name if name else ''} is sharded "
+            f"with FSDP2's fully_shard, whose hooks gather and free its parameters around calls "
+            f"the reversible engine does not make (it runs f and g, and differentiates them, "
+            f"itself); apply fully_shard to the ReversibleSequence or a module containing it"
+        )
+
+
+def forward_hooks_of(block: nn.Module) -> tuple[list[tuple[Any, bool]], list[tuple[Any, bool]]]:
+    """The forward pre-hooks and hooks a call of ``block`` runs, global ones first as
+    ``Module.__call__`` runs them, each with whether it takes the keyword arguments."""
+    module = nn.modules.module
+    pre_hooks = [(hook, False) for hook in module._global_forward_pre_hooks.values()] + [
+        (hook, key in block._forward_pre_hooks_with_kwargs)
+        for key, hook in block._forward_pre_hooks.items()]
+    hooks = [(hook, key in module._global_forward_hooks_with_kwargs)
+             for key, hook in module._global_forward_hooks.items()] + [
+        (hook, key in block._forward_hooks_with_kwargs)
+        for key, hook in block._forward_hooks.items()]
+    return pre_hooks, hooks

@@ -43,7 +43,18 @@ class GradRoot:
             # Plain autograd casts an incoming gradient to its producer's dtype (autocast outputs).
             grad_output = grad_output.to(self.dtype)
         with silenced_tensor_hooks(inputs):
-            return list(torch.autograd.grad(self.edge, inputs, grad_output, allow_unused=True))
+            try:
+                return list(torch.autograd.grad(self.edge, inputs, grad_output,
+                                                allow_unused=True))
+            except RuntimeError as error:
+                if "use_reentrant=True" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "ReversibleSequence: f or g calls torch.utils.checkpoint with "
+                    "use_reentrant=True, whose backward cannot run inside the reversible "
+                    "engine's (it differentiates f and g with torch.autograd.grad); use "
+                    "use_reentrant=False, or revnets.checkpoint"
+                ) from error
 
 
 def check_reached(h: Tensor, known: Sequence[Tensor], module: nn.Module, name: str) -> None:

@@ -207,6 +207,7 @@ class ReversibleSequence(nn.Module):
             # an ordinary one: the engine hands autograd the parameters before running anything.
             return self.forward_plain(x, *context)
         params = list(dict.fromkeys(p for plan in plans for p in plan.params))
+        _refuse_nested_context(context)
         needs_grad = x.requires_grad or params or any(_requires_grad(c) for c in context)
         if not needs_grad:
             return self.forward_plain(x, *context)
@@ -331,3 +332,16 @@ def _check_block(i: int, block: nn.Module) -> None:
 
 def _requires_grad(value: Any) -> bool:
     return isinstance(value, Tensor) and value.requires_grad
+
+
+def _refuse_nested_context(context: tuple) -> None:
+    for i, value in enumerate(context):
+        if not isinstance(value, Tensor) and any(
+                _requires_grad(t) for t in torch.utils._pytree.tree_leaves(value)):
+            raise ValueError(
+                f"ReversibleSequence: context argument {i} is a {type(value).__name__} holding a "
+                f"tensor that requires grad; the reversible engine differentiates context "
+                f"tensors passed as arguments of their own: pass each one so "
+                f"(sequence(x, a, b) calls f(x2, a, b)), or run the sequence with "
+                f"memory=revnets.Store()"
+            )

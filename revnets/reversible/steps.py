@@ -40,7 +40,13 @@ from revnets.reversible.coupling import (
 )
 from revnets.reversible.gradient_memory import GradientMemory
 from revnets.reversible.grid import GridWatch
-from revnets.reversible.hooked import graph_start, hooks_own_graph, refuse_gradients
+from revnets.reversible.hooked import (
+    forward_hooks_of,
+    graph_start,
+    hooks_own_graph,
+    refuse_gradients,
+    refuse_sharded,
+)
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.tape import Carry, Context, Layout, dense
 
@@ -78,26 +84,14 @@ class BlockPlan:
                 [block, *(m for other in others if other is not None for m in submodules(other))]
             )
             hooked = f_hooked or g_hooked or block_hooked
+        if hooked:  # FSDP2 shards by hooks
+            refuse_sharded(block)
         self.hooked = hooked
         self.block_hooked = block_hooked  # run by CouplingStep's hooked forward, not a stored one
         self.lazy = any(isinstance(p, UninitializedTensorMixin) for p in (*f_slots, *g_slots))
         self.f_params = _trainable(f_slots)  # an Invertible's own parameters
         self.g_params = _trainable(g_slots)
         self.params = list(dict.fromkeys((*self.f_params, *self.g_params)))
-
-
-def _forward_hooks_of(block: nn.Module) -> tuple[list[tuple[Any, bool]], list[tuple[Any, bool]]]:
-    """The forward pre-hooks and hooks a call of ``block`` runs, global ones first as
-    ``Module.__call__`` runs them, each with whether it takes the keyword arguments."""
-    module = nn.modules.module
-    pre_hooks = [(hook, False) for hook in module._global_forward_pre_hooks.values()] + [
-        (hook, key in block._forward_pre_hooks_with_kwargs)
-        for key, hook in block._forward_pre_hooks.items()]
-    hooks = [(hook, key in module._global_forward_hooks_with_kwargs)
-             for key, hook in module._global_forward_hooks.items()] + [
-        (hook, key in block._forward_hooks_with_kwargs)
-        for key, hook in block._forward_hooks.items()]
-    return pre_hooks, hooks
 
 
 def _parameters_and_hooks(root: nn.Module) -> tuple[list[Any], bool]:
@@ -371,7 +365,7 @@ class CouplingStep(_CouplingBackward):
         run.chain.cut()  # the hooks run outside the recordings
         with hooks_own_graph():
             x1, x2 = graph_start(x1, where), graph_start(x2, where)
-            pre_hooks, hooks = _forward_hooks_of(block)
+            pre_hooks, hooks = forward_hooks_of(block)
             hooked = bool(pre_hooks or hooks)
             if hooked:
                 merged = block.merge(x1, x2)
