@@ -22,7 +22,9 @@ predictions decide.
 #   for the budget's own room: a smaller budget's candidates are then the same plans, or plans
 #   for smaller rooms of the same grid, each the cheapest within its room, so that the smaller
 #   budget gets no higher peak where the ranking above does not err (``budget_sweep.py
-#   --measured``: one pair of 120 budgets, 256 bytes, on a conv chain). Made for rooms in
+#   --measured``: no pair of 120 budgets; one, 256 bytes, while the chain model counted twice
+#   a value a segment holds and the next cut keeps: NOTE [ A storage saved twice is held
+#   once ]). Made for rooms in
 #   proportion to each budget, the candidates of two budgets were different plans, and a sweep
 #   of budgets on one set of measured times got a higher measured peak at a smaller budget in 12
 #   of 12 sweeps of a six-block MLP (tests/test_step_times.py); the budget's own room added to

@@ -288,7 +288,7 @@ def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:
 
 
 def _refuse_backward_hooks(blocks: Iterable[nn.Module]) -> None:
-    module = nn.modules.module
+    blocks, module = list(blocks), nn.modules.module
     if any(isinstance(block, ReversibleBlock) for block in blocks) and (
             module._global_backward_hooks or module._global_backward_pre_hooks):
         raise RuntimeError(
