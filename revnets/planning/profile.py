@@ -448,13 +448,9 @@ def _kept_values(output: Any, names: Sequence[str], kept: _SelectiveOutputs) -> 
     """The bytes of each value of ``output`` (named ``names``) that ``kept`` keeps."""
     storages = {_address(t) for t, _ in kept.outputs}
     values = output if isinstance(output, tuple) else (output,)
-    found = {}
-    for name, value in zip(names, values):
-        tensors = [t for t in tree_leaves(value) if isinstance(t, Tensor)
-                   and _address(t) in storages]
-        if tensors:
-            found[name] = _nbytes(tensors)
-    return found
+    found = {name: [t for t in tree_leaves(value) if isinstance(t, Tensor)
+                    and _address(t) in storages] for name, value in zip(names, values)}
+    return {name: _nbytes(tensors) for name, tensors in found.items() if tensors}
 
 
 def _carriers(

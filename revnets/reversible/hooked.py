@@ -2,7 +2,8 @@
 begins at a node that refuses to be backpropagated into, and the same refusal on tensors the
 forward stored as module attributes. Both mean a loss reached an activation inside a block,
 which the reversible engine does not store or differentiate: an error naming the block, never
-a silently missing gradient. Also the hooks a call of a block runs, and the refusal of blocks
+a silently missing gradient. Also the hooks a call of a block runs (and the one walk finding a
+transform's parameters and hooks), and the refusal of blocks
 that FSDP2 shards by hooks."""
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from revnets.replay import Recording
+from revnets.replay.hooks import has_forward_hooks
 
 __all__ = [
-    "forward_hooks_of", "graph_start", "hooks_own_graph", "refuse_gradients", "refuse_sharded",
+    "forward_hooks_of", "graph_start", "hooks_own_graph", "parameters_and_hooks",
+    "refuse_gradients", "refuse_sharded", "trainable",
 ]
 
 
@@ -98,3 +101,22 @@ def forward_hooks_of(block: nn.Module) -> tuple[list[tuple[Any, bool]], list[tup
         (hook, key in block._forward_hooks_with_kwargs)
         for key, hook in block._forward_hooks.items()]
     return pre_hooks, hooks
+
+
+def parameters_and_hooks(root: nn.Module) -> tuple[list[Any], bool]:
+    """``state_tensors(root, buffers=False)`` (in its order), and whether a module in it has a
+    forward hook or pre-hook or a global one is registered; one walk (it runs for every block
+    of every step)."""
+    found: list[Any] = []
+    hooked = has_forward_hooks(())  # the global ones
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        found += m._parameters.values()
+        hooked = hooked or bool(m._forward_hooks or m._forward_pre_hooks)
+        stack += [c for c in reversed(m._modules.values()) if c is not None]
+    return found, hooked
+
+
+def trainable(slots: list[Any]) -> list[nn.Parameter]:
+    return list(dict.fromkeys(p for p in slots if p is not None and p.requires_grad))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,8 +43,10 @@ from revnets.reversible.hooked import (
     forward_hooks_of,
     graph_start,
     hooks_own_graph,
+    parameters_and_hooks,
     refuse_gradients,
     refuse_sharded,
+    trainable,
 )
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.tape import Carry, Context, Layout, dense
@@ -74,11 +75,11 @@ class BlockPlan:
         # carrying a graph (which leads to an error rather than to a silently missing gradient).
         # One walk over f and one over g find both their parameters and their hooks.
         if isinstance(block, Invertible):
-            (f_slots, hooked), g_slots = _parameters_and_hooks(block), []
+            (f_slots, hooked), g_slots = parameters_and_hooks(block), []
             block_hooked = hooked
         else:
-            f_slots, f_hooked = _parameters_and_hooks(block.f)
-            g_slots, g_hooked = _parameters_and_hooks(block.g)
+            f_slots, f_hooked = parameters_and_hooks(block.f)
+            g_slots, g_hooked = parameters_and_hooks(block.g)
             others = [m for m in block._modules.values() if m is not block.f and m is not block.g]
             block_hooked = has_forward_hooks(
                 [block, *(m for other in others if other is not None for m in submodules(other))]
@@ -89,28 +90,9 @@ class BlockPlan:
         self.hooked = hooked
         self.block_hooked = block_hooked  # run by CouplingStep's hooked forward, not a stored one
         self.lazy = any(isinstance(p, UninitializedTensorMixin) for p in (*f_slots, *g_slots))
-        self.f_params = _trainable(f_slots)  # an Invertible's own parameters
-        self.g_params = _trainable(g_slots)
+        self.f_params = trainable(f_slots)  # an Invertible's own parameters
+        self.g_params = trainable(g_slots)
         self.params = list(dict.fromkeys((*self.f_params, *self.g_params)))
-
-
-def _parameters_and_hooks(root: nn.Module) -> tuple[list[Any], bool]:
-    """``state_tensors(root, buffers=False)`` (in its order), and whether a module in it has a
-    forward hook or pre-hook or a global one is registered; one walk (it runs for every block
-    of every step)."""
-    found: list[Any] = []
-    hooked = has_forward_hooks(())  # the global ones
-    stack = [root]
-    while stack:
-        m = stack.pop()
-        found += m._parameters.values()
-        hooked = hooked or bool(m._forward_hooks or m._forward_pre_hooks)
-        stack += [c for c in reversed(m._modules.values()) if c is not None]
-    return found, hooked
-
-
-def _trainable(slots: list[Any]) -> list[nn.Parameter]:
-    return list(dict.fromkeys(p for p in slots if p is not None and p.requires_grad))
 
 
 @dataclass
