@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         planned = revnets.auto_checkpoint(chain, state, budget, loss)
         predicted = planned.memory_plan.peak_bytes
         row = {"case": label, "layers": L, "hidden": hidden, "steps": steps, "batch": batch,
-               "segments": sum(isinstance(m, revnets.Checkpointed) for m in planned.modules()),
+               "segments": sum(isinstance(m, revnets.Checkpointed) for m in planned.plan.modules()),
                "unplanned_mib": round(regular / MiB, 1),
                "planned_mib": round(predicted / MiB, 1)}
         if measure:

@@ -124,7 +124,7 @@ def test_hand_built_model_below_what_reconstruction_alone_reaches():
     assert peak(planned, x) == plan.peak_bytes <= budget < reversible
     decisions = [part.decision for part in plan.parts]
     assert Reconstruct() in decisions and Checkpoint() in decisions
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.plan.modules())
     table = str(plan)
     assert "stage1" in table and "reconstruct" in table and "checkpoint" in table
     assert "predicted peak of a training step" in table
@@ -157,7 +157,7 @@ def planned_below_reconstruction(dtype=torch.float64):
     budget = model_state + int(0.8 * (reversible - model_state))
     reference = ordinary_autograd(model)
     planned = revnets.auto_checkpoint(model, x, budget, loss_of, measure_time=False)
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.plan.modules())
     return planned, model, reference, x
 
 

@@ -135,7 +135,7 @@ def test_outside_training_steps_the_model_itself_runs_and_no_module_stays_swappe
     with pytest.raises(RuntimeError):
         train_step(planned, x)
     assert dict(model.named_modules()) == modules
-    assert set(planned.state_dict()) == {f"model.{key}" for key in model.state_dict()}
+    assert list(planned.state_dict()) == list(model.state_dict())
 
 
 def test_a_refusal_names_a_budget_that_then_plans_the_same_way_every_time():

@@ -29,7 +29,7 @@ def test_a_window_transformer_is_planned():
     x = torch.randn(2, 3, 64, 64)
     budget = activation_budget(model, x, 0.7)
     planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.plan.modules())
     assert planned.memory_plan.peak_bytes == measure_memory(train_step, planned, x).peak_bytes
     assert planned.memory_plan.peak_bytes <= budget
 
@@ -100,7 +100,7 @@ def planned_at_half(model: nn.Module, x: torch.Tensor) -> nn.Module:
     computes itself (left zeroed)."""
     planned = revnets.auto_checkpoint(model, x, activation_budget(model, x, 0.5),
                                       measure_time=False)
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.plan.modules())
     model.zero_grad(set_to_none=True)
     reference = copy.deepcopy(model)
     planned(x).sum().backward()
@@ -288,7 +288,7 @@ def test_untraceable_and_randomly_drawing_modules_are_kept_whole():
     budget = activation_budget(model, x, 0.8)
     random.seed(0)
     planned = revnets.auto_checkpoint(model, x, budget, measure_time=False)
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.plan.modules())
     model.zero_grad(set_to_none=True)
     reference = copy.deepcopy(model)
     random.seed(3)

@@ -91,7 +91,7 @@ def test_auto_checkpoint_meets_the_budget_with_identical_gradients():
     planned = revnets.auto_checkpoint(model, x, budget)
     # Which steps are checkpointed follows the forward times measured (on a busy machine the
     # first step was once stored); that some are is what the budget needs.
-    assert any(isinstance(step, revnets.Checkpointed) for step in planned)
+    assert any(isinstance(step, revnets.Checkpointed) for step in planned.plan)
     assert training_peak(planned, x) <= budget  # measured, on this CPU
     model.zero_grad(set_to_none=True)
     reference = copy.deepcopy(model)
@@ -492,7 +492,7 @@ def test_models_nobody_here_wrote(name):
     before = copy.deepcopy(model.state_dict())
     planned = revnets.auto_checkpoint(model, x, budget)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
-    assert any(isinstance(m, revnets.Checkpointed) for m in planned.modules())
+    assert any(isinstance(m, revnets.Checkpointed) for m in planned.plan.modules())
     assert training_peak(planned, x) <= budget
     model.zero_grad(set_to_none=True)
     reference.load_state_dict(model.state_dict())
@@ -642,7 +642,7 @@ def test_auto_checkpoint_nests_checkpoints_when_one_level_is_not_enough():
     budget = int(state + 0.25 * (full - state))
     model.zero_grad(set_to_none=True)
     planned = revnets.auto_checkpoint(model, x, budget)
-    nested = [m for m in planned.modules() if isinstance(m, revnets.Checkpointed)
+    nested = [m for m in planned.plan.modules() if isinstance(m, revnets.Checkpointed)
               and any(isinstance(c, revnets.Checkpointed) for c in m.module.modules())]
     assert nested
     assert training_peak(planned, x) <= budget

@@ -41,13 +41,7 @@ from revnets.planning.describe import (
     step_name,
 )
 from revnets.planning.memory_model import ChainModel
-from revnets.planning.model_chain import (
-    Untraceable,
-    choose_preset,
-    plain_sequential,
-    planning_chain,
-    sequence_of,
-)
+from revnets.planning.model_chain import Untraceable, choose_preset, planning_chain, sequence_of
 from revnets.planning.module_plan import plan_modules
 from revnets.planning.nested import (
     group_chain,
@@ -131,9 +125,10 @@ def auto_checkpoint(
     consecutive selective checkpoints run as one there (NOTE [ Selective segments under compile ]
     in ``planning/planned.py``).
 
-    An ``nn.Sequential`` comes back as a new ``nn.Sequential`` over the same layers; any other
-    model as a :class:`PlannedModel` that trains with the plan and evaluates with the model
-    itself (same weights, same outputs), or as itself when storing everything fits. Models that
+    The model comes back as a :class:`PlannedModel` that trains with the plan and evaluates
+    with the model itself (same weights, same outputs), and is the model to everything else
+    (state_dict keys, parameters' names, moves: NOTE [ A planned model is the model ]); or as
+    itself when storing everything fits. Models that
     cannot be traced: a zoo model gets the cheapest preset that fits; any other, with a warning
     naming why, comes back as a :class:`CheckpointedModules` whose training steps run its own
     forward with whole modules it calls checkpointed (NOTE [ Plans of whole modules ] in
@@ -209,10 +204,8 @@ def _auto_checkpoint(
     planner = _Planner(model, chain, example_input, loss_fn, optimizer, measure_time, compiled,
                        predictor)
     planned, plan = planner.fit(budget)
-    if planned is chain:  # nothing checkpointed: the model itself, as predicted, runs the plan
-        result = model
-    else:
-        result = planned if plain_sequential(model) else PlannedModel(model, planned)
+    # Nothing checkpointed: the model itself, as predicted, runs the plan.
+    result = model if planned is chain else PlannedModel(model, planned)
     result.memory_plan = plan
     return result
 

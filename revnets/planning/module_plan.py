@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from revnets.checkpoint import checkpoint_forward
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, no_fit, training_step
+from revnets.planning.model_view import ModelView
 from revnets.planning.profile import _address, _flops
 from revnets.planning.traced import Attributes, _version
 from revnets.prediction import Predictor
@@ -266,18 +267,17 @@ def _checkpointed(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
                         module.__dict__["forward"] = own
 
 
-class CheckpointedModules(nn.Module):
+class CheckpointedModules(ModelView):
     """A model whose steps with grad enabled run ``names``, modules it calls, as checkpoints,
     its own forward around them (NOTE [ Plans of whole modules ]); without grad, the model as
-    it is. It shares every parameter and buffer with ``model``: save and load weights through
-    ``.model``. The plan's peak is that of the training step planned, in the modes the modules
+    it is. It is the model itself to everything but its forward (NOTE [ A planned model is the
+    model ]). The plan's peak is that of the training step planned, in the modes the modules
     had then."""
 
     memory_plan: MemoryPlan
 
     def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
-        super().__init__()
-        self.model = model
+        super().__init__(model)
         self.names = tuple(names)
 
     @property

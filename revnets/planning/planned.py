@@ -10,6 +10,7 @@ from torch import nn
 
 from revnets.checkpoint import Checkpointed, checkpoint
 from revnets.plan import Checkpoint, MemoryPlan
+from revnets.planning.model_view import ModelView
 from revnets.planning.trace import GraphStep
 from revnets.planning.traced import Frozen, refuse_hooks
 
@@ -73,35 +74,42 @@ class _InOrder:
         return x
 
 
-class PlannedModel(nn.Module):
-    """A traced model and its checkpoint plan, sharing every parameter and buffer.
+class PlannedModel(ModelView):
+    """A traced model and its checkpoint plan: the model itself to everything but its
+    forward (NOTE [ A planned model is the model ]: state_dict keys, parameters' names, moves).
 
     Training steps (training mode, grad enabled) run the plan: the chain of graph nodes with
     checkpointed segments. Everything else (evaluation, inference) runs the model itself, since
-    a trace may have frozen ``self.training`` checks of the mode it was traced in. Save and load
-    weights through ``.model``, whose state_dict keys are the original ones. A training step
-    refuses hooks that would not run in it, and what the traced graph froze that has changed
-    since (NOTE [ Traced modules run as their graph ]).
+    a trace may have frozen ``self.training`` checks of the mode it was traced in. A training
+    step refuses hooks that would not run in it, and what the traced graph froze that has
+    changed since (NOTE [ Traced modules run as their graph ]).
     """
 
     memory_plan: MemoryPlan
 
     def __init__(self, model: nn.Module, plan: nn.Sequential) -> None:
-        super().__init__()
-        self.plan = plan
-        self._model = (model,)  # not registered again: its modules are the plan's
-        called = {
-            id(m) for step in plan.modules() if isinstance(step, GraphStep)
-            and step.op == "call_module" for m in step.module.modules()
-        }
+        super().__init__(model)
+        self._plan = (plan,)  # unregistered: its modules are the model's
+        called = {id(m) for m in plan.modules()}
         # The modules the plan runs as their traced graph (the model itself among them).
         self._traced = tuple((n, m) for n, m in model.named_modules() if id(m) not in called)
         self._frozen = Frozen(self._traced)
+        # The model's parameters and buffers that steps read directly, by owner and name, and
+        # the constants torch.fx made, which the steps alone hold.
+        self._reads: list[tuple[GraphStep, str, nn.Module, str]] = []
+        self._constants: list[tuple[GraphStep, str]] = []
+        for step in plan.modules():
+            for key, (path, name) in getattr(step, "reads", {}).items():
+                owner = model.get_submodule(path)
+                if {**owner._parameters, **owner._buffers}.get(name) is getattr(step, key):
+                    self._reads.append((step, key, owner, name))
+                else:
+                    self._constants.append((step, key))
         refuse_hooks(self._traced)
 
     @property
-    def model(self) -> nn.Module:
-        return self._model[0]
+    def plan(self) -> nn.Sequential:
+        return self._plan[0]
 
     @property
     def memory(self) -> MemoryPlan:
@@ -109,8 +117,32 @@ class PlannedModel(nn.Module):
 
     def train(self, mode: bool = True) -> PlannedModel:
         super().train(mode)
-        self.model.train(mode)
+        self.plan.train(mode)
         return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PlannedModel:
+        super()._apply(fn, recurse)
+        self._follow()
+        for step, key in self._constants:
+            step._buffers[key] = fn(step._buffers[key])
+        return self
+
+    def _follow(self) -> None:
+        """Point each step that reads a parameter or buffer directly at the model's tensor of
+        that name now (NOTE [ A planned model is the model ])."""
+        for step, key, owner, name in self._reads:
+            now = getattr(owner, name, None)
+            if step._parameters.get(key, step._buffers.get(key)) is now:
+                continue
+            if not isinstance(now, torch.Tensor):
+                raise RuntimeError(
+                    f"auto_checkpoint: {type(owner).__name__}.{name}, which the plan reads, is "
+                    f"{type(now).__name__} now, a tensor when planned; plan again "
+                    f"(auto_checkpoint on the model as it is now)")
+            step._parameters.pop(key, None)
+            step._buffers.pop(key, None)
+            table = step._parameters if isinstance(now, nn.Parameter) else step._buffers
+            table[key] = now
 
     def _input_of(self, args: tuple, kwargs: dict) -> Any:
         """The input of a training step's call: its chain runs every optional argument at the
@@ -138,5 +170,6 @@ class PlannedModel(nn.Module):
         if self.training and torch.is_grad_enabled():
             refuse_hooks(self._traced)
             self._frozen.check()
+            self._follow()
             return self.plan(self._input_of(args, kwargs))
         return self.model(*args, **kwargs)

@@ -67,6 +67,7 @@ class GraphStep(nn.Module):
         super().__init__()
         self.graph = graph  # shared by the steps of one traced graph
         self.op, self.target, self.label = node.op, node.target, node.name
+        self.reads: dict[str, tuple[str, str]] = {}  # key: (owner's path, name), _reference
 
         def reference(n: torch.fx.Node) -> Any:
             return self._reference(n, root)
@@ -76,8 +77,7 @@ class GraphStep(nn.Module):
         self.result = torch.fx.node.map_arg(result, reference)
         if self.op == "call_module":
             self.module = root.get_submodule(node.target)
-        self.inputs = inputs
-        self.outputs = outputs  # None for the last step, which returns ``result``
+        self.inputs, self.outputs = inputs, outputs  # outputs None: the last step, ``result``
         self.state_names = outputs if outputs is not None else [node.name]
         self.mutates_from: int | None = None
         self.mutated: str | None = None  # the name of the value it overwrites
@@ -105,6 +105,7 @@ class GraphStep(nn.Module):
             self.register_buffer(key, value)
         else:
             return value
+        self.reads[key] = (owner, name)
         return Attr(key)
 
     def forward(self, state: Any) -> Any:
@@ -463,8 +464,7 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     compute = [n for n in nodes if n.op in ("call_module", "call_function", "call_method")]
     if not compute:
         raise NotAChainError(f"as_graph_chain: {type(model).__name__} computes nothing")
-    position = {n.name: i for i, n in enumerate(compute)}
-    position[placeholders[0].name] = -1
+    position = {placeholders[0].name: -1, **{n.name: i for i, n in enumerate(compute)}}
     last_use: dict[str, int] = {}
     for i, node in enumerate(compute):
         for arg in node.all_input_nodes:

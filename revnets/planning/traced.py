@@ -48,9 +48,10 @@ __all__ = [
 # module after planning, on the model itself, or globally would not run either: a planned
 # training step refuses them by name (``refuse_hooks``), and so does it refuse what the graph
 # froze that has changed since (``Frozen``): a number, flag or string a traced module's code
-# reads (a drop-path rate raised by a schedule), a parameter or buffer it reads directly,
-# replaced (``load_state_dict(..., assign=True)``, a move of the model alone). Code changing the
-# grad mode or autocast keeps its module whole (trace.py), since a graph records neither.
+# reads (a drop-path rate raised by a schedule), a submodule replaced (a new head). A parameter
+# or buffer it reads directly is followed instead (NOTE [ A planned model is the model ]). Code
+# changing the grad mode or autocast keeps its module whole (trace.py), since a graph records
+# neither.
 # Planning's runs on the meta device run kept-whole modules too, and so do the real runs that
 # time the forward; both put back what they assign the same way (profile.on_meta,
 # step_times.chain_times).
@@ -206,7 +207,7 @@ _SCALARS = (int, float, bool, str, complex, type(None))
 class Frozen:
     """What a traced graph froze of the modules it runs as their graph (``traced``: names and
     modules): the numbers, flags and strings their classes' code reads, by value, and their
-    parameters and buffers, by identity (NOTE [ Traced modules run as their graph ])."""
+    submodules, by identity (NOTE [ Traced modules run as their graph ])."""
 
     def __init__(self, traced: Iterable[tuple[str, nn.Module]]) -> None:
         self.values = [
@@ -214,11 +215,8 @@ class Frozen:
             for key, value in vars(module).items()
             if key != _MODE and isinstance(value, _SCALARS) and key in _names_read(type(module))
         ]
-        self.tensors = [
-            (name, module, table, key, tensor) for name, module in traced
-            for table in ("_parameters", "_buffers")
-            for key, tensor in getattr(module, table).items()
-        ]
+        self.modules = [(name, module, key, child) for name, module in traced
+                        for key, child in module._modules.items()]
 
     def check(self) -> None:
         """Raise, naming it, if anything frozen changed."""
@@ -226,10 +224,9 @@ class Frozen:
             now = vars(module).get(key, _MISSING)
             if now is not value and now != value:
                 _refuse(name, module, key, f"is {now!r}, {value!r} when planned", "")
-        for name, module, table, key, tensor in self.tensors:
-            if getattr(module, table).get(key) is not tensor:
-                _refuse(name, module, key, "is another tensor than when planned",
-                        ", or load weights in place (load_state_dict without assign=True)")
+        for name, module, key, child in self.modules:
+            if module._modules.get(key) is not child:
+                _refuse(name, module, key, "is another module than when planned", "")
 
 
 def _refuse(name: str, module: nn.Module, key: str, what: str, or_else: str) -> None:

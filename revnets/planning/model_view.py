@@ -1,0 +1,78 @@
+"""What the planner returns around a user's model: a module that is that model to everything
+except its forward.
+
+# NOTE [ A planned model is the model ]
+# ``auto_checkpoint`` hands back a module that runs a plan in training steps. Everything else a
+# training codebase does with a model walks its modules: saves and loads its state_dict (and
+# resumes from it after planning again at another budget), builds optimizer groups from
+# ``named_parameters`` (timm's ``no_weight_decay`` names), moves and casts it (``.to``,
+# ``.half()``, ``channels_last``), switches train and eval, wraps it in DDP or FSDP. A wrapper
+# that registered the plan (or the model) as a submodule gave all of these other names, which
+# depended on the plan (``plan.0.module.0.module.weight``), held second references to tensors a
+# graph reads directly, which a move replaced in the model alone (eval read the old buffer),
+# and hid the model's own attributes. So the returned module shares the model's tables of
+# parameters, buffers, submodules and state-dict hooks (the same dict objects), delegates
+# ``_apply``, ``train`` and the model's own state-dict methods to it, and answers for
+# attributes it lacks with the model's (``pretrained_cfg``, ``forward_features``). The plan is
+# held unregistered: no name reaches a tensor through it. Its steps that read a parameter or
+# buffer directly (a traced graph's ``get_attr``) follow the model's tensor of that name at
+# each training step and after each move, so a replaced tensor (``load_state_dict(...,
+# assign=True)``, a move of ``.model`` alone) is read as the model reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ModelView"]
+
+# The tables nn.Module keeps its tensors, submodules and state-dict hooks in, shared with the
+# model (NOTE [ A planned model is the model ]); forward hooks stay the view's own, since they
+# wrap the view's forward.
+_SHARED = (
+    "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
+
+
+class ModelView(nn.Module):
+    """``model`` itself to everything that walks modules or their state (NOTE [ A planned model
+    is the model ]); subclasses define what its forward runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._model = (model,)  # unregistered: its tables are this module's own
+        for table in _SHARED:
+            self.__dict__[table] = model.__dict__[table]
+        self._version = type(model)._version  # the state_dict's metadata, as the model's
+        self.training = model.training
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model[0]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_model":  # not set yet (unpickling)
+                raise
+            return getattr(self.model, name)
+
+    def train(self, mode: bool = True) -> ModelView:
+        self.training = mode
+        self.model.train(mode)
+        return self
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> ModelView:
+        self.model._apply(fn, recurse)
+        return self
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        self.model._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.model._load_from_state_dict(*args, **kwargs)
