@@ -126,3 +126,18 @@ def test_a_copy_trains_apart_and_the_models_attributes_are_the_views():
     train_step(plan, x)
     assert max_grad_error(model, ema.model) < 1e-12
     assert plan.label == "gated" and plan.layers is model.layers
+
+
+def test_the_plan_is_predicted_with_every_tensor_the_model_holds():
+    """A buffer the traced forward never reads (one a trace folded into constants) is alive in
+    training all the same: the plan's predicted peak counts it, as the measurement of the model
+    returned does."""
+    torch.manual_seed(0)
+    model, x = Gated(), torch.randn(512, 32)
+    model.register_buffer("table", torch.zeros(64, 1024))  # 256 KiB, never read
+    plan = plan_at(model, x, 0.5)
+    assert isinstance(plan, PlannedModel)
+    report = revnets.measure_memory(train_step, plan, x)
+    state = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert report.parameters == state
+    assert report.peak_bytes == plan.memory_plan.peak_bytes

@@ -274,7 +274,13 @@ class _Planner:
 
     # -- predictions ------------------------------------------------------------------------
     def peak(self, module: nn.Module) -> int:
+        """The exact peak of training ``module`` (a chain running a plan), as the model
+        ``auto_checkpoint`` returns: with every tensor the model holds, those the plan never
+        reads too (a buffer a trace folded into constants: NOTE [ A planned model is the
+        model ]), or of the model itself."""
         self.predictions += 1
+        if module is not self.model:
+            module = PlannedModel(self.model, module)
         return self.predictor.predict(
             training_step, (module, self.example_input, self.loss_fn, self.optimizer), {}
         ).peak_bytes

@@ -17,7 +17,10 @@ except its forward.
 # held unregistered: no name reaches a tensor through it. Its steps that read a parameter or
 # buffer directly (a traced graph's ``get_attr``) follow the model's tensor of that name at
 # each training step and after each move, so a replaced tensor (``load_state_dict(...,
-# assign=True)``, a move of ``.model`` alone) is read as the model reads it.
+# assign=True)``, a move of ``.model`` alone) is read as the model reads it. The planner's
+# exact predictions are of this module too, so a plan's peak counts every tensor the model
+# holds, those the plan never reads included (timm's EVA-02 rope buffers, which a trace folds
+# into constants: predicted from the chain alone, they were measured on top of the plan).
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ class ModelView(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "_model":  # not set yet (unpickling)
+            # Not the model's copy and pickle protocols (its __deepcopy__ would copy the model
+            # alone), nor _model before it is set (unpickling).
+            if name.startswith("__") or name == "_model":
                 raise
             return getattr(self.model, name)
 

@@ -141,17 +141,20 @@ def forked_rng(
 
 def generators_held(module: nn.Module) -> list[torch.Generator]:
     """The ``torch.Generator`` objects ``module`` and its submodules hold: in attributes, and in
-    the containers and plain objects they reach, at any depth (what a deep copy of the module
-    would copy; each object visited once)."""
+    the containers, plain objects and modules they reach (a module held unregistered: the
+    model a planned model runs), at any depth (what a deep copy of the module would copy;
+    each object visited once)."""
     found: dict[int, torch.Generator] = {}
     seen: set[int] = set()
-    pending: list[Any] = [value for m in module.modules() for value in vars(m).values()]
+    pending: list[Any] = [module]
     while pending:
         value = pending.pop()
-        if id(value) in seen or isinstance(value, (Tensor, nn.Module, type, types.ModuleType)):
+        if id(value) in seen or isinstance(value, (Tensor, type, types.ModuleType)):
             continue
         seen.add(id(value))
-        if isinstance(value, torch.Generator):
+        if isinstance(value, nn.Module):
+            pending.extend(vars(value).values())  # its submodules among them, in _modules
+        elif isinstance(value, torch.Generator):
             found[id(value)] = value
         elif isinstance(value, (list, tuple, set, frozenset)):
             pending.extend(value)
