@@ -141,3 +141,51 @@ def test_the_plan_is_predicted_with_every_tensor_the_model_holds():
     state = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     assert report.parameters == state
     assert report.peak_bytes == plan.memory_plan.peak_bytes
+
+
+class Tempered(Gated):
+    """Gated, its output scaled by a plain tensor attribute (a constant of the traced graph)
+    and divided by a plain number."""
+
+    def __init__(self):
+        super().__init__()
+        self.factor = torch.tensor(0.5)
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return super().forward(x) * self.factor / self.temperature
+
+
+def test_a_plain_tensor_attribute_is_read_as_the_model_reads_it():
+    torch.manual_seed(0)
+    model, x = Tempered().double(), torch.randn(512, 32, dtype=torch.float64)
+    plan = plan_at(model, x, 0.5)
+    reference = copy.deepcopy(model)
+    plan.factor = reference.factor = torch.tensor(2.0)  # set through the planned model
+    assert model.factor is plan.factor
+    train_step(plan, x)
+    train_step(reference, x)
+    assert max_grad_error(model, reference) < 1e-12
+    # Emptied and loaded (meta initialisation, resuming): what both read comes back.
+    state = copy.deepcopy(plan.state_dict())
+    for net in (plan, reference):
+        net.to_empty(device="cpu").load_state_dict(state)
+    train_step(plan, x)
+    train_step(reference, x)
+    assert max_grad_error(model, reference) < 1e-12
+    plan.temperature = 2.0  # the graph froze 1.0: refused by name, never trained on the old
+    with pytest.raises(RuntimeError, match=r"temperature \(Tempered\) is 2\.0, 1\.0 when"):
+        train_step(plan, x)
+
+
+def test_apply_reaches_the_model_itself():
+    torch.manual_seed(0)
+    model, x = Gated(), torch.randn(512, 32)
+    plan = plan_at(model, x, 0.5)
+
+    def init(module):
+        if isinstance(module, Gated):
+            nn.init.constant_(module.gain, 3.0)
+
+    plan.apply(init)
+    assert torch.equal(model.gain, torch.full((32,), 3.0))

@@ -14,10 +14,12 @@ except its forward.
 # parameters, buffers, submodules and state-dict hooks (the same dict objects), delegates
 # ``_apply``, ``train`` and the model's own state-dict methods to it, and answers for
 # attributes it lacks with the model's (``pretrained_cfg``, ``forward_features``). The plan is
-# held unregistered: no name reaches a tensor through it. Its steps that read a parameter or
-# buffer directly (a traced graph's ``get_attr``) follow the model's tensor of that name at
-# each training step and after each move, so a replaced tensor (``load_state_dict(...,
-# assign=True)``, a move of ``.model`` alone) is read as the model reads it. The planner's
+# held unregistered: no name reaches a tensor through it. Attributes the model has are set on
+# it, and ``apply`` reaches the model itself. Steps that read a tensor of the model directly
+# (a traced graph's ``get_attr``: a parameter, a buffer, a plain attribute) follow the
+# model's tensor of that name at each training step and after each move, so a replaced
+# tensor (``load_state_dict(..., assign=True)``, ``model.scale = torch.tensor(2.0)``) is read
+# as the model reads it. The planner's
 # exact predictions are of this module too, so a plan's peak counts every tensor the model
 # holds, those the plan never reads included (timm's EVA-02 rope buffers, which a trace folds
 # into constants: predicted from the chain alone, they were measured on top of the plan).
@@ -66,6 +68,20 @@ class ModelView(nn.Module):
             if name.startswith("__") or name == "_model":
                 raise
             return getattr(self.model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # An attribute the model has and this module does not is the model's to change (a
+        # temperature, a constant its forward reads): set here, the model would never see it.
+        if name not in self.__dict__ and "_model" in self.__dict__ and (
+                name in vars(self.model) or hasattr(type(self.model), name)) and not hasattr(
+                type(self), name):
+            setattr(self.model, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> ModelView:
+        self.model.apply(fn)  # the model among the modules fn sees (an init keyed on its type)
+        return self
 
     def train(self, mode: bool = True) -> ModelView:
         self.training = mode

@@ -11,7 +11,6 @@ from torch import nn
 from revnets.checkpoint import Checkpointed, checkpoint
 from revnets.plan import Checkpoint, MemoryPlan
 from revnets.planning.model_view import ModelView
-from revnets.planning.trace import GraphStep
 from revnets.planning.traced import Frozen, refuse_hooks
 
 __all__ = ["PlanChain", "PlannedModel"]
@@ -94,17 +93,14 @@ class PlannedModel(ModelView):
         # The modules the plan runs as their traced graph (the model itself among them).
         self._traced = tuple((n, m) for n, m in model.named_modules() if id(m) not in called)
         self._frozen = Frozen(self._traced)
-        # The model's parameters and buffers that steps read directly, by owner and name, and
-        # the constants torch.fx made, which the steps alone hold.
-        self._reads: list[tuple[GraphStep, str, nn.Module, str]] = []
-        self._constants: list[tuple[GraphStep, str]] = []
-        for step in plan.modules():
-            for key, (path, name) in getattr(step, "reads", {}).items():
-                owner = model.get_submodule(path)
-                if {**owner._parameters, **owner._buffers}.get(name) is getattr(step, key):
-                    self._reads.append((step, key, owner, name))
-                else:
-                    self._constants.append((step, key))
+        # The model's tensors that steps read directly (parameters, buffers, plain attributes),
+        # by owner and name. A constant torch.fx made of a tensor the forward makes (or
+        # computed from others at trace time) is the steps' alone, kept as traced: eager runs
+        # make it anew, untouched by moves and casts.
+        self._reads = [(step, key, owner, name) for step in plan.modules()
+                       for key, (path, name) in getattr(step, "reads", {}).items()
+                       if getattr(owner := model.get_submodule(path), name, None)
+                       is getattr(step, key)]
         refuse_hooks(self._traced)
 
     @property
@@ -123,12 +119,10 @@ class PlannedModel(ModelView):
     def _apply(self, fn: Any, recurse: bool = True) -> PlannedModel:
         super()._apply(fn, recurse)
         self._follow()
-        for step, key in self._constants:
-            step._buffers[key] = fn(step._buffers[key])
         return self
 
     def _follow(self) -> None:
-        """Point each step that reads a parameter or buffer directly at the model's tensor of
+        """Point each step that reads a tensor of the model directly at the model's tensor of
         that name now (NOTE [ A planned model is the model ])."""
         for step, key, owner, name in self._reads:
             now = getattr(owner, name, None)
