@@ -19,10 +19,10 @@ except its forward.
 # (a traced graph's ``get_attr``: a parameter, a buffer, a plain attribute) follow the
 # model's tensor of that name at each training step and after each move, so a replaced
 # tensor (``load_state_dict(..., assign=True)``, ``model.scale = torch.tensor(2.0)``) is read
-# as the model reads it. The planner's
-# exact predictions are of this module too, so a plan's peak counts every tensor the model
-# holds, those the plan never reads included (timm's EVA-02 rope buffers, which a trace folds
-# into constants: predicted from the chain alone, they were measured on top of the plan).
+# as the model reads it. The planner's exact predictions are of this module too, so a plan's
+# peak counts every tensor the model holds, those the plan never reads included (timm's
+# EVA-02 rope buffers, which a trace folds into constants: predicted from the chain alone,
+# they were measured on top of the plan).
 """
 
 from __future__ import annotations

@@ -48,10 +48,10 @@ __all__ = [
 # module after planning, on the model itself, or globally would not run either: a planned
 # training step refuses them by name (``refuse_hooks``), and so does it refuse what the graph
 # froze that has changed since (``Frozen``): a number, flag or string a traced module's code
-# reads (a drop-path rate raised by a schedule), a submodule replaced (a new head). A parameter
-# or buffer it reads directly is followed instead (NOTE [ A planned model is the model ]). Code
-# changing the grad mode or autocast keeps its module whole (trace.py), since a graph records
-# neither.
+# reads (a drop-path rate raised by a schedule), a submodule replaced (a new head). A tensor
+# it reads directly (a parameter, a buffer, a plain attribute) is followed instead (NOTE [ A
+# planned model is the model ]). Code changing the grad mode or autocast keeps its module
+# whole (trace.py), since a graph records neither.
 # Planning's runs on the meta device run kept-whole modules too, and so do the real runs that
 # time the forward; both put back what they assign the same way (profile.on_meta,
 # step_times.chain_times).
@@ -223,17 +223,17 @@ class Frozen:
         for name, module, key, value in self.values:
             now = vars(module).get(key, _MISSING)
             if now is not value and now != value:
-                _refuse(name, module, key, f"is {now!r}, {value!r} when planned", "")
+                _refuse(name, module, key, f"is {now!r}, {value!r} when planned")
         for name, module, key, child in self.modules:
             if module._modules.get(key) is not child:
-                _refuse(name, module, key, "is another module than when planned", "")
+                _refuse(name, module, key, "is another module than when planned")
 
 
-def _refuse(name: str, module: nn.Module, key: str, what: str, or_else: str) -> None:
+def _refuse(name: str, module: nn.Module, key: str, what: str) -> None:
     raise RuntimeError(
         f"auto_checkpoint: {name + '.' if name else ''}{key} ({type(module).__name__}) {what}; "
         "the plan runs a graph traced with it as it was. Plan again (auto_checkpoint on the "
-        f"model as it is now){or_else}"
+        "model as it is now)"
     )
 
 
