@@ -62,7 +62,7 @@ def test_state_dict_keys_and_parameter_names_are_the_models_whatever_the_plan(bu
 
 
 class Untraceable(nn.Module):
-    def __init__(self, width: int = 32):
+    def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList(sequential() for _ in range(2))
 
