@@ -10,6 +10,7 @@ exactly like the plain one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -91,12 +92,15 @@ def _compiled_selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> 
 
 
 def checkpoint(
-    module: nn.Module, *args: Any, preserve_rng_state: bool = True, selective: bool = False,
-    **kwargs: Any,
+    module: nn.Module | Callable[..., Any], *args: Any, preserve_rng_state: bool = True,
+    selective: bool = False, **kwargs: Any,
 ) -> Any:
     """``module(*args, **kwargs)``, storing only the inputs (and with ``selective``, the outputs
     of matrix products, convolutions and attention: NOTE [ Selective recomputation ]); the
     internals are recomputed in backward.
+
+    ``module`` is an ``nn.Module``, or a method of one (``checkpoint(self._stage, x)``), whose
+    module's state the replay follows; a plain function names no module and is refused.
 
     Non-reentrant :func:`torch.utils.checkpoint.checkpoint` whose recomputation is a replay
     (NOTE [ Replay ] in :mod:`revnets.replay`): it draws from every generator as the forward did
@@ -106,16 +110,37 @@ def checkpoint(
     module's weights were swapped or modified in place after the forward
     (``torch.func.functional_call``, an optimizer step).
     """
-    return checkpoint_forward(module, module, args, kwargs, preserve_rng_state, selective)
+    owner = _owner_of(module)
+    return checkpoint_forward(owner, module, args, kwargs, preserve_rng_state, selective,
+                              watched=module is not owner)
+
+
+def _owner_of(fn: Any) -> nn.Module:
+    """The module whose state a checkpoint of ``fn`` replays: ``fn`` itself, the module a method
+    is bound to, or that of the function a ``functools.partial`` wraps."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(owner, nn.Module):
+        raise TypeError(
+            f"revnets.checkpoint: {fn!r} is not an nn.Module or a method of one. Its "
+            f"recomputation replays the state of the module it runs (BatchNorm statistics "
+            f"updated once, the random draws of its layers), which a plain function does not "
+            f"name; checkpoint the module (checkpoint(block, x)), a method of it "
+            f"(checkpoint(self._forward_stage, x)), or wrap the function in an nn.Module"
+        )
+    return owner
 
 
 def checkpoint_forward(
     module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict,
-    preserve_rng_state: bool = True, selective: bool = False,
+    preserve_rng_state: bool = True, selective: bool = False, watched: bool = False,
 ) -> Any:
     """``forward(*args, **kwargs)`` as :func:`checkpoint` runs ``module``, its replay following
     ``module``: ``forward`` is ``module`` itself, or its forward alone, whose module's own hooks
-    run once around it (NOTE [ Plans of whole modules ] in ``planning/module_plan.py``)."""
+    run once around it (NOTE [ Plans of whole modules ] in ``planning/module_plan.py``).
+    ``watched``: ``forward`` is other code of the module's (a method), whose run is watched
+    rather than known from the module's layers (NOTE [ Known layers ])."""
     if torch.compiler.is_compiling():
         # Dynamo turns the region into part of the graph, whose compiled backward recomputes
         # from the graph rather than by rerunning Python: statistics are not updated twice and
@@ -126,7 +151,7 @@ def checkpoint_forward(
         )
     # The first tensor's device, also inside the tuple a traced graph's steps hand on; None
     # where an input is not a plain value (NOTE [ Known calls ]): the run is then watched.
-    device = plain_device((args, kwargs))
+    device = None if watched else plain_device((args, kwargs))
     replay = _Replay(module, preserve_rng_state, device, selective)
     return torch.utils.checkpoint.checkpoint(
         forward,
@@ -204,6 +229,12 @@ class Checkpointed(nn.Module):
         **renamed: Any,
     ) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"Checkpointed wraps an nn.Module, got {type(module).__name__}: wrap the "
+                f"function in an nn.Module, or call revnets.checkpoint(self.method, *args) in "
+                f"the forward of the module it is a method of"
+            )
         if renamed:
             name = next(iter(renamed))
             hint = ": use memory=revnets.Store() for enabled=False" if name == "enabled" else ""

@@ -1,3 +1,6 @@
+import copy
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -55,6 +58,48 @@ def test_checkpointed_refuses_weights_swapped_for_the_forward_only():
     out = torch.func.functional_call(model, weights, (torch.randn(3, 4),))
     with pytest.raises(RuntimeError, match=r"checkpointed Sequential: 0.weight is not the tensor"):
         out.square().sum().backward()
+
+
+class StagedByMethod(nn.Module):
+    """Checkpoints a method of its own, as models written for torch.utils.checkpoint do
+    (``checkpoint(self._stage, x)``), and a module bound by functools.partial."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.units = unit_chain(2, dropout=0.3)
+        self.head = conv_unit(4)
+        self.checkpointed = checkpointed
+
+    def _stage(self, x, scale):
+        return self.units(x) * scale
+
+    def forward(self, x):
+        if not self.checkpointed:
+            return self.head(self._stage(x, 2.0))
+        x = revnets.checkpoint(self._stage, x, scale=2.0)
+        return revnets.checkpoint(functools.partial(self.head), x)
+
+
+def test_checkpoint_of_a_method_replays_its_module():
+    model = StagedByMethod(checkpointed=True).double()
+    plain = copy.deepcopy(model)
+    plain.checkpointed = False
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    train(model, x), train(plain, x)
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.equal(a, b), name  # statistics updated once per step, dropout replayed
+
+
+def test_checkpoint_refuses_a_function_that_names_no_module():
+    """A plain function's recomputation would update the BatchNorm statistics of the modules
+    it closes over a second time: refused, naming what to pass instead."""
+    units = unit_chain(1)
+    x = torch.randn(2, 4, 6, 6)
+    with pytest.raises(TypeError, match=r"is not an nn.Module or a method of one.*checkpoint the"):
+        revnets.checkpoint(lambda t: units(t), x)
+    with pytest.raises(TypeError, match=r"Checkpointed wraps an nn.Module, got function"):
+        revnets.Checkpointed(lambda t: units(t))
 
 
 def test_checkpointed_momentum_none_statistics():
