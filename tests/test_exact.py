@@ -6,6 +6,7 @@ at any depth, with memory flat in depth."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import timm
@@ -105,6 +106,30 @@ def test_exact_float64_equals_ordinary_autograd():
     x = torch.randn(2, 8, 4, 4, dtype=torch.float64)
     assert reversible_vs_stored(sequence, x, None) <= 1e-10
     assert drift(sequence, x, None) == 0.0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_weight_tied_across_blocks_gets_the_exact_sum_of_its_uses_gradients(precision):
+    """Under autocast, ordinary autograd casts a tied weight once (autocast's cache) and sums its
+    uses' gradients in that low precision; the reversible path takes each block's gradient of
+    its own cast and sums them in float32. Both start from the same per-use gradients (those of
+    the untied network); the reversible path's sum is theirs, ordinary autograd's is rounded."""
+    torch.manual_seed(0)
+    f, g = branch(4), branch(4)
+    tied = ReversibleSequence([ReversibleBlock(f, g) for _ in range(6)], exact=True)
+    untied = ReversibleSequence([ReversibleBlock(copy.deepcopy(f), copy.deepcopy(g))
+                                 for _ in range(6)], memory=Store(), exact=True)
+    x = torch.randn(2, 8, 4, 4)
+    gradients(untied, x, precision)
+    per_use_sum = sum(block.f[0].weight.grad.double() for block in untied)
+
+    def tied_gradient(memory):
+        tied.memory = memory
+        gradients(tied, x, precision)
+        return f[0].weight.grad.double()
+
+    assert relative_error(tied_gradient(Reconstruct(exact=True)), per_use_sum) <= 1e-6
+    assert relative_error(tied_gradient(Store()), per_use_sum) > 1e-4  # rounded to bf16/fp16
 
 
 @pytest.mark.parametrize(
