@@ -152,6 +152,13 @@ class MemoryPlan:
     budget: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        for name, value in (("stages", self.stages), ("rest", self.rest)):
+            if not isinstance(value, (Store, Checkpoint, Reconstruct)):
+                raise TypeError(
+                    f"MemoryPlan: {name} must be revnets.Store(), Checkpoint() or Reconstruct(), "
+                    f"got {value!r}; for a plan named by a string use "
+                    f"revnets.parse_memory_plan({value!r})"
+                )
         if isinstance(self.rest, Reconstruct):
             raise ValueError(
                 "MemoryPlan: only reversible blocks can be reconstructed; rest (stems, strided "
@@ -263,6 +270,8 @@ def parse_memory_plan(value: str | MemoryPlan) -> MemoryPlan:
     options: dict[str, object] = {}
     for item in filter(None, (match["options"] or "").split(",")):
         key, _, text = item.partition("=")
+        if key in options:
+            raise ValueError(f"memory plan {value!r}: option {key!r} given twice")
         try:
             options[key] = _option_value(decision, key, text)
         except ValueError as error:

@@ -265,6 +265,18 @@ def test_plan_strings_are_parsed_once_with_named_errors():
         MemoryPlan(Store(), Reconstruct())
     with pytest.raises(ValueError, match="store_last_blocks must be a non-negative integer"):
         Reconstruct(store_last_blocks=-1)
+    with pytest.raises(ValueError, match="option 'segments' given twice"):
+        revnets.parse_memory_plan("checkpoint(segments=2,segments=3)")
+
+
+@pytest.mark.parametrize("stages, rest", [("checkpoint", Store()), (Checkpoint(), "store"),
+                                          (None, Store()), (Reconstruct(), None)])
+def test_a_plan_of_anything_but_decisions_is_refused(stages, rest):
+    """A string or None in a plan matches no decision, which the model took as storing
+    everything: a plan printed as "checkpoint" that checkpointed nothing."""
+    with pytest.raises(TypeError, match=r"must be revnets.Store\(\), Checkpoint\(\) or "
+                                        r"Reconstruct\(\).*parse_memory_plan"):
+        MemoryPlan(stages, rest)
 
 
 def test_plans_from_keys_equal_plans_from_strings():
