@@ -21,6 +21,7 @@ from revnets.training import (
     DataNotFoundError,
     MemoryConfigError,
     NonFiniteLossError,
+    SettingsError,
     train,
 )
 from revnets.training.memory_options import check_memory_overrides
@@ -30,7 +31,8 @@ from revnets.training.memory_options import check_memory_overrides
 def main(cfg: DictConfig) -> float | None:
     try:
         result = train(cfg, HydraConfig.get().runtime.output_dir)
-    except (DataNotFoundError, DataMismatchError, MemoryConfigError, NonFiniteLossError) as error:
+    except (DataNotFoundError, DataMismatchError, MemoryConfigError, NonFiniteLossError,
+            SettingsError) as error:
         raise SystemExit(f"error: {error}") from None
     return result.get("val_accuracy")  # what a Hydra sweeper would optimise
 

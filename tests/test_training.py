@@ -22,6 +22,7 @@ from revnets.training import (
     DataMismatchError,
     DataNotFoundError,
     NonFiniteLossError,
+    SettingsError,
     build_loaders,
     create_model,
     train,
@@ -377,6 +378,28 @@ def test_two_process_ddp_equals_one_process_on_the_same_global_batch(tmp_path):
         return next(line for line in out.splitlines() if "|" in line).split("|")[1]
 
     assert first_logged_loss(ddp.stdout) == first_logged_loss(single.stdout)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.accumulate=0"], "trainer.accumulate must be a whole number of at least 1, got 0"),
+    (["trainer.accumulate=32"], "trainer.accumulate=32 splits a batch of 16 samples"),
+    (["trainer.max_steps=-1"], "trainer.max_steps must be a whole number of at least 1"),
+    (["trainer.epochs=0"], "trainer.epochs must be a whole number of at least 1 or null"),
+    (["trainer.log_every=0"], "trainer.log_every must be a whole number of at least 1"),
+    (["data.batch_size=0"], "data.batch_size must be a whole number of at least 1"),
+])
+def test_settings_that_would_train_nothing_are_refused_before_the_run(overrides, message, tmp_path):
+    """``accumulate=0`` ran no micro-batch and no backward, and exited 0 as if it had
+    trained; ``max_steps=-1`` trained nothing; more micro-batches than samples made the loss
+    NaN, reported as a learning-rate problem."""
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        Trainer(config(*SMALL, *overrides), tmp_path)
+
+
+def test_a_setting_out_of_range_is_an_error_line_not_a_traceback(tmp_path):
+    done = run_train_py("trainer.accumulate=0", cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "error: trainer.accumulate must be a whole number of at least 1" in done.stderr
 
 
 def test_missing_data_raises_in_process(tmp_path):

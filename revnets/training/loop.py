@@ -38,6 +38,7 @@ from revnets.training.report import (
     summary_table,
     write_timelines,
 )
+from revnets.training.settings import check_settings
 from revnets.training.state import (
     CHECKPOINT_NAME,
     capture_rng,
@@ -112,6 +113,7 @@ class Trainer:
         self.cfg = cfg
         self.output_dir = Path(output_dir)
         self.dist = setup_distributed(cfg.trainer.distributed)
+        check_settings(cfg, self.dist.world_size)
         self.device = resolve_device(cfg.trainer.device, self.dist)
         torch.manual_seed(cfg.seed)
         self.loaders = build_loaders(cfg.data, cfg.seed, self.dist.world_size, self.dist.rank)

@@ -1,0 +1,47 @@
+"""The trainer's numeric settings checked before anything runs: a step count, a batch or an interval
+that is zero or negative does not fail on its own, it trains nothing (``range(0)`` micro-batches,
+no steps) and exits as if it had, or fails much later inside torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+__all__ = ["SettingsError", "check_settings"]
+
+
+class SettingsError(ValueError):
+    """A trainer or data setting out of its range; the message names the key and the fix."""
+
+
+def check_settings(cfg: DictConfig, world_size: int = 1) -> None:
+    """Refuse settings no run can use: counts below one, micro-batches with no sample."""
+    trainer, data = cfg.trainer, cfg.data
+    positive = [("trainer.accumulate", trainer.accumulate),
+                ("trainer.log_every", trainer.log_every), ("data.batch_size", data.batch_size)]
+    optional = [("trainer.epochs", trainer.epochs), ("trainer.eval_every", trainer.eval_every),
+                ("trainer.checkpoint_every", trainer.checkpoint_every)]
+    if trainer.epochs is None:
+        positive.append(("trainer.max_steps", trainer.max_steps))
+    for key in ("num_classes", "train_size", "val_size"):
+        if data.get(key) is not None:
+            positive.append((f"data.{key}", data[key]))
+    for key, value in positive:
+        _check_count(key, value)
+    for key, value in optional:
+        if value is not None:
+            _check_count(key, value, "or null")
+    per_rank = data.batch_size // world_size
+    if trainer.accumulate > per_rank:
+        raise SettingsError(
+            f"trainer.accumulate={trainer.accumulate} splits a batch of {per_rank} samples per "
+            f"process into more micro-batches than it has samples; set trainer.accumulate to at "
+            f"most {per_rank}, or raise data.batch_size"
+        )
+
+
+def _check_count(key: str, value: Any, alternative: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        also = f" {alternative}" if alternative else ""
+        raise SettingsError(f"{key} must be a whole number of at least 1{also}, got {value!r}")
