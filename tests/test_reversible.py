@@ -495,6 +495,20 @@ def test_odd_split_is_named():
         model(torch.randn(2, 7, 4, 4, requires_grad=True))
 
 
+def test_blocks_of_functions_and_a_bare_block_are_refused_when_built():
+    """A function as f was accepted, left out of the block's repr, and failed in the sequence
+    with an AttributeError; a string split_dim failed in the first step."""
+    with pytest.raises(TypeError, match=r"f must be an nn.Module, got function.*wrap the"):
+        revnets.ReversibleBlock(lambda z: z, nn.Identity())
+    with pytest.raises(TypeError, match=r"g must be an nn.Module, got NoneType"):
+        revnets.ReversibleBlock(nn.Identity(), None)
+    with pytest.raises(TypeError, match=r"split_dim must be an int, got '1'"):
+        revnets.ReversibleBlock(nn.Identity(), nn.Identity(), split_dim="1")
+    block = revnets.ReversibleBlock(nn.Identity(), nn.Identity())
+    with pytest.raises(TypeError, match=r"takes a list of blocks, got one ReversibleBlock"):
+        revnets.ReversibleSequence(block)
+
+
 def test_shape_changing_transform_is_named():
     block = revnets.ReversibleBlock(nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.Identity())
     with pytest.raises(ValueError, match=r"ReversibleBlock.f \(Conv2d\) returned shape"):

@@ -62,6 +62,16 @@ class ReversibleBlock(nn.Module):
         drop_path: float = 0.0,
     ) -> None:
         super().__init__()
+        for name, transform in (("f", f), ("g", g)):
+            if not isinstance(transform, nn.Module):
+                raise TypeError(
+                    f"ReversibleBlock: {name} must be an nn.Module, got "
+                    f"{type(transform).__name__}: the block's replay follows a module's state "
+                    f"(BatchNorm statistics updated once, dropout drawn again alike); wrap the "
+                    f"function in an nn.Module (nn.Identity() for nothing)"
+                )
+        if isinstance(split_dim, bool) or not isinstance(split_dim, int):
+            raise TypeError(f"ReversibleBlock: split_dim must be an int, got {split_dim!r}")
         self.f = f
         self.g = g
         self.coupling = make_coupling(coupling, split_dim)

@@ -115,6 +115,11 @@ class ReversibleSequence(nn.Module):
                 f"ReversibleSequence got an unexpected keyword argument {name!r}"
                 + (f": use {_RENAMED[name]}" if name in _RENAMED else "")
             )
+        if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+            raise TypeError(
+                f"ReversibleSequence takes a list of blocks, got one {type(blocks).__name__}; "
+                f"pass [block]"
+            )
         blocks = list(blocks)
         for i, block in enumerate(blocks):
             _check_block(i, block)
