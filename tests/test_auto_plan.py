@@ -256,6 +256,44 @@ def test_plans_print_as_their_preset_or_a_table():
     assert lines[-1] == "predicted peak of a training step: 3.00 MiB (budget 4.00 MiB)"
 
 
+class DictOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return {"logits": self.linear(x)}
+
+
+MLP = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("request_, error, message", [
+    (dict(budget="10MB"), TypeError, "budget is the training step's peak in bytes, a number"),
+    (dict(budget=True), TypeError, "budget is the training step's peak in bytes, a number"),
+    (dict(budget=float("nan")), ValueError, "a positive number"),
+    (dict(budget=-1), ValueError, "a positive number"),
+    (dict(example_input=None), TypeError, "example_input is None"),
+    (dict(model=lambda x: x), TypeError, "model must be an nn.Module, got function"),
+    (dict(loss_fn=lambda out: 3), TypeError, "loss_fn returned int, not a tensor"),
+    (dict(loss_fn=lambda out: out), ValueError, r"loss_fn returned a tensor of shape \(4, 4\), "
+                                                r"not a scalar"),
+    (dict(loss_fn=lambda out: out.detach().sum()), ValueError, "does not require grad"),
+    (dict(model=DictOutput()), TypeError, "the model returns a dict.*pass loss_fn="),
+    (dict(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)), ValueError,
+     "the optimizer updates 2 tensors that are not parameters of the model given"),
+    (dict(example_input=torch.randn(4, 17)), ValueError, "Check that example_input is an input "
+                                                         "the model takes"),
+])
+def test_bad_requests_are_refused_naming_the_argument(request_, error, message):
+    """Each was an AttributeError, a bare StopIteration, an error of torch's that named no
+    argument, or (a budget of True, an error of another function's wording) misleading."""
+    arguments = dict(model=MLP, example_input=torch.randn(4, 16), budget=10**6,
+                     measure_time=False) | request_
+    with pytest.raises(error, match=message):
+        revnets.auto_checkpoint(**arguments)
+
+
 def test_plan_strings_are_parsed_once_with_named_errors():
     assert revnets.parse_memory_plan("checkpoint(segments=4)") == MemoryPlan(Checkpoint(4))
     assert revnets.parse_memory_plan("reversible_checkpoint").name == "reversible+checkpoint"

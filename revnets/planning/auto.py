@@ -22,6 +22,7 @@ from revnets.planning.budget import (
     LossFn,
     PlanningError,
     check_optimizer,
+    check_request,
     default_loss,
     no_fit,
     training_step,
@@ -136,6 +137,7 @@ def auto_checkpoint(
     Raises :class:`PlanningError` stating the smallest reachable budget when no plan fits.
     Python's cycle collector is paused while it plans, and resumed as it was.
     """
+    budget = check_request("auto_checkpoint", model, example_input, budget)
     if not isinstance(measure_time, (bool, ForwardTimes)):
         raise TypeError(f"auto_checkpoint: measure_time is True, False or the ForwardTimes "
                         f"revnets.forward_times measured, not {type(measure_time).__name__}")
@@ -189,7 +191,7 @@ def _auto_checkpoint(
     compiled: bool,
     predictor: Predictor,
 ) -> nn.Module:
-    check_optimizer(optimizer)
+    check_optimizer(optimizer, model)
     try:
         chain = planning_chain(model)
     except Untraceable as untraceable:
@@ -246,8 +248,9 @@ class _Planner:
                 except RuntimeError as error:
                     raise ValueError(
                         f"auto_checkpoint: the steps of {type(model).__name__} cannot run on "
-                        f"the meta device, where planning finds their sizes ({error}); a "
-                        f"forward that reads a tensor's value (.item(), bool(): a coin "
+                        f"the meta device, where planning finds their sizes ({error}). Check "
+                        f"that example_input is an input the model takes (its shape, dtype); "
+                        f"a forward that reads a tensor's value (.item(), bool(): a coin "
                         f"torch.rand(()) < p) cannot be sized without running it. Draw with "
                         f"Python's random module, which planning replays"
                     ) from error

@@ -4,6 +4,7 @@ says no plan fits, naming the smallest budget that does."""
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "LossFn", "PlanningError", "check_optimizer", "default_loss", "no_fit", "training_step",
+    "LossFn", "PlanningError", "check_loss", "check_optimizer", "check_request", "default_loss",
+    "no_fit", "training_step",
 ]
 
 MiB = 2**20
@@ -28,16 +30,59 @@ class PlanningError(ValueError):
 
 
 def default_loss(output: Tensor) -> Tensor:
+    if not isinstance(output, Tensor):
+        raise TypeError(
+            f"auto_checkpoint: the model returns a {type(output).__name__}, and the default loss "
+            f"sums a tensor; pass loss_fn=, which makes the step's loss from the output"
+        )
     return output.float().sum()
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+def check_request(caller: str, model: Any, example_input: Any, budget: Any = 1) -> int:
+    """The budget in bytes, once the model, input and budget are what planning takes; refused
+    by name before any work is done."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
+    if example_input is None:
+        raise TypeError(f"{caller}: example_input is None; pass an input the model's forward "
+                        f"takes, at the batch size to plan for")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"{caller}: budget is the training step's peak in bytes, a number "
+                        f"(2 * 2**30 for 2 GiB), got {budget!r}")
+    if not (math.isfinite(budget) and budget >= 1):
+        raise ValueError(f"{caller}: budget is the training step's peak in bytes, a positive "
+                         f"number (2 * 2**30 for 2 GiB), got {budget!r}")
+    return int(budget)
+
+
+def check_loss(loss: Any) -> None:
+    """Refuse, naming ``loss_fn``, a loss no training step can take the backward of."""
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"auto_checkpoint: loss_fn returned {type(loss).__name__}, not a "
+                        f"tensor; return the step's loss, computed from the model's output")
+    if loss.numel() != 1:
+        raise ValueError(f"auto_checkpoint: loss_fn returned a tensor of shape "
+                         f"{tuple(loss.shape)}, not a scalar; reduce it (.mean() or .sum())")
+    if not loss.requires_grad:
+        raise ValueError("auto_checkpoint: loss_fn returned a loss that does not require grad; "
+                         "compute it from the model's output, without .detach() or no_grad")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> None:
     """Refuse, naming it, an optimizer whose step the budget's training step cannot take."""
     if optimizer is None:
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"auto_checkpoint: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    ours = {id(p) for p in model.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ours]
+    if foreign:
+        raise ValueError(
+            f"auto_checkpoint: the optimizer updates {len(foreign)} tensors that are not "
+            f"parameters of the model given (the first of shape {tuple(foreign[0].shape)}); "
+            f"pass the optimizer made over this model's parameters"
+        )
     closure = inspect.signature(type(optimizer).step).parameters.get("closure")
     if isinstance(optimizer, torch.optim.LBFGS) or (
             closure is not None and closure.default is inspect.Parameter.empty):
@@ -58,7 +103,9 @@ def training_step(
     for every step, not only the first."""
     for _ in range(2 if optimizer is not None and not optimizer.state else 1):
         model.zero_grad(set_to_none=True)
-        loss_fn(model(x)).backward()
+        loss = loss_fn(model(x))
+        check_loss(loss)
+        loss.backward()
         if optimizer is not None:
             optimizer.step()
 

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from revnets.plan import Store
+from revnets.planning.budget import check_request
 from revnets.planning.describe import step_name
 from revnets.planning.model_chain import Untraceable, planning_chain, sequence_of
 from revnets.planning.profile import profile_chain, timing_input
@@ -84,6 +85,7 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
     it was (its buffers, and the random number generators too). A model torch.fx cannot trace
     has no steps: its plans are ranked on sizes and counted costs alone (NOTE [ Plans of whole
     modules ] in ``planning/module_plan.py``), and its times are empty."""
+    check_request("forward_times", model, example_input)
     kept, draws = ModelState(model), Draws(model)
     try:
         with forked_rng(input_device(example_input), generators_held(model)):
