@@ -312,18 +312,23 @@ def checkpoint_segments(
     Returns a new ``nn.Sequential`` of ``Checkpointed(nn.Sequential(...))`` segments sharing the
     original layers (so parameters are the same objects).
     """
+    if not isinstance(sequential, nn.Sequential):
+        raise TypeError(f"checkpoint_segments: takes an nn.Sequential, got "
+                        f"{type(sequential).__name__}; checkpoint a single module with "
+                        f"revnets.Checkpointed")
     layers = list(sequential)
     if not layers:
         return nn.Sequential()
-    if segments is None or isinstance(segments, int):
+    if segments is None or (isinstance(segments, int) and not isinstance(segments, bool)):
         bounds = segment_bounds(len(layers), segments)
     else:
-        bounds = list(segments)
-        if [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or (
-            bounds[0][0], bounds[-1][1]
-        ) != (0, len(layers)):
+        bounds = list(segments) if isinstance(segments, (list, tuple)) else []
+        if not bounds or any(not isinstance(b, (list, tuple)) or len(b) != 2 for b in bounds) or \
+                [b[0] for b in bounds[1:]] != [b[1] for b in bounds[:-1]] or (
+                bounds[0][0], bounds[-1][1]) != (0, len(layers)):
             raise ValueError(
-                f"checkpoint_segments: {bounds} do not cover 0..{len(layers)} in order"
+                f"checkpoint_segments: segments is a number of segments or a list of (start, "
+                f"stop) bounds covering 0..{len(layers)} in order, got {segments!r}"
             )
     for a, b in bounds[1:-1]:
         if getattr(layers[a], "inplace", False):

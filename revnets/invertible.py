@@ -46,14 +46,16 @@ class SpaceToDepth(Invertible):
 
     def __init__(self, block_size: int = 2, groups: int = 1) -> None:
         super().__init__()
-        if block_size < 1:
-            raise ValueError(f"SpaceToDepth: block_size must be positive, got {block_size}")
-        if groups < 1:
-            raise ValueError(f"SpaceToDepth: groups must be positive, got {groups}")
+        for name, value in (("block_size", block_size), ("groups", groups)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpaceToDepth: {name} must be a positive int, got {value!r}")
         self.block_size = block_size
         self.groups = groups
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4:
+            raise ValueError(f"SpaceToDepth: takes NCHW images, got an input of shape "
+                             f"{tuple(x.shape)}")
         n, c, h, w = x.shape
         b, g = self.block_size, self.groups
         if h % b or w % b:
@@ -85,8 +87,9 @@ class InjectivePad(Invertible):
 
     def __init__(self, channels: int, dim: int = 1) -> None:
         super().__init__()
-        if channels < 0:
-            raise ValueError(f"InjectivePad: channels must be non-negative, got {channels}")
+        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 0:
+            raise ValueError(f"InjectivePad: channels must be a non-negative int, got "
+                             f"{channels!r}")
         self.channels = channels
         self.dim = dim
 
@@ -105,6 +108,9 @@ class InjectivePad(Invertible):
 def check_invertible(module: Invertible, x: Tensor, tolerance: float = 1e-6) -> float:
     """The largest relative error of ``module.inverse(module(x))`` against ``x``; raises if it
     exceeds ``tolerance`` (the module is then not invertible, or badly conditioned)."""
+    if not callable(getattr(module, "inverse", None)):
+        raise TypeError(f"check_invertible: {type(module).__name__} has no inverse method; "
+                        f"subclass revnets.Invertible and define inverse(y)")
     with torch.no_grad():
         error = ((module.inverse(module(x)) - x).abs().max() / x.abs().max().clamp_min(1e-30))
     if error > tolerance:

@@ -102,6 +102,18 @@ def test_checkpoint_refuses_a_function_that_names_no_module():
         revnets.Checkpointed(lambda t: units(t))
 
 
+@pytest.mark.parametrize("segments", [2.0, "2", [], [(0, 2)], True])
+def test_checkpoint_segments_names_segments_it_cannot_take(segments):
+    with pytest.raises(ValueError, match=r"segments is a number of segments or a list of \(start, "
+                                         r"stop\) bounds covering 0..4 in order"):
+        revnets.checkpoint_segments(unit_chain(4), segments)
+
+
+def test_checkpoint_segments_takes_a_sequential_only():
+    with pytest.raises(TypeError, match="takes an nn.Sequential, got Linear"):
+        revnets.checkpoint_segments(nn.Linear(4, 4))
+
+
 def test_checkpointed_momentum_none_statistics():
     chain = unit_chain(2)
     for m in chain.modules():

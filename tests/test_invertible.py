@@ -114,6 +114,17 @@ def test_check_invertible_names_a_module_that_is_not():
     assert revnets.check_invertible(revnets.SpaceToDepth(2), torch.randn(1, 2, 4, 4)) == 0
     with pytest.raises(ValueError, match="Squash is not invertible on this input"):
         revnets.check_invertible(Squash(), 3 * torch.randn(1, 2, 4, 4))
+    with pytest.raises(TypeError, match="Linear has no inverse method; subclass revnets.Inv"):
+        revnets.check_invertible(nn.Linear(4, 4), torch.randn(1, 4))
+
+
+def test_bad_settings_and_inputs_of_the_invertible_layers_are_named():
+    with pytest.raises(ValueError, match=r"takes NCHW images, got an input of shape \(4, 4, 4\)"):
+        revnets.SpaceToDepth()(torch.randn(4, 4, 4))
+    with pytest.raises(ValueError, match="channels must be a non-negative int, got 2.5"):
+        revnets.InjectivePad(2.5)
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 2.0"):
+        revnets.SpaceToDepth(2.0)
 
 
 @pytest.mark.parametrize("wrapper", ["Checkpointed", "save_on_cpu"])
