@@ -271,8 +271,8 @@ MLP = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 @pytest.mark.parametrize("request_, error, message", [
     (dict(budget="10MB"), TypeError, "budget is the training step's peak in bytes, a number"),
     (dict(budget=True), TypeError, "budget is the training step's peak in bytes, a number"),
-    (dict(budget=float("nan")), ValueError, "a positive number"),
-    (dict(budget=-1), ValueError, "a positive number"),
+    (dict(budget=float("nan")), ValueError, "a non-negative number"),
+    (dict(budget=-1), ValueError, "a non-negative number"),
     (dict(example_input=None), TypeError, "example_input is None"),
     (dict(model=lambda x: x), TypeError, "model must be an nn.Module, got function"),
     (dict(loss_fn=lambda out: 3), TypeError, "loss_fn returned int, not a tensor"),

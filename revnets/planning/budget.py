@@ -38,7 +38,7 @@ def default_loss(output: Tensor) -> Tensor:
     return output.float().sum()
 
 
-def check_request(caller: str, model: Any, example_input: Any, budget: Any = 1) -> int:
+def check_request(caller: str, model: Any, example_input: Any, budget: Any = 0) -> int:
     """The budget in bytes, once the model, input and budget are what planning takes; refused
     by name before any work is done."""
     if not isinstance(model, nn.Module):
@@ -49,9 +49,9 @@ def check_request(caller: str, model: Any, example_input: Any, budget: Any = 1) 
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(f"{caller}: budget is the training step's peak in bytes, a number "
                         f"(2 * 2**30 for 2 GiB), got {budget!r}")
-    if not (math.isfinite(budget) and budget >= 1):
-        raise ValueError(f"{caller}: budget is the training step's peak in bytes, a positive "
-                         f"number (2 * 2**30 for 2 GiB), got {budget!r}")
+    if not (math.isfinite(budget) and budget >= 0):  # 0: refused, naming the least that plans
+        raise ValueError(f"{caller}: budget is the training step's peak in bytes, a "
+                         f"non-negative number (2 * 2**30 for 2 GiB), got {budget!r}")
     return int(budget)
 
 
