@@ -90,6 +90,55 @@ def test_a_fully_invertible_network_trains_like_ordinary_autograd(store_last_blo
     assert torch.allclose(model.inverse(model.eval()(x)), x, rtol=0, atol=1e-10)
 
 
+class ReluDeclaredInvertible(revnets.Invertible):
+    def forward(self, x):
+        return torch.relu(x)
+
+    def inverse(self, y):
+        return y
+
+
+class SubtractingCoupling(revnets.Coupling):
+    def combine(self, x, h):
+        return x + h
+
+    def uncombine(self, y, h):
+        return y + h  # should subtract
+
+
+def test_an_inverse_that_does_not_undo_its_forward_is_refused_in_the_first_step():
+    """Outputs were right and gradients silently wrong (off by tens, float64): reconstruction
+    trusts the inverse. The first training step checks it (NOTE [ A user's inverse is checked
+    once ])."""
+    x = torch.randn(3, 8, 4, 4)
+    model = revnets.ReversibleSequence([*stage(4, 1), ReluDeclaredInvertible(), *stage(4, 1)])
+    with pytest.raises(ValueError, match=r"block 1 of a ReversibleSequence "
+                                         r"\(ReluDeclaredInvertible\): its inverse does not undo"):
+        model(x)
+    block = revnets.ReversibleBlock(unit(4), unit(4), coupling=SubtractingCoupling())
+    with pytest.raises(ValueError, match=r"the coupling SubtractingCoupling\(\): its inverse "
+                                         r"does not undo its forward"):
+        revnets.ReversibleSequence([block])(x)
+
+
+def test_the_check_of_a_users_inverse_runs_once_and_is_predicted(monkeypatch):
+    model = invertible_network(dropout=0.0).float()
+    x = torch.randn(2, 8, 16, 16)
+    calls = []
+    inverse = ElementwiseAffine.inverse
+    monkeypatch.setattr(ElementwiseAffine, "inverse",
+                        lambda self, y: calls.append(1) or inverse(self, y))
+
+    def step(m, x):
+        m(x).square().sum().backward()
+
+    for inverses in (2, 1):  # the first step checks (one inverse more), later ones do not
+        predicted = revnets.predict_memory(step, model, x).peak_bytes
+        calls.clear()
+        assert measure_memory(step, model, x).peak_bytes == predicted
+        assert len(calls) == inverses
+
+
 def test_memory_is_flat_in_depth_and_in_the_number_of_stages():
     """Only the input and the output are kept: no stage boundary is stored."""
     peaks = {}

@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
-from revnets.invertible import Invertible
+from revnets.invertible import InjectivePad, Invertible, SpaceToDepth
 from revnets.replay import Recording
 from revnets.reversible.hooked import graph_start, hooks_own_graph, refuse_gradients
+from revnets.reversible.inverse_check import check_inverse_once
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.steps import _REMEDY, BlockPlan, BlockStep
 from revnets.reversible.tape import Layout
@@ -43,6 +44,15 @@ class InvertibleStep(BlockStep):
                 y = self.module(x)
         if not self.plan.hooked:
             refuse_gradients(self.recording, where)
+        if type(self.module) not in (SpaceToDepth, InjectivePad):  # revnets' own are tested
+            recording = self.recording
+
+            def inverse_of_forward() -> torch.Tensor:
+                with recording.left_state():  # as reconstruction runs it
+                    return self.module.inverse(y)
+
+            check_inverse_once(self.module, f"{where} ({type(self.module).__name__})", x,
+                               inverse_of_forward)
         y1, y2 = self.split(y)
         return y1, y2, False
 

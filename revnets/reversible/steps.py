@@ -48,6 +48,7 @@ from revnets.reversible.hooked import (
     refuse_sharded,
     trainable,
 )
+from revnets.reversible.inverse_check import check_inverse_once
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.tape import Carry, Context, Layout, dense
 
@@ -171,6 +172,9 @@ class ForwardRun:
 
 
 def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor:
+    if type(coupling) not in _STOCK_COUPLINGS:  # NOTE [ A user's inverse is checked once ]
+        check_inverse_once(coupling, f"the coupling {coupling!r}", x,
+                           lambda: coupling.uncombine(coupling.combine(x, h), h))
     # Updating x in place saves an allocation per half; only into memory the engine owns.
     if in_place and coupling.is_additive and torch.result_type(x, h) == x.dtype:
         return coupling.combine_(x, h)
