@@ -153,6 +153,16 @@ def test_eval_forward_same_for_all_strategies():
     assert outputs[0].shape == (2, 10)
 
 
+@pytest.mark.parametrize("name", ["revnet38", "resnet32"])
+def test_odd_image_sizes_train_as_in_torchvisions_resnets(name):
+    """A stage's strided convolution rounds an odd size up and its pooled shortcut rounded it
+    down: a 33x33 image failed with a size mismatch deep in the first downsampling unit."""
+    model = timm.create_model(name)
+    out = model(torch.randn(2, 3, 33, 33))
+    out.sum().backward()
+    assert out.shape == (2, 10)
+
+
 @pytest.mark.parametrize(
     "name, size, reductions", [("revnet38", 32, [1, 1, 2, 4]), ("revnet104", 64, [2, 4, 8, 16, 32])]
 )

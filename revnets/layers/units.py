@@ -57,7 +57,8 @@ def preact_bottleneck(
 
 class PoolPadShortcut(nn.Module):
     """Average pooling by ``stride`` and zero padding of the channels, split evenly on both
-    sides."""
+    sides. An odd size pools its last row and column alone (``ceil_mode``), to the size the
+    strided convolution beside it makes: even sizes pool as before."""
 
     def __init__(self, in_ch: int, out_ch: int, stride: int) -> None:
         super().__init__()
@@ -68,7 +69,8 @@ class PoolPadShortcut(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.stride > 1:
-            x = F.avg_pool2d(x, self.stride, self.stride)
+            x = F.avg_pool2d(x, self.stride, self.stride, ceil_mode=True,
+                             count_include_pad=False)
         if self.pad:
             x = F.pad(x, (0, 0, 0, 0, self.pad, self.pad))
         return x
