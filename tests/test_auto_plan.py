@@ -274,6 +274,7 @@ MLP = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     (dict(budget=float("nan")), ValueError, "a non-negative number"),
     (dict(budget=-1), ValueError, "a non-negative number"),
     (dict(example_input=None), TypeError, "example_input is None"),
+    (dict(compiled="yes"), TypeError, "compiled is True or False, not 'yes'"),
     (dict(model=lambda x: x), TypeError, "model must be an nn.Module, got function"),
     (dict(loss_fn=lambda out: 3), TypeError, "loss_fn returned int, not a tensor"),
     (dict(loss_fn=lambda out: out), ValueError, r"loss_fn returned a tensor of shape \(4, 4\), "

@@ -138,6 +138,8 @@ def auto_checkpoint(
     Python's cycle collector is paused while it plans, and resumed as it was.
     """
     budget = check_request("auto_checkpoint", model, example_input, budget)
+    if not isinstance(compiled, bool):
+        raise TypeError(f"auto_checkpoint: compiled is True or False, not {compiled!r}")
     if not isinstance(measure_time, (bool, ForwardTimes)):
         raise TypeError(f"auto_checkpoint: measure_time is True, False or the ForwardTimes "
                         f"revnets.forward_times measured, not {type(measure_time).__name__}")
