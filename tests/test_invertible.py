@@ -121,6 +121,70 @@ def test_an_inverse_that_does_not_undo_its_forward_is_refused_in_the_first_step(
         revnets.ReversibleSequence([block])(x)
 
 
+class GlowAffine(revnets.Coupling):
+    """Glow's affine coupling as openai/glow writes it: round-off scales with the shift, not
+    with the half it updates."""
+
+    def combine(self, x, h):
+        log_scale, shift = h.chunk(2, 1)
+        return (x + shift) * torch.sigmoid(log_scale + 2.0)
+
+    def uncombine(self, y, h):
+        log_scale, shift = h.chunk(2, 1)
+        return y / torch.sigmoid(log_scale + 2.0) - shift
+
+    def transform_shape(self, half_shape):
+        return torch.Size([half_shape[0], 2 * half_shape[1], *half_shape[2:]])
+
+
+class SubclassedAdditive(revnets.AdditiveCoupling):
+    pass
+
+
+@pytest.mark.parametrize("coupling, first_half, dtype", [
+    (GlowAffine(), torch.zeros(2, 4, 6, 6), torch.float32),
+    (GlowAffine(), 1e-6 * torch.randn(2, 4, 6, 6), torch.float32),
+    (SubclassedAdditive(), 1e-3 * torch.randn(2, 4, 6, 6), torch.bfloat16),
+])
+def test_a_correct_inverse_passes_its_check_whatever_the_input_s_magnitude(coupling, first_half,
+                                                                          dtype):
+    """Taken relative to the input alone, round-off of a zero or tiny half was an error of 6e22
+    or 2.7e-2 (Glow), and a bf16 stack of a subclassed stock coupling was refused."""
+    width = 8 if isinstance(coupling, GlowAffine) else 4
+    block = revnets.ReversibleBlock(nn.Conv2d(4, width, 3, padding=1),
+                                    nn.Conv2d(4, width, 3, padding=1), coupling=coupling)
+    model = revnets.ReversibleSequence([block]).to(dtype)
+    x = torch.cat([first_half, torch.randn(2, 4, 6, 6)], 1).to(dtype)
+    model(x).float().sum().backward()
+    assert coupling._revnets_inverse_checked
+
+
+def test_the_check_runs_where_the_inverse_will_and_again_after_a_refusal():
+    """A kept input is never reconstructed: no check (it refused a module whose inverse never
+    ran). Forward hooks on a block took another path, unchecked, with gradients off by 88. A
+    refusal set the flag, so the next step trained silently wrong; a NaN compared as passing."""
+    kept = revnets.ReversibleSequence([*stage(4, 1), ReluDeclaredInvertible(), *stage(4, 1)],
+                                      memory=revnets.Reconstruct(keep_input_every=1))
+    kept(torch.randn(3, 8, 4, 4)).sum().backward()
+
+    block = revnets.ReversibleBlock(unit(4), unit(4), coupling=SubtractingCoupling())
+    block.register_forward_hook(lambda module, args, output: None)
+    hooked = revnets.ReversibleSequence([block])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="its inverse does not undo its forward"):
+            hooked(torch.randn(3, 8, 4, 4))
+
+    class CubeRoot(revnets.Invertible):
+        def forward(self, x):
+            return x ** 3
+
+        def inverse(self, y):
+            return y ** (1 / 3)  # NaN below zero
+
+    with pytest.raises(ValueError, match=r"\(CubeRoot\): .*relative error nan"):
+        revnets.ReversibleSequence([*stage(4, 1), CubeRoot()])(torch.randn(3, 8, 4, 4))
+
+
 def test_the_check_of_a_users_inverse_runs_once_and_is_predicted(monkeypatch):
     model = invertible_network(dropout=0.0).float()
     x = torch.randn(2, 8, 16, 16)

@@ -172,9 +172,6 @@ class ForwardRun:
 
 
 def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor:
-    if type(coupling) not in _STOCK_COUPLINGS:  # NOTE [ A user's inverse is checked once ]
-        check_inverse_once(coupling, f"the coupling {coupling!r}", x,
-                           lambda: coupling.uncombine(coupling.combine(x, h), h))
     # Updating x in place saves an allocation per half; only into memory the engine owns.
     if in_place and coupling.is_additive and torch.result_type(x, h) == x.dtype:
         return coupling.combine_(x, h)
@@ -189,6 +186,21 @@ _STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling)
 def _user_code_ran(coupling: Coupling, run: ForwardRun) -> None:
     if type(coupling) not in _STOCK_COUPLINGS:
         run.chain.cut()
+
+
+def _check_uncombine(coupling: Coupling, x: Tensor, h: Tensor) -> None:
+    """A user's coupling's ``uncombine`` checked once, before a block reconstructs with it
+    (NOTE [ A user's inverse is checked once ])."""
+    if type(coupling) in _STOCK_COUPLINGS:
+        return
+    met = [h]
+
+    def inverse_of_forward() -> Tensor:
+        y = coupling.combine(x, h)
+        met.append(torch.linalg.vector_norm(y, float("inf")))
+        return coupling.uncombine(y, h)
+
+    check_inverse_once(coupling, f"the coupling {coupling!r}", x, inverse_of_forward, met)
 
 
 def _uncombine(coupling: Coupling, y: Tensor, h: Tensor) -> Tensor:
@@ -313,6 +325,8 @@ class CouplingStep(_CouplingBackward):
             return y1, y2, False  # what the hooks saw stays intact
         self.scales = block.drop_path_scales(x1)
         h = self._run("f", x2, context.values, run)
+        if self.kept is None:
+            _check_uncombine(block.coupling, x1, h)
         y1 = dense(_combine(block.coupling, x1, h, mine), True, run.memory_format)
         del h
         _user_code_ran(block.coupling, run)
@@ -365,7 +379,11 @@ class CouplingStep(_CouplingBackward):
                             "instead."
                         )
             self.scales = block.drop_path_scales(x1)  # after the pre-hooks, as block(x) draws
-            y1 = block.coupling.combine(x1, self._run("f", x2, context, run))
+            h = self._run("f", x2, context, run)
+            if self.kept is None:
+                _check_uncombine(block.coupling, x1.detach(), h.detach())
+            y1 = block.coupling.combine(x1, h)
+            del h
             y2 = block.coupling.combine(x2, self._run("g", y1, context, run))
             if hooked:
                 output = block.merge(y1, y2)
