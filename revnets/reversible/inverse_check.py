@@ -32,10 +32,10 @@ __all__ = ["check_inverse_once", "mark_inverse_checked"]
 #   ``revnets.check_invertible`` sets it when it passes: a module checked that way is not
 #   checked again in a step.
 # - The check runs the same operators on fake tensors as on real ones (a prediction counts its
-#   temporaries: the inverse's output and their difference, each of one input's size, in the
-#   input's dtype, freed at once; the first step's peak can be that much higher) and reads no
-#   value there (nor sets the flag on the real module). It draws from no generator the step sees
-#   (forked around it). Under torch.compile it is skipped, and eager steps check.
+#   temporaries: a coupling's output made again, the inverse's output and their difference,
+#   each of one input's size, freed at once; the first step's peak can be that much higher) and
+#   reads no value there (nor sets the flag on the real module). It draws from no generator
+#   the step sees (forked around it). Under torch.compile it is skipped, and eager steps check.
 _FLAG = "_revnets_inverse_checked"
 
 
