@@ -110,7 +110,9 @@ def checkpoint(
     module's weights were swapped or modified in place after the forward
     (``torch.func.functional_call``, an optimizer step).
     """
-    owner = _owner_of(module)
+    # Compiled, the graph recomputes and no replay runs (checkpoint_forward): no owner to find,
+    # and dynamo cannot look into a bound method for one.
+    owner = module if torch.compiler.is_compiling() else _owner_of(module)
     return checkpoint_forward(owner, module, args, kwargs, preserve_rng_state, selective,
                               watched=module is not owner)
 

@@ -233,7 +233,9 @@ class Recording:
                 f"{name} of a BatchNorm in training mode is read by other code in the forward "
                 "pass. The replay in backward leaves BatchNorm's running statistics "
                 "as the forward left them, so that code would read other values. Read them "
-                "outside the recomputed part, or put the BatchNorm in eval mode."
+                "outside the recomputed part, or put the BatchNorm in eval mode. (A "
+                "saved_tensors_hooks pack hook that copies what the forward saves reads them "
+                "too: register it around the checkpointed call instead.)"
             )
         self.generators = list(watch.generators.values())
         if self._python_found:
