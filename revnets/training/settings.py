@@ -20,8 +20,9 @@ def check_settings(cfg: DictConfig, world_size: int = 1) -> None:
     trainer, data = cfg.trainer, cfg.data
     positive = [("trainer.accumulate", trainer.accumulate),
                 ("trainer.log_every", trainer.log_every), ("data.batch_size", data.batch_size)]
-    optional = [("trainer.epochs", trainer.epochs), ("trainer.eval_every", trainer.eval_every),
-                ("trainer.checkpoint_every", trainer.checkpoint_every)]
+    # Intervals: 0 or null means never (the loop tests them for truth).
+    intervals = [("trainer.eval_every", trainer.eval_every),
+                 ("trainer.checkpoint_every", trainer.checkpoint_every)]
     if trainer.epochs is None:
         positive.append(("trainer.max_steps", trainer.max_steps))
     for key in ("num_classes", "train_size", "val_size"):
@@ -29,9 +30,11 @@ def check_settings(cfg: DictConfig, world_size: int = 1) -> None:
             positive.append((f"data.{key}", data[key]))
     for key, value in positive:
         _check_count(key, value)
-    for key, value in optional:
+    if trainer.epochs is not None:
+        _check_count("trainer.epochs", trainer.epochs, "or null")
+    for key, value in intervals:
         if value is not None:
-            _check_count(key, value, "or null")
+            _check_count(key, value, "(0 or null: never)", least=0)
     per_rank = data.batch_size // world_size
     if trainer.accumulate > per_rank:
         raise SettingsError(
@@ -41,7 +44,8 @@ def check_settings(cfg: DictConfig, world_size: int = 1) -> None:
         )
 
 
-def _check_count(key: str, value: Any, alternative: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _check_count(key: str, value: Any, alternative: str = "", least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
         also = f" {alternative}" if alternative else ""
-        raise SettingsError(f"{key} must be a whole number of at least 1{also}, got {value!r}")
+        raise SettingsError(
+            f"{key} must be a whole number of at least {least}{also}, got {value!r}")
