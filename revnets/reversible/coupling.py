@@ -10,8 +10,8 @@ from revnets.replay.known import known_code
 from revnets.reversible import grid
 
 __all__ = [
-    "KNOWN_COUPLINGS", "AdditiveCoupling", "AffineCoupling", "Coupling", "ExactAdditiveCoupling",
-    "make_coupling",
+    "KNOWN_COUPLINGS", "STOCK_COUPLINGS", "AdditiveCoupling", "AffineCoupling", "Coupling",
+    "ExactAdditiveCoupling", "make_coupling",
 ]
 
 
@@ -138,6 +138,9 @@ class AffineCoupling(Coupling):
     def __repr__(self) -> str:
         return f"AffineCoupling(dim={self.dim}, max_log_scale={self.max_log_scale})"
 
+
+# The couplings revnets defines: tested, drawing no random numbers.
+STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling)
 
 # Couplings whose code is revnets' own, running torch operators that draw nothing and write
 # only into memory they made: a block using one is known where its f and g are

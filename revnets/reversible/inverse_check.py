@@ -9,8 +9,9 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from revnets.replay import forked_rng
+from revnets.reversible.coupling import STOCK_COUPLINGS, Coupling
 
-__all__ = ["check_inverse_once", "mark_inverse_checked"]
+__all__ = ["check_inverse_once", "check_uncombine_once", "mark_inverse_checked"]
 
 # NOTE [ A user's inverse is checked once ]
 # Reconstruction trusts ``inverse`` (an Invertible's) and ``uncombine`` (a Coupling's): one that
@@ -74,6 +75,20 @@ def check_inverse_once(
             f"or keep the module out of the reversible sequence if its forward is not invertible"
         )
     mark_inverse_checked(owner)
+
+
+def check_uncombine_once(coupling: Coupling, x: Tensor, h: Tensor) -> None:
+    """A user's coupling's ``uncombine`` checked once, before a block reconstructs with it."""
+    if type(coupling) in STOCK_COUPLINGS:
+        return
+    met = [h]
+
+    def inverse_of_forward() -> Tensor:
+        y = coupling.combine(x, h)
+        met.append(torch.linalg.vector_norm(y, float("inf")))
+        return coupling.uncombine(y, h)
+
+    check_inverse_once(coupling, f"the coupling {coupling!r}", x, inverse_of_forward, met)
 
 
 def mark_inverse_checked(owner: object) -> None:

@@ -31,12 +31,7 @@ from revnets.replay import (
 from revnets.replay.known_calls import plain
 from revnets.reversible.block import ReversibleBlock
 from revnets.reversible.compiled import compilable, compiled_call, compiled_reverse
-from revnets.reversible.coupling import (
-    AdditiveCoupling,
-    AffineCoupling,
-    Coupling,
-    ExactAdditiveCoupling,
-)
+from revnets.reversible.coupling import STOCK_COUPLINGS, Coupling
 from revnets.reversible.gradient_memory import GradientMemory
 from revnets.reversible.grid import GridWatch
 from revnets.reversible.hooked import (
@@ -48,7 +43,7 @@ from revnets.reversible.hooked import (
     refuse_sharded,
     trainable,
 )
-from revnets.reversible.inverse_check import check_inverse_once
+from revnets.reversible.inverse_check import check_uncombine_once
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.tape import Carry, Context, Layout, dense
 
@@ -178,29 +173,11 @@ def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor
     return coupling.combine(x, h)
 
 
-# The couplings revnets defines draw no random numbers; any other is user code between two
-# recordings (NOTE [ Replay ], RecordingChain).
-_STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling)
-
-
 def _user_code_ran(coupling: Coupling, run: ForwardRun) -> None:
-    if type(coupling) not in _STOCK_COUPLINGS:
+    # The couplings revnets defines draw no random numbers; any other is user code between two
+    # recordings (NOTE [ Replay ], RecordingChain).
+    if type(coupling) not in STOCK_COUPLINGS:
         run.chain.cut()
-
-
-def _check_uncombine(coupling: Coupling, x: Tensor, h: Tensor) -> None:
-    """A user's coupling's ``uncombine`` checked once, before a block reconstructs with it
-    (NOTE [ A user's inverse is checked once ])."""
-    if type(coupling) in _STOCK_COUPLINGS:
-        return
-    met = [h]
-
-    def inverse_of_forward() -> Tensor:
-        y = coupling.combine(x, h)
-        met.append(torch.linalg.vector_norm(y, float("inf")))
-        return coupling.uncombine(y, h)
-
-    check_inverse_once(coupling, f"the coupling {coupling!r}", x, inverse_of_forward, met)
 
 
 def _uncombine(coupling: Coupling, y: Tensor, h: Tensor) -> Tensor:
@@ -326,7 +303,7 @@ class CouplingStep(_CouplingBackward):
         self.scales = block.drop_path_scales(x1)
         h = self._run("f", x2, context.values, run)
         if self.kept is None:
-            _check_uncombine(block.coupling, x1, h)
+            check_uncombine_once(block.coupling, x1, h)
         y1 = dense(_combine(block.coupling, x1, h, mine), True, run.memory_format)
         del h
         _user_code_ran(block.coupling, run)
@@ -381,7 +358,7 @@ class CouplingStep(_CouplingBackward):
             self.scales = block.drop_path_scales(x1)  # after the pre-hooks, as block(x) draws
             h = self._run("f", x2, context, run)
             if self.kept is None:
-                _check_uncombine(block.coupling, x1.detach(), h.detach())
+                check_uncombine_once(block.coupling, x1.detach(), h.detach())
             y1 = block.coupling.combine(x1, h)
             del h
             y2 = block.coupling.combine(x2, self._run("g", y1, context, run))
