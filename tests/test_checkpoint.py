@@ -108,8 +108,8 @@ def test_compiled_checkpoint_of_a_method_matches_plain():
 
 
 def test_checkpoint_refuses_a_function_that_names_no_module():
-    """A plain function's recomputation would update the BatchNorm statistics of the modules
-    it closes over a second time: refused, naming what to pass instead."""
+    """A plain function names no module whose state its recomputation replays (it crashed
+    with an AttributeError inside the replay): refused, naming what to pass instead."""
     units = unit_chain(1)
     x = torch.randn(2, 4, 6, 6)
     with pytest.raises(TypeError, match=r"is not an nn.Module or a method of one.*checkpoint the"):
