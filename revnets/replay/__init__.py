@@ -21,11 +21,17 @@ or restores state.
 #    computes with the state the run found, and whatever it writes is dropped: every update
 #    happens once. An inverse (``left_state``) runs with the state the run left.
 #    Training-mode BatchNorm is the one exception: its output does not depend on its running
-#    statistics, so the replay leaves them alone instead of copying them.
+#    statistics, so the replay leaves them alone instead of copying them. Plain numbers and
+#    flags, and the lists, dicts, sets and deques modules hold (nested ones too: a history
+#    appended to, a cache filled), are as the run found them for the time of the replay.
+#    A run's modules are the recorded ones, their submodules, and what they hold unregistered
+#    (a helper in a plain list or attribute, with its submodules), but for any module that holds
+#    the recorded one: a parent's state belongs to the rest of the forward (Census, state.py).
 # 3. Anything else the run read must be unchanged when the replay runs, by identity and version
 #    counter and requires_grad: a parameter updated in place, swapped (an optimizer step,
 #    functional_call) or frozen is refused by name. A run that writes into a parameter is refused
-#    too.
+#    too. A module held unregistered may be another part's (a neighbour the run never calls): its
+#    slots are checked where the run read them, as the watch saw.
 # 4. Forward hooks fire once, in the recorded run. A hook that replaced a module's output or
 #    changed it in place is part of the computation: the replay runs it again (it can tell, with
 #    :func:`is_recomputing`); every other forward hook is silenced. Forward pre-hooks always run
@@ -45,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,10 +58,13 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
+from revnets.replay.autocast import AutocastState
+from revnets.replay.containers import ContainerCopy, as_found, changed_containers
 from revnets.replay.hooks import (
     HookWatch,
     ReplayedHook,
     has_forward_hooks,
+    hook_registered_since,
     is_recomputing,
     recomputing,
     silenced_tensor_hooks,
@@ -91,39 +99,6 @@ __all__ = [
     "state_tensors",
     "submodules",
 ]
-
-
-@dataclass(frozen=True)
-class AutocastState:
-    """The autocast settings in force when a forward ran, to be re-entered for its replay."""
-
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-    cache_enabled: bool
-
-    @classmethod
-    def capture(cls, device_type: str) -> AutocastState:
-        if not torch.amp.is_autocast_available(device_type):  # e.g. the meta device
-            return cls(device_type, False, torch.float32, False)
-        return cls(
-            device_type=device_type,
-            enabled=torch.is_autocast_enabled(device_type),
-            dtype=torch.get_autocast_dtype(device_type),
-            cache_enabled=torch.is_autocast_cache_enabled(),
-        )
-
-    def __call__(self) -> contextlib.AbstractContextManager:
-        if not torch.amp.is_autocast_available(self.device_type):
-            return contextlib.nullcontext()
-        if not self.enabled:
-            if not torch.is_autocast_enabled(self.device_type):
-                return contextlib.nullcontext()
-            # Replay must also switch autocast *off* if backward happens to run inside one.
-            return torch.autocast(self.device_type, enabled=False)
-        return torch.autocast(
-            self.device_type, dtype=self.dtype, enabled=True, cache_enabled=self.cache_enabled
-        )
 
 
 class Recording:
@@ -165,6 +140,7 @@ class Recording:
         self.hooks: list[ReplayedHook] = []
         self.scalars: list[tuple[dict, str, Any]] = []
         self.external: list[tuple[Tensor, Tensor]] = []
+        self.containers: list[ContainerCopy] = []  # those the run changed, as it found them
         self.assigned: list[_Slot] = []  # tensor attributes the run created or reassigned
         self._run: contextlib.ExitStack | None = None
         self._census: Census | None = None
@@ -181,7 +157,9 @@ class Recording:
         known = known_run(self.modules, self.device, self.preserve_rng, self.chain.verified)
         self.known, self.known_draws = known is not None, known is not None and known.draws
         # Known layers draw nothing from Python's or numpy's generators.
-        census = self._census = Census.take(self.modules, self.preserve_rng and known is None)
+        census = self._census = Census.take(
+            self.modules, self.preserve_rng and known is None, reach=known is None
+        )
         self.norms = census.norms
         self.slots = census.slots
         self.scalars = census.scalars
@@ -203,7 +181,8 @@ class Recording:
                 watched.setdefault(s.storage, []).append(s)
         self.chain.user_code_runs()
         self._python_found = self.chain.begin(census.python)
-        self._watch = Watch(watched, self.preserve_rng, exempt)
+        reads = frozenset(s.storage for s in self.slots if s.reached and s.storage is not None)
+        self._watch = Watch(watched, self.preserve_rng, exempt, reads)
         self._hooks = HookWatch(census.hooked, self.modules, self.root_owner)
         self._run.enter_context(_uncached_parametrizations())
         self._run.enter_context(self._hooks)
@@ -271,6 +250,7 @@ class Recording:
                 s.left = now.detach().clone() if isinstance(now, Tensor) else now
         census, self._census = self._census, None
         self.walked = census.modules
+        self.containers = changed_containers(census.containers)
         created = census.new_tensor_attributes()
         reassigned = [s for s in self.changed if s.table == "__dict__"]
         for s in created:
@@ -281,7 +261,10 @@ class Recording:
         changed = {id(s) for s in self.changed}
         # Unchanged slots are checked later by identity and version only: the tensor itself
         # stays where it is (no reference beyond the module's own).
-        self.slots = [s for s in self.slots if id(s) not in changed]
+        self.slots = [
+            s for s in self.slots
+            if id(s) not in changed and (not s.reached or s.storage in watch.read)
+        ]
 
     # -- before a replay -----------------------------------------------------------------------
     def check(self, owner: str, remedy: str, prefix: str = "") -> None:
@@ -322,29 +305,21 @@ class Recording:
             )
 
     def _check_no_hooks_since(self, owner: str, remedy: str, prefix: str) -> None:
-        # Hook ids grow with every registration: a larger one than the run saw is newer. A forward
-        # pre-hook would run in the replay only, and a module's backward hook fires only for
-        # forwards that ran with it (ordinary autograd would not call it).
-        module = nn.modules.module
-        tables = [(None, "forward pre-hook", module._global_forward_pre_hooks),
-                  (None, "backward hook", module._global_backward_hooks),
-                  (None, "backward pre-hook", module._global_backward_pre_hooks)]
-        for m in self.walked:
-            tables += [(m, "forward pre-hook", m._forward_pre_hooks),
-                       (m, "backward hook", m._backward_hooks),
-                       (m, "backward pre-hook", m._backward_pre_hooks)]
-        for m, kind, table in tables:
-            if any(key >= self.hook_serial for key in table):
-                label = "" if m is None else (
-                    (prefix + _names(self.modules).get(id(m), "")).rstrip(".")
-                    or type(m).__name__
-                )
-                where = f"on {label}" if label else "globally"
-                raise RuntimeError(
-                    f"{owner}: a {kind} was registered {where} between the forward pass and "
-                    "backward; the recomputation would run it although the forward did not. "
-                    f"Register hooks before the forward pass. {remedy}"
-                )
+        # A forward pre-hook would run in the replay only, and a module's backward hook fires
+        # only for forwards that ran with it (ordinary autograd would not call it).
+        found = hook_registered_since(self.hook_serial, self.walked)
+        if found is None:
+            return
+        m, kind = found
+        label = "" if m is None else (
+            (prefix + _names(self.modules).get(id(m), "")).rstrip(".") or type(m).__name__
+        )
+        where = f"on {label}" if label else "globally"
+        raise RuntimeError(
+            f"{owner}: a {kind} was registered {where} between the forward pass and backward; "
+            "the recomputation would run it although the forward did not. Register hooks "
+            f"before the forward pass. {remedy}"
+        )
 
     # -- the replay ----------------------------------------------------------------------------
     def replayed(self) -> contextlib.AbstractContextManager[None]:
@@ -422,7 +397,7 @@ class Recording:
     def drop(self) -> None:
         """Forget what the replay needed (the copies of changed state, the generators' states)."""
         self.changed, self.generators, self.python, self.slots = [], [], [], []
-        self.scalars, self.external, self.assigned = [], [], []
+        self.scalars, self.external, self.assigned, self.containers = [], [], [], []
 
 
 class _Replay:
@@ -445,6 +420,8 @@ class _Replay:
                 rare.enter_context(r._random_replayed())
             if r.external:
                 rare.enter_context(r._external_found())
+            if r.containers:
+                rare.enter_context(as_found(r.containers))
             if r.changed:
                 rare.enter_context(r._state_as(_found_copy))
             self.scalars = r._scalars_found()

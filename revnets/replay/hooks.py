@@ -17,6 +17,7 @@ __all__ = [
     "HookWatch",
     "ReplayedHook",
     "has_forward_hooks",
+    "hook_registered_since",
     "hooked",
     "is_recomputing",
     "recomputing",
@@ -202,3 +203,25 @@ def has_forward_hooks(modules: Iterable[nn.Module]) -> bool:
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def hook_registered_since(
+    serial: int, modules: Iterable[nn.Module]
+) -> tuple[nn.Module | None, str] | None:
+    """A forward pre-hook, backward hook or backward pre-hook registered on one of ``modules`` or
+    globally since ``RemovableHandle.next_id`` was ``serial`` (hook ids grow with every
+    registration): its module (None: global) and kind; None if there is none."""
+    module = nn.modules.module
+    tables: list[tuple[nn.Module | None, str, dict]] = [
+        (None, "forward pre-hook", module._global_forward_pre_hooks),
+        (None, "backward hook", module._global_backward_hooks),
+        (None, "backward pre-hook", module._global_backward_pre_hooks),
+    ]
+    for m in modules:
+        tables += [(m, "forward pre-hook", m._forward_pre_hooks),
+                   (m, "backward hook", m._backward_hooks),
+                   (m, "backward pre-hook", m._backward_pre_hooks)]
+    for m, kind, table in tables:
+        if any(key >= serial for key in table):
+            return m, kind
+    return None

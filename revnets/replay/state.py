@@ -14,6 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
+
 __all__ = ["forked_rng", "frozen_running_stats", "state_tensors"]
 
 
@@ -251,6 +253,7 @@ class _Slot:
     version: int | None
     storage: int | None = None
     requires_grad: bool = False
+    reached: bool = False  # a module held unregistered: checked only where the run read it
     found: Tensor | None = None  # what the replay runs with, where the run changed the slot
     left: Tensor | None = None  # what the run left, for an inverse
 
@@ -265,7 +268,7 @@ class _Slot:
             table[self.key] = value
 
     def name(self, names: dict[int, str]) -> str:
-        return names.get(id(self.module), type(self.module).__name__) + self.key
+        return names.get(id(self.module), f"{type(self.module).__name__}.") + self.key
 
 
 def _table(module: nn.Module, table: str) -> dict:
@@ -311,7 +314,13 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 class Census:
     """What a run's modules hold before the run, found in one walk over them (every module once):
     a recording runs for every transform of every step, so it looks at each module only here and
-    in :meth:`new_tensor_attributes`."""
+    in :meth:`new_tensor_attributes`.
+
+    The run's modules are the roots and their submodules, and, where the run may be user code
+    (``reach``), the modules they hold unregistered (in a plain attribute, a list, a dict) with
+    their own submodules, at any depth, but for any that holds a root among its submodules: a
+    parent's state is the rest of the forward's. Slots of modules held unregistered are checked
+    before a replay only where the run read them (NOTE [ Replay ], rule 3)."""
 
     modules: list[nn.Module]
     norms: list[nn.modules.batchnorm._NormBase]  # BatchNorms in training mode (rule 2)
@@ -324,61 +333,69 @@ class Census:
     # Each module's attribute names, and those of its attributes that could become a tensor
     # (anything but a tensor or a module's internals), for new_tensor_attributes.
     attributes: list[tuple[nn.Module, dict, tuple[str, ...], list[str]]]
+    # The lists, dicts, sets and deques the modules hold, nested ones too, as they were.
+    containers: list[ContainerCopy]
 
     @classmethod
-    def take(cls, roots: Sequence[nn.Module], generators: bool) -> Census:
-        found = cls([], [], [], [], {}, [], [])
+    def take(cls, roots: Sequence[nn.Module], generators: bool, reach: bool = False) -> Census:
+        found = cls([], [], [], [], {}, [], [], [])
         kinds: tuple[type, ...] = (random.Random,)
         numpy = sys.modules.get("numpy") if generators else None
-        python = found.python
         if generators:
-            python[id(random._inst)] = random._inst
+            found.python[id(random._inst)] = random._inst
         if numpy is not None:
-            python[id(numpy.random)] = _NumpyGenerator(numpy.random)
+            found.python[id(numpy.random)] = _NumpyGenerator(numpy.random)
             kinds += (numpy.random.RandomState, numpy.random.Generator)
         seen: set[int] = set()
+        walk = _HeldWalk(found, kinds if generators else None) if reach else None
         stack = list(reversed(roots))
-        while stack:  # depth first, each module once (modules may be shared)
-            m = stack.pop()
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            stack += [c for c in reversed(m._modules.values()) if c is not None]
-            found.modules.append(m)
-            norm = _is_tracked_norm(m)
-            if norm:
-                found.norms.append(m)
-            if m._forward_hooks:
-                found.hooked.append(m)
-            tables = (m._parameters,) if norm else (m._parameters, m._buffers)
-            for table in tables:
-                for key, t in table.items():
-                    if t is not None:
-                        kind = "_parameters" if table is m._parameters else "_buffers"
-                        found.slots.append(
-                            _Slot(m, kind, key, t, _version(t), _storage_key(t), t.requires_grad)
-                        )
-            d = vars(m)
-            found.scalars.append((d, "training", d["training"]))
-            candidates = []
-            keys = tuple(d)
-            for key in _own_attributes(keys):
-                value = d[key]
-                if isinstance(value, Tensor):
-                    found.slots.append(
-                        _Slot(
-                            m, "__dict__", key, value, _version(value), _storage_key(value),
-                            value.requires_grad,
-                        )
-                    )
+        reached = False
+        while stack:
+            while stack:  # depth first, each module once (modules may be shared)
+                m = stack.pop()
+                if id(m) in seen:
                     continue
-                candidates.append(key)
-                if type(value) in (bool, int, float):
-                    found.scalars.append((d, key, value))
-                elif generators:
-                    _python_generators_in(value, kinds, python)
-            found.attributes.append((m, d, keys, candidates))
+                seen.add(id(m))
+                stack += [c for c in reversed(m._modules.values()) if c is not None]
+                found._visit(m, reached, walk)
+            if walk is not None:  # then the modules held unregistered, and what they hold
+                stack = walk.modules_outside(seen, roots)
+                reached = True
         return found
+
+    def _visit(self, m: nn.Module, reached: bool, walk: _HeldWalk | None) -> None:
+        self.modules.append(m)
+        norm = _is_tracked_norm(m)
+        if norm:
+            self.norms.append(m)
+        if m._forward_hooks:
+            self.hooked.append(m)
+        tables = (m._parameters,) if norm else (m._parameters, m._buffers)
+        for table in tables:
+            for key, t in table.items():
+                if t is not None:
+                    kind = "_parameters" if table is m._parameters else "_buffers"
+                    self.slots.append(_Slot(
+                        m, kind, key, t, _version(t), _storage_key(t), t.requires_grad, reached
+                    ))
+        d = vars(m)
+        self.scalars.append((d, "training", d["training"]))
+        candidates = []
+        keys = tuple(d)
+        for key in _own_attributes(keys):
+            value = d[key]
+            if isinstance(value, Tensor):
+                self.slots.append(_Slot(
+                    m, "__dict__", key, value, _version(value), _storage_key(value),
+                    value.requires_grad, reached,
+                ))
+                continue
+            candidates.append(key)
+            if type(value) in (bool, int, float):
+                self.scalars.append((d, key, value))
+            elif walk is not None:
+                walk.scan(value)
+        self.attributes.append((m, d, keys, candidates))
 
     def new_tensor_attributes(self) -> list[_Slot]:
         """Tensor attributes the run created: slots that did not exist before it."""
@@ -410,17 +427,47 @@ def _own_attributes(keys: tuple[str, ...]) -> tuple[str, ...]:
     return own
 
 
-def _python_generators_in(value: Any, kinds: tuple[type, ...], found: dict[int, Any]) -> None:
-    """Generators held directly, or in a list, tuple or dict. Generators reached another way (a
-    closure, a global of your own) are not seen."""
-    values = value.values() if isinstance(value, dict) else (
-        value if isinstance(value, (list, tuple)) else (value,)
-    )
-    for v in values:
-        if isinstance(v, random.Random):
-            found[id(v)] = v
-        elif isinstance(v, kinds):
-            found[id(v)] = _NumpyGenerator(v)
+class _HeldWalk:
+    """What modules hold besides their registered state (:meth:`Census.take`): their containers,
+    the modules held in plain attributes and containers, and the Python and numpy generators
+    among them (``kinds``; None: not looked for). A plain object's own attributes are not
+    followed."""
+
+    def __init__(self, census: Census, kinds: tuple[type, ...] | None) -> None:
+        self.census = census
+        self.kinds = kinds
+        self.held: list[nn.Module] = []
+        self.seen: set[int] = set()
+
+    def scan(self, value: Any) -> None:
+        pending = [value]
+        while pending:
+            v = pending.pop()
+            if isinstance(v, nn.Module):
+                self.held.append(v)
+            elif isinstance(v, NESTING):
+                if id(v) in self.seen:
+                    continue
+                self.seen.add(id(v))
+                if isinstance(v, MUTABLE):
+                    self.census.containers.append(ContainerCopy(v))
+                pending.extend(v.values() if isinstance(v, dict) else v)
+            elif self.kinds is not None and isinstance(v, self.kinds):
+                self.census.python[id(v)] = (
+                    v if isinstance(v, random.Random) else _NumpyGenerator(v)
+                )
+
+    def modules_outside(self, seen: set[int], roots: Sequence[nn.Module]) -> list[nn.Module]:
+        """The modules held unregistered not yet walked, but for those that hold a root."""
+        held, self.held = self.held, []
+        rooted = {id(r) for r in roots}
+        found = []
+        for m in held:
+            if id(m) in seen or any(id(s) in rooted for s in submodules(m)):
+                seen.add(id(m))
+                continue
+            found.append(m)
+        return found[::-1]
 
 
 def _storage_key(t: Tensor) -> int | None:

@@ -105,6 +105,7 @@ class Watch(TorchDispatchMode):
         watched: dict[int, list[_Slot]],
         draws: bool,
         exempt: dict[int, tuple[nn.Module, str] | None],
+        reads: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()
         self.watched = watched
@@ -120,6 +121,9 @@ class Watch(TorchDispatchMode):
         self.created: set[int] = set()
         self.params_written: list[_Slot] = []
         self.exempt_read: tuple[nn.Module, str] | None = None
+        # Storages of modules held unregistered (Census): which of them the run read.
+        self.reads = reads
+        self.read: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is DEVICE_QUERY and isinstance(args[0], FakeTensor):
@@ -130,6 +134,9 @@ class Watch(TorchDispatchMode):
             self._note_draw(args, kwargs)
         if written is not None:
             self._note_writes(func, written, args, kwargs)
+        if self.reads:
+            self.read.update(k for k in map(_storage_key, _tensor_arguments(args, kwargs))
+                             if k in self.reads)
         if reads_exempt is not False and self.exempt and self.exempt_read is None:
             if reads_exempt is True or not _argument(args, kwargs, reads_exempt, "training"):
                 self._note_exempt_reads(args, kwargs)

@@ -1,0 +1,64 @@
+"""Python lists, dicts, sets and deques that modules hold, changed in place by a run (NOTE
+[ Replay ], rule 2): a history a forward appends to, a cache it fills, a dict of counters."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["ContainerCopy", "as_found", "changed_containers"]
+
+MUTABLE = (list, dict, set, collections.deque)
+NESTING = (*MUTABLE, tuple, frozenset)
+
+
+class ContainerCopy:
+    """A container's contents (one level deep: the elements themselves, not copies of them) at
+    one moment, to compare with later and to put back in place, so that whoever else holds the
+    container sees it change as well."""
+
+    __slots__ = ("container", "contents")
+
+    def __init__(self, container: Any) -> None:
+        self.container = container
+        self.contents: Any = dict(container) if isinstance(container, dict) else list(container)
+
+    def same(self) -> bool:
+        """Whether the container holds the same elements (by identity) as when copied."""
+        now, then = self.container, self.contents
+        if len(now) != len(then):
+            return False
+        if isinstance(now, dict):
+            return all(k in then and then[k] is v for k, v in now.items())
+        if isinstance(now, set):
+            return now == set(then)
+        return all(a is b for a, b in zip(now, then))
+
+    def put_back(self) -> None:
+        container = self.container
+        if isinstance(container, list):
+            container[:] = self.contents
+        else:  # dict, set, deque
+            container.clear()
+            (container.extend if isinstance(container, collections.deque)
+             else container.update)(self.contents)
+
+
+def changed_containers(copies: list[ContainerCopy]) -> list[ContainerCopy]:
+    """The copies whose containers the run changed: what the replay puts back for its time."""
+    return [c for c in copies if not c.same()]
+
+
+@contextlib.contextmanager
+def as_found(found: Sequence[ContainerCopy]) -> Iterator[None]:
+    """The containers as the run found them for the time of a replay, then as they are now."""
+    now = [ContainerCopy(c.container) for c in found]
+    for c in found:
+        c.put_back()
+    try:
+        yield
+    finally:
+        for c in now:
+            c.put_back()

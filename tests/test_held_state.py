@@ -1,0 +1,185 @@
+"""State a recomputed module holds outside its registered submodules (NOTE [ Replay ], rule 2):
+helpers in a plain list, Python lists and dicts changed in place, a reference to the parent.
+Each trains exactly as the same model without memory savings (``twin``), its state updated once
+per step, or is refused by name."""
+
+import pytest
+import torch
+from torch import nn
+
+import revnets
+from revnets import Reconstruct
+
+from conftest import max_grad_error, rel_error, twin
+
+
+class Helper(nn.Module):
+    """A module its users keep unregistered (in a plain list): a Python counter, a tensor
+    attribute reassigned, a frozen layer; its output depends on the counter through a tensor
+    that autograd saves, so a recomputation that counts again computes other gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.last = torch.zeros(())
+        self.lin = nn.Linear(4, 4).requires_grad_(False)
+
+    def forward(self, x):
+        self.calls += 1
+        self.last = self.last + x.detach().mean()
+        return self.lin(x) * torch.tensor(1 + 0.1 * self.calls, dtype=x.dtype)
+
+
+class Unit(nn.Module):
+    """Keeps a history (a list appended to), counters in a dict and a nested list, and calls a
+    helper held in a plain list; all of it scales the output through a saved tensor."""
+
+    def __init__(self, helper):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.helpers = [helper]
+        self.history = []
+        self.stats = {"calls": 0, "seen": []}
+
+    def forward(self, x):
+        self.history.append(len(self.history))
+        self.stats["calls"] += 1
+        self.stats["seen"].append(x.shape[0])
+        scale = len(self.history) + self.stats["calls"] + len(self.stats["seen"])
+        return self.helpers[0](torch.tanh(self.lin(x))) * torch.tensor(scale, dtype=x.dtype)
+
+
+def held_state(model):
+    units = [m for m in model.modules() if isinstance(m, Unit)]
+    helper = units[0].helpers[0]
+    return (helper.calls, helper.last.item(), [len(u.history) for u in units],
+            [u.stats["calls"] for u in units], [len(u.stats["seen"]) for u in units])
+
+
+def reversible_model():
+    helper = Helper()
+    blocks = [revnets.ReversibleBlock(Unit(helper), Unit(helper), split_dim=-1) for _ in range(3)]
+    return revnets.ReversibleSequence(blocks, Reconstruct())
+
+
+def checkpointed_model():
+    helper = Helper()
+    return nn.Sequential(
+        revnets.Checkpointed(nn.Sequential(Unit(helper), nn.Tanh())), revnets.Checkpointed(
+            Unit(helper)
+        ), nn.Linear(4, 8),
+    )
+
+
+@pytest.mark.parametrize("build", [reversible_model, checkpointed_model],
+                         ids=["reconstructed", "checkpointed"])
+def test_state_held_outside_registered_submodules_is_updated_once_per_step(build):
+    """Recomputed, the counters and histories advanced twice per step and the gradients were
+    taken at the advanced values: other gradients, silently."""
+    torch.manual_seed(0)
+    model = build().double()
+    for m in model.modules():
+        if isinstance(m, Unit):
+            m.helpers[0].double()
+    reference = twin(model)
+    x = torch.randn(5, 8 if build is reversible_model else 4, dtype=torch.float64)
+    xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for _ in range(3):
+        for m, xi in zip((model, reference), xs):
+            m(xi).square().sum().backward()
+    assert rel_error(xs[0].grad, xs[1].grad) <= 1e-10
+    assert max_grad_error(model, reference) <= 1e-10
+    assert held_state(model) == held_state(reference)
+
+
+def test_a_forward_hook_on_a_helper_held_unregistered_fires_once_per_step():
+    helper = Helper().double()
+    fired = []
+    helper.register_forward_hook(lambda m, args, out: fired.append(m.calls))
+    model = revnets.Checkpointed(Unit(helper)).double()
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    assert fired == [1]
+
+
+class Parent(nn.Module):
+    """Checkpoints a child that holds the parent back (a plain reference, as callbacks do) and its
+    neighbour, which runs after it. The parent and the neighbour change their own state after the
+    child ran: that is the rest of the forward, not the child's run, and no reason to refuse the
+    child's recomputation."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = revnets.Checkpointed(Child(self))
+        self.neighbour = Counted()
+        self.child.module.neighbour = [self.neighbour]
+        self.register_buffer("seen", torch.zeros(()))
+        self.steps = 0
+
+    def forward(self, x):
+        h = self.neighbour(self.child(x))
+        self.steps += 1
+        self.summary = h.detach().mean()  # reassigned after the child ran
+        self.seen += 1  # written in place after the child ran
+        return h
+
+
+class Child(Unit):
+    def __init__(self, parent):
+        super().__init__(Helper())
+        self.owner = [parent]
+
+
+class Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        return self.lin(x)
+
+
+def test_a_parent_and_a_neighbour_held_by_a_checkpointed_child_keep_their_own_updates():
+    model = Parent().double()
+    model.child.module.helpers[0].double()
+    reference = twin(model)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for m in (model, reference):
+        for _ in range(2):
+            out = m(x)
+            handle = m.register_forward_pre_hook(lambda *args: None)  # the parent never reruns
+            out.sum().backward()
+            handle.remove()
+    assert max_grad_error(model, reference) <= 1e-10
+    for m in (model, reference):
+        assert (m.steps, m.seen.item(), m.neighbour.count.item()) == (2, 2, 2)
+    assert held_state(model) == held_state(reference)
+
+
+class Scaled(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.shared = [shared]
+
+    def forward(self, x):
+        return self.lin(x) * self.shared[0].scale
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+
+def test_a_held_buffer_read_by_the_run_and_written_later_is_refused_by_name():
+    """The recomputation would read the buffer as the later code left it: silently other
+    gradients. A held buffer the run does not read may change freely (the parent above)."""
+    shared = Scale()
+    first = revnets.Checkpointed(Scaled(shared))
+    h = first(torch.randn(2, 4))
+    shared.scale.mul_(2.0)  # a later part of the forward
+    with pytest.raises(RuntimeError, match=r"Scale\.scale was modified in place between the "
+                                           r"forward pass and backward"):
+        h.sum().backward()
