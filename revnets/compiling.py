@@ -39,7 +39,9 @@ def compile_options(module: Callable[..., Any]) -> dict[str, Any]:
     """The inductor options revnets adds when compiling ``module`` (NOTE [ Layout under
     torch.compile ]): ``layout_optimization`` off for a module on the CPU whose convolution
     weights are not all channels_last (a kernel laid out alike both ways decides nothing; where
-    none decides, the layout is kept too); none otherwise (a function: none)."""
+    none decides, the layout is kept too); none otherwise (a function: none). Anything else (a
+    string, None) is refused: an empty answer would hide the mistake until torch.compile."""
+    _check_compilable("compile_options", module)
     if not isinstance(module, nn.Module):
         return {}
     kernels = [p for p in module.parameters() if p.dim() in (4, 5)]
@@ -50,6 +52,14 @@ def compile_options(module: Callable[..., Any]) -> dict[str, Any]:
     if deciding and all(_channels_last(p) for p in deciding):
         return {}
     return dict(_LAYOUT_KEPT)
+
+
+def _check_compilable(caller: str, model: Any) -> None:
+    if not callable(model):
+        raise TypeError(
+            f"{caller}: expected an nn.Module or a callable (a function) to compile, got "
+            f"{type(model).__name__} {model!r:.60}"
+        )
 
 
 def _channels_last(weight: torch.Tensor) -> bool:
@@ -63,6 +73,7 @@ def compile_model(model: Callable[..., Any], **kwargs: Any) -> Callable[..., Any
     (NOTE [ Layout under torch.compile ]). ``mode`` and ``options`` may be given together:
     the mode is handed to inductor as its options (torch.compile takes one or the other), and
     the options given win. Any other backend gets ``kwargs`` unchanged."""
+    _check_compilable("compile_model", model)  # torch.compile's own refusal is a bare assert
     if kwargs.get("backend", "inductor") != "inductor":
         return torch.compile(model, **kwargs)
     added, given = compile_options(model), kwargs.pop("options", None) or {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +38,16 @@ def test_layout_is_kept_for_a_contiguous_cpu_model_and_left_to_inductor_otherwis
     assert revnets.compile_options(nn.Sequential(*alike, nn.Conv3d(8, 8, 3))) == {
         "layout_optimization": False}
     assert revnets.compile_options(lambda x: x.sin()) == {}  # a function: nothing to read
+
+
+def test_what_is_neither_a_module_nor_a_callable_is_refused_naming_it():
+    """torch.compile refused a string with a bare assertion, and compile_options read None as a
+    model with nothing to add."""
+    with pytest.raises(TypeError, match=r"compile_model: expected an nn.Module or a callable .* "
+                                        r"got str 'model'"):
+        revnets.compile_model("model")
+    with pytest.raises(TypeError, match="compile_options: .* got NoneType None"):
+        revnets.compile_options(None)
 
 
 def test_mode_is_handed_to_inductor_as_its_options_and_the_callers_options_win(monkeypatch):
