@@ -387,6 +387,7 @@ def test_two_process_ddp_equals_one_process_on_the_same_global_batch(tmp_path):
     (["trainer.epochs=0"], "trainer.epochs must be a whole number of at least 1 or null"),
     (["trainer.log_every=0"], "trainer.log_every must be a whole number of at least 1"),
     (["data.batch_size=0"], "data.batch_size must be a whole number of at least 1"),
+    (["data.image_size=0"], "data.image_size must be a whole number of at least 1, got 0"),
 ])
 def test_settings_that_would_train_nothing_are_refused_before_the_run(overrides, message, tmp_path):
     """``accumulate=0`` ran no micro-batch and no backward, and exited 0 as if it had
@@ -396,10 +397,41 @@ def test_settings_that_would_train_nothing_are_refused_before_the_run(overrides,
         Trainer(config(*SMALL, *overrides), tmp_path)
 
 
-def test_a_setting_out_of_range_is_an_error_line_not_a_traceback(tmp_path):
-    done = run_train_py("trainer.accumulate=0", cwd=tmp_path)
+@pytest.mark.parametrize("overrides, message", [
+    (["model=irevnet163", "data.image_size=7"], "data.image_size=7 does not fit model=irevnet163: "
+     "an input of 7x7 pixels does not split into its space-to-depth blocks: its sides must be "
+     "multiples of 4 (the smallest is 4; 8 is the nearest above)"),
+    (["model=revvit_small_patch16_224", "data.image_size=32"], "data.image_size=32 does not fit "
+     "model=revvit_small_patch16_224: an input of 32x32 pixels; the position embedding is for "
+     "224x224: create the model with img_size=(32, 32)"),
+])
+def test_an_image_size_the_model_cannot_take_is_refused_before_a_step(overrides, message, tmp_path):
+    """i-RevNet's space to depth failed at the first step (a ValueError traceback), Rev-ViT's
+    position embedding with an AssertionError; each model states its own rule."""
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        Trainer(config(*SMALL, *overrides), tmp_path)
+
+
+def test_image_sizes_a_model_takes_pass_the_check():
+    from revnets.training import create_model
+    from revnets.training.settings import check_image_size
+
+    for overrides in (["model=irevnet163", "data.image_size=8"], ["data.image_size=7"],
+                      ["model=revvit_small_patch16_224", "data.image_size=32",
+                       "+model.dynamic_img_size=true"]):
+        cfg = config(*overrides)
+        check_image_size(cfg, create_model(cfg, "meta"))  # the ResNets and RevNets take any size
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.accumulate=0"], "error: trainer.accumulate must be a whole number of at least 1"),
+    (["model=irevnet163", "data.image_size=7"], "error: data.image_size=7 does not fit "
+     "model=irevnet163"),
+])
+def test_a_setting_out_of_range_is_an_error_line_not_a_traceback(overrides, message, tmp_path):
+    done = run_train_py(*overrides, cwd=tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert "error: trainer.accumulate must be a whole number of at least 1" in done.stderr
+    assert message in done.stderr
 
 
 def test_missing_data_raises_in_process(tmp_path):

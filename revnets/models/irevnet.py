@@ -166,6 +166,20 @@ class IRevNet(SwitchableMemory, PooledClassifier, nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
+    # -- input size ---------------------------------------------------------------------------
+    def input_size_problem(self, height: int, width: int) -> str | None:
+        """Why an input of ``height`` x ``width`` pixels cannot pass, or None (what a trainer
+        checks before a step fails in ``SpaceToDepth``): space to depth, at the stem and at each
+        stride-2 stage, splits the image into blocks, so both sides must be multiples of the
+        reduction those steps add up to."""
+        reduction = self.feature_info[-1]["reduction"]
+        if height % reduction == 0 and width % reduction == 0:
+            return None
+        above = -(-max(height, width) // reduction) * reduction
+        return (f"an input of {height}x{width} pixels does not split into its space-to-depth "
+                f"blocks: its sides must be multiples of {reduction} (the smallest is "
+                f"{reduction}; {above} is the nearest above)")
+
     # -- memory plan --------------------------------------------------------------------------
     def memory_problem(self, plan: MemoryPlan) -> str | None:
         if not isinstance(plan.rest, Store):

@@ -110,15 +110,26 @@ class TwoStreamPatchEmbed(PatchEmbed):
                 resampled, requires_grad=self.pos_embed.requires_grad
             )
 
+    def input_size_problem(self, height: int, width: int) -> str | None:
+        """Why an input of ``height`` x ``width`` pixels cannot pass, or None: what ``forward``
+        asserts, and timm's PatchEmbed where the size is dynamic but not padded."""
+        if not self.dynamic_img_size and (height, width) != tuple(self.img_size):
+            return self._fixed_size_message(height, width)
+        if self.dynamic_img_size and not self.dynamic_img_pad and (
+                height % self.patch_size[0] or width % self.patch_size[1]):
+            return (f"an input of {height}x{width} pixels is not a multiple of patch_size "
+                    f"{self.patch_size}: resize it, or create the model with dynamic_img_pad=True")
+        return None
+
+    def _fixed_size_message(self, height: Any, width: Any) -> str:
+        return (f"an input of {height}x{width} pixels; the position embedding is for "
+                f"{self.img_size[0]}x{self.img_size[1]}: create the model with "
+                f"img_size=({height}, {width}) (the embedding resampled), or dynamic_img_size=True")
+
     def forward(self, x: Tensor) -> Tensor:
         height, width = x.shape[-2:]
         if not self.dynamic_img_size:
-            message = (
-                f"TwoStreamPatchEmbed: an input of {height}x{width} pixels; the position "
-                f"embedding is for {self.img_size[0]}x{self.img_size[1]}: create the model with "
-                f"img_size=({height}, {width}) (the embedding resampled), or "
-                "dynamic_img_size=True"
-            )
+            message = f"TwoStreamPatchEmbed: {self._fixed_size_message(height, width)}"
             _assert(height == self.img_size[0], message)
             _assert(width == self.img_size[1], message)
         grid = super().forward(x)  # (B, H', W', C)
@@ -325,6 +336,10 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"patch_embed.pos_embed"}
+
+    def input_size_problem(self, height: int, width: int) -> str | None:
+        """The patch embedding's rule (:meth:`TwoStreamPatchEmbed.input_size_problem`)."""
+        return self.patch_embed.input_size_problem(height, width)
 
     # -- timm interface -----------------------------------------------------------------------
     def set_input_size(

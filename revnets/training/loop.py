@@ -38,7 +38,7 @@ from revnets.training.report import (
     summary_table,
     write_timelines,
 )
-from revnets.training.settings import check_settings
+from revnets.training.settings import check_image_size, check_settings
 from revnets.training.state import (
     CHECKPOINT_NAME,
     capture_rng,
@@ -118,6 +118,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.loaders = build_loaders(cfg.data, cfg.seed, self.dist.world_size, self.dist.rank)
         self.model = create_model(cfg, self.device)
+        check_image_size(cfg, self.model)  # before a step fails inside the model
         if self.dist.mode == "fsdp":
             shard_model(self.model)  # before the optimizer: sharding replaces the parameters
         self.optimizer = build_optimizer(cfg.optim, self.model)

@@ -1,14 +1,16 @@
 """The trainer's numeric settings checked before anything runs: a step count, a batch or an interval
 that is zero or negative does not fail on its own, it trains nothing (``range(0)`` micro-batches,
-no steps) and exits as if it had, or fails much later inside torch."""
+no steps) and exits as if it had, or fails much later inside torch. An image size the model cannot
+take is refused by the model's own rule (``input_size_problem``) before the first step."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from omegaconf import DictConfig
+from torch import nn
 
-__all__ = ["SettingsError", "check_settings"]
+__all__ = ["SettingsError", "check_image_size", "check_settings"]
 
 
 class SettingsError(ValueError):
@@ -25,7 +27,7 @@ def check_settings(cfg: DictConfig, world_size: int = 1) -> None:
                  ("trainer.checkpoint_every", trainer.checkpoint_every)]
     if trainer.epochs is None:
         positive.append(("trainer.max_steps", trainer.max_steps))
-    for key in ("num_classes", "train_size", "val_size"):
+    for key in ("num_classes", "image_size", "train_size", "val_size"):
         if data.get(key) is not None:
             positive.append((f"data.{key}", data[key]))
     for key, value in positive:
@@ -41,6 +43,23 @@ def check_settings(cfg: DictConfig, world_size: int = 1) -> None:
             f"trainer.accumulate={trainer.accumulate} splits a batch of {per_rank} samples per "
             f"process into more micro-batches than it has samples; set trainer.accumulate to at "
             f"most {per_rank}, or raise data.batch_size"
+        )
+
+
+def check_image_size(cfg: DictConfig, model: nn.Module) -> None:
+    """Refuse ``data.image_size`` where the model says it cannot take it: i-RevNet's space to
+    depth needs multiples of its reduction, a Rev-ViT its position embedding's size. The model
+    states its rule (``input_size_problem``) rather than this file keeping a number per model;
+    a model without one (the ResNets and RevNets pool adaptively) takes any size."""
+    size = cfg.data.get("image_size")
+    rule = getattr(model, "input_size_problem", None)
+    if size is None or rule is None:
+        return
+    problem = rule(size, size)
+    if problem is not None:
+        raise SettingsError(
+            f"data.image_size={size} does not fit model={cfg.model.name}: {problem}; set "
+            f"data.image_size to a size it takes (a model keyword is given as +model.<key>=...)"
         )
 
 
