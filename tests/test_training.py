@@ -420,7 +420,19 @@ def test_image_sizes_a_model_takes_pass_the_check():
                       ["model=revvit_small_patch16_224", "data.image_size=32",
                        "+model.dynamic_img_size=true"]):
         cfg = config(*overrides)
-        check_image_size(cfg, create_model(cfg, "meta"))  # the ResNets and RevNets take any size
+        # the ResNets and RevNets take any size
+        check_image_size(cfg, create_model(cfg, "meta"), cfg.data.image_size)
+
+
+def test_cifar_images_a_model_cannot_take_are_refused_before_a_step(cifar, tmp_path):
+    """CIFAR's configs have no image size: its 32x32 images reached the Rev-ViT's assertion."""
+    name, root, _ = cifar
+    cfg = config(f"data={name}", f"data.root={root}", "data.batch_size=4",
+                 "data.num_workers=0", "model=revvit_small_patch16_224")
+    with pytest.raises(SettingsError, match=re.escape(
+            f"data={name} (32x32 images) does not fit model=revvit_small_patch16_224: an input "
+            "of 32x32 pixels; the position embedding is for 224x224")):
+        Trainer(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -17,6 +17,7 @@ __all__ = ["DataMismatchError", "DataNotFoundError", "Loaders", "ResumableSample
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
+CIFAR_SIZE = 32
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -35,6 +36,7 @@ class Loaders:
     val: DataLoader
     sampler: ResumableSampler
     num_classes: int
+    image_size: int  # the side of the square images every batch holds
 
 
 class ResumableSampler(Sampler[int]):
@@ -82,7 +84,8 @@ def _cifar(cfg: Any, train: bool) -> Dataset:
     from torchvision import transforms as T
 
     cls = datasets.CIFAR10 if cfg.name == "cifar10" else datasets.CIFAR100
-    steps = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()] if train and cfg.augment else []
+    crop = [T.RandomCrop(CIFAR_SIZE, padding=4), T.RandomHorizontalFlip()]
+    steps = crop if train and cfg.augment else []
     transform = T.Compose([*steps, T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)])
     root = Path(cfg.root).expanduser()
     try:
@@ -168,4 +171,5 @@ def build_loaders(cfg: Any, seed: int, world_size: int = 1, rank: int = 0) -> Lo
         **common,
     )
     val = DataLoader(val_set, batch_size=per_rank, shuffle=False, **common)
-    return Loaders(train, val, sampler, cfg.num_classes)
+    size = CIFAR_SIZE if cfg.name in ("cifar10", "cifar100") else cfg.image_size
+    return Loaders(train, val, sampler, cfg.num_classes, size)

@@ -118,7 +118,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.loaders = build_loaders(cfg.data, cfg.seed, self.dist.world_size, self.dist.rank)
         self.model = create_model(cfg, self.device)
-        check_image_size(cfg, self.model)  # before a step fails inside the model
+        check_image_size(cfg, self.model, self.loaders.image_size)  # before a step fails in it
         if self.dist.mode == "fsdp":
             shard_model(self.model)  # before the optimizer: sharding replaces the parameters
         self.optimizer = build_optimizer(cfg.optim, self.model)

@@ -46,21 +46,26 @@ def check_settings(cfg: DictConfig, world_size: int = 1) -> None:
         )
 
 
-def check_image_size(cfg: DictConfig, model: nn.Module) -> None:
-    """Refuse ``data.image_size`` where the model says it cannot take it: i-RevNet's space to
-    depth needs multiples of its reduction, a Rev-ViT its position embedding's size. The model
-    states its rule (``input_size_problem``) rather than this file keeping a number per model;
-    a model without one (the ResNets and RevNets pool adaptively) takes any size."""
-    size = cfg.data.get("image_size")
+def check_image_size(cfg: DictConfig, model: nn.Module, size: int) -> None:
+    """Refuse the data's ``size`` x ``size`` images where the model says it cannot take them:
+    i-RevNet's space to depth needs multiples of its reduction, a Rev-ViT its position
+    embedding's size. The model states its rule (``input_size_problem``) rather than this file
+    keeping a number per model; a model without one (the ResNets and RevNets pool adaptively)
+    takes any size."""
     rule = getattr(model, "input_size_problem", None)
-    if size is None or rule is None:
+    problem = None if rule is None else rule(size, size)
+    if problem is None:
         return
-    problem = rule(size, size)
-    if problem is not None:
-        raise SettingsError(
-            f"data.image_size={size} does not fit model={cfg.model.name}: {problem}; set "
-            f"data.image_size to a size it takes (a model keyword is given as +model.<key>=...)"
-        )
+    if cfg.data.get("image_size") is not None:
+        fix = "set data.image_size to a size it takes"
+        given = f"data.image_size={size}"
+    else:  # CIFAR's images are what they are
+        fix = "choose a model that takes them"
+        given = f"data={cfg.data.name} ({size}x{size} images)"
+    raise SettingsError(
+        f"{given} does not fit model={cfg.model.name}: {problem}; {fix} (a model keyword is "
+        "given as +model.<key>=...)"
+    )
 
 
 def _check_count(key: str, value: Any, alternative: str = "", least: int = 1) -> None:
