@@ -183,3 +183,65 @@ def test_a_held_buffer_read_by_the_run_and_written_later_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"Scale\.scale was modified in place between the "
                                            r"forward pass and backward"):
         h.sum().backward()
+
+
+class Configured(nn.Module):
+    """Reads a list and a dict it does not change; an LRU-style dict whose order it changes; and a
+    neighbour's tensor attribute, which the neighbour reassigns later in the forward."""
+
+    def __init__(self, neighbour):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scales, self.cfg = [1.0], {"s": 1.0}
+        self.cache = {"a": 1.0, "b": 3.0}
+        self.neighbour = [neighbour]
+
+    def forward(self, x):
+        oldest = next(iter(self.cache))
+        self.cache[oldest] = self.cache.pop(oldest)  # now the newest: same keys, other order
+        scale = self.scales[0] * self.cfg["s"] * self.cache[oldest]
+        last = self.neighbour[0].last
+        return torch.tanh(self.lin(x) + last) * torch.tensor(scale, dtype=x.dtype)
+
+
+class Averaging(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.last = torch.zeros(4, dtype=torch.float64)
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        self.last = y.detach().mean(0)
+        return y
+
+
+def gradients_when_read_state_changes_after_the_forward(checkpointed):
+    torch.manual_seed(0)
+    neighbour = Averaging().double()
+    first = Configured(neighbour).double()
+    model = nn.Sequential(revnets.Checkpointed(first) if checkpointed else first, neighbour)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for _ in range(2):
+        y = model(x)
+        first.scales[0] += 1.0  # a schedule, between forward and backward
+        first.cfg["s"] *= 2.0
+        hook = neighbour.register_forward_pre_hook(lambda *args: None)  # a profiler, say
+        y.square().sum().backward()
+        hook.remove()
+        grads.append(torch.cat([x.grad.flatten(), first.lin.weight.grad.flatten()]))
+        x.grad = None
+        model.zero_grad()
+    return grads
+
+
+def test_what_the_forward_read_is_replayed_as_it_read_it_whatever_changes_it_later():
+    """The recomputation read the list and dict as changed after the forward, the dict in its new
+    order, and the neighbour's reassigned attribute (refused as a swapped weight), and a hook on
+    the neighbour, which the checkpointed module never calls, was refused: other gradients or a
+    refusal, where ordinary autograd uses what the forward read."""
+    checkpointed = gradients_when_read_state_changes_after_the_forward(checkpointed=True)
+    plain = gradients_when_read_state_changes_after_the_forward(checkpointed=False)
+    for a, b in zip(checkpointed, plain):
+        assert rel_error(a, b) <= 1e-10

@@ -23,15 +23,17 @@ or restores state.
 #    Training-mode BatchNorm is the one exception: its output does not depend on its running
 #    statistics, so the replay leaves them alone instead of copying them. Plain numbers and
 #    flags, and the lists, dicts, sets and deques modules hold (nested ones too: a history
-#    appended to, a cache filled), are as the run found them for the time of the replay.
+#    appended to, a cache filled; in order), are as the run found them for the time of the
+#    replay, whoever changed them since.
 #    A run's modules are the recorded ones, their submodules, and what they hold unregistered
 #    (a helper in a plain list or attribute, with its submodules), but for any module that holds
 #    the recorded one: a parent's state belongs to the rest of the forward (Census, state.py).
 # 3. Anything else the run read must be unchanged when the replay runs, by identity and version
 #    counter and requires_grad: a parameter updated in place, swapped (an optimizer step,
 #    functional_call) or frozen is refused by name. A run that writes into a parameter is refused
-#    too. A module held unregistered may be another part's (a neighbour the run never calls): its
-#    slots are checked where the run read them, as the watch saw.
+#    too. A module held unregistered may be another part's (a neighbour the run never calls): a
+#    tensor of it that the run read (as the watch saw) is to the replay what a saved tensor is to
+#    autograd: the replay reads that tensor, refused if written since, wherever its slot points.
 # 4. Forward hooks fire once, in the recorded run. A hook that replaced a module's output or
 #    changed it in place is part of the computation: the replay runs it again (it can tell, with
 #    :func:`is_recomputing`); every other forward hook is silenced. Forward pre-hooks always run
@@ -59,7 +61,7 @@ from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from revnets.replay.autocast import AutocastState
-from revnets.replay.containers import ContainerCopy, as_found, changed_containers
+from revnets.replay.containers import ContainerCopy, as_found
 from revnets.replay.hooks import (
     HookWatch,
     ReplayedHook,
@@ -79,6 +81,7 @@ from revnets.replay.state import (
     forked_rng,
     frozen_running_stats,
     generators_held,
+    module_names,
     same_state,
     state_tensors,
     submodules,
@@ -140,7 +143,9 @@ class Recording:
         self.hooks: list[ReplayedHook] = []
         self.scalars: list[tuple[dict, str, Any]] = []
         self.external: list[tuple[Tensor, Tensor]] = []
-        self.containers: list[ContainerCopy] = []  # those the run changed, as it found them
+        self.containers: list[ContainerCopy] = []  # the modules' containers, as found
+        self.held: list[_Slot] = []  # tensors of modules held unregistered that the run read
+        self.hooks_checked: list[nn.Module] = []
         self.assigned: list[_Slot] = []  # tensor attributes the run created or reassigned
         self._run: contextlib.ExitStack | None = None
         self._census: Census | None = None
@@ -199,7 +204,7 @@ class Recording:
             self.chain.cut()
             return
         if watch.params_written:
-            names = _names(self.modules)
+            names = module_names(self.modules)
             raise RuntimeError(
                 f"{watch.params_written[0].name(names)} was written in place during the forward "
                 "pass; its gradient would be taken with respect to a value it no longer has. "
@@ -207,7 +212,7 @@ class Recording:
             )
         if watch.exempt_read is not None:
             module, key = watch.exempt_read
-            name = _names(self.modules).get(id(module), "") + key
+            name = module_names(self.modules).get(id(module), "") + key
             raise RuntimeError(
                 f"{name} of a BatchNorm in training mode is read by other code in the forward "
                 "pass. The replay in backward leaves BatchNorm's running statistics "
@@ -231,6 +236,7 @@ class Recording:
             # write only into running statistics, which are no slots (NOTE [ Known layers ]):
             # every slot is as the run found it.
             self.walked, self._census = self._census.modules, None
+            self.hooks_checked = self.walked
             return
         for s in self.slots:
             now = s.current()
@@ -238,10 +244,10 @@ class Recording:
             if now is s.tensor and copy is None:
                 if s.storage is not None and _storage_key(now) != s.storage:
                     raise RuntimeError(
-                        f"{s.name(_names(self.modules))}'s .data was replaced during the forward "
-                        "pass, which no operator shows: the replay in backward could not see "
-                        "the value the forward found. Assign the tensor instead (self.x = ...) "
-                        "or update it in place (self.x.copy_(...))."
+                        f"{s.name(module_names(self.modules))}'s .data was replaced during the "
+                        "forward pass, which no operator shows: the replay in backward could not "
+                        "see the value the forward found. Assign the tensor instead (self.x = "
+                        "...) or update it in place (self.x.copy_(...))."
                     )
                 continue
             s.found = copy if copy is not None else s.tensor
@@ -250,7 +256,7 @@ class Recording:
                 s.left = now.detach().clone() if isinstance(now, Tensor) else now
         census, self._census = self._census, None
         self.walked = census.modules
-        self.containers = changed_containers(census.containers)
+        self.containers = census.containers
         created = census.new_tensor_attributes()
         reassigned = [s for s in self.changed if s.table == "__dict__"]
         for s in created:
@@ -261,9 +267,17 @@ class Recording:
         changed = {id(s) for s in self.changed}
         # Unchanged slots are checked later by identity and version only: the tensor itself
         # stays where it is (no reference beyond the module's own).
-        self.slots = [
-            s for s in self.slots
-            if id(s) not in changed and (not s.reached or s.storage in watch.read)
+        kept = [s for s in self.slots if id(s) not in changed]
+        self.slots = [s for s in kept if not s.reached]
+        # A held module's tensor the run read is to the replay what a saved tensor is to
+        # autograd: the one the run read, unless written since; its slot may be reassigned.
+        self.held = [s for s in kept if s.reached and s.storage in watch.read]
+        # Hooks registered since are looked for on the held modules whose weights the run read,
+        # as it does when it calls them (a neighbour it holds, reads an attribute of, but never
+        # calls may take hooks freely).
+        read_from = {id(s.module) for s in self.held if s.table != "__dict__"}
+        self.hooks_checked = census.modules[:census.held_from] + [
+            m for m in census.modules[census.held_from:] if id(m) in read_from
         ]
 
     # -- before a replay -----------------------------------------------------------------------
@@ -273,6 +287,9 @@ class Recording:
         dotted name, for the message."""
         if RemovableHandle.next_id != self.hook_serial:
             self._check_no_hooks_since(owner, remedy, prefix)
+        for s in self.held:  # by version only: its slot may be reassigned (``held``)
+            if _version(s.tensor) != s.version or s.tensor.requires_grad != s.requires_grad:
+                self._refuse(s, s.tensor, owner, remedy, prefix)
         for s in self.slots:
             now = s.current()
             if now is s.tensor and (now is None or (
@@ -280,39 +297,42 @@ class Recording:
                 and now.requires_grad == s.requires_grad
             )):
                 continue
-            name = prefix + s.name(_names(self.modules))
-            if now is s.tensor and now.requires_grad != s.requires_grad:
-                raise RuntimeError(
-                    f"{owner}: {name}.requires_grad was {s.requires_grad} in the forward pass and "
-                    f"is {now.requires_grad} now, so the recomputation would differentiate other "
-                    "weights than the forward used. Freeze or unfreeze weights before the forward "
-                    f"pass or after backward. {remedy}"
-                )
-            if now is not s.tensor:
-                raise RuntimeError(
-                    f"{owner}: {name} is not the tensor the forward pass used, so recomputing in "
-                    "backward would differentiate other weights than the forward used. Something "
-                    "swapped the module's parameters or buffers between forward and backward "
-                    "(torch.func.functional_call and other stateless calls swap them for the "
-                    f"forward call only). {remedy}"
-                )
+            self._refuse(s, now, owner, remedy, prefix)
+
+    def _refuse(self, s: _Slot, now: Any, owner: str, remedy: str, prefix: str) -> None:
+        name = prefix + s.name(module_names(self.modules))
+        if now is s.tensor and now.requires_grad != s.requires_grad:
             raise RuntimeError(
-                f"{owner}: {name} was modified in place between the forward pass and backward "
-                "(an optimizer step, a manual update, a frozen weight or an eval-mode statistic "
-                "changed by hand), so the recomputation would not see what the forward saw. "
-                "Ordinary autograd refuses the same for the tensors it saves. Run backward before "
-                "changing it, or change it out of place. " + remedy
+                f"{owner}: {name}.requires_grad was {s.requires_grad} in the forward pass and "
+                f"is {now.requires_grad} now, so the recomputation would differentiate other "
+                "weights than the forward used. Freeze or unfreeze weights before the forward "
+                f"pass or after backward. {remedy}"
             )
+        if now is not s.tensor:
+            raise RuntimeError(
+                f"{owner}: {name} is not the tensor the forward pass used, so recomputing in "
+                "backward would differentiate other weights than the forward used. Something "
+                "swapped the module's parameters or buffers between forward and backward "
+                "(torch.func.functional_call and other stateless calls swap them for the "
+                f"forward call only). {remedy}"
+            )
+        raise RuntimeError(
+            f"{owner}: {name} was modified in place between the forward pass and backward "
+            "(an optimizer step, a manual update, a frozen weight or an eval-mode statistic "
+            "changed by hand), so the recomputation would not see what the forward saw. "
+            "Ordinary autograd refuses the same for the tensors it saves. Run backward before "
+            "changing it, or change it out of place. " + remedy
+        )
 
     def _check_no_hooks_since(self, owner: str, remedy: str, prefix: str) -> None:
         # A forward pre-hook would run in the replay only, and a module's backward hook fires
         # only for forwards that ran with it (ordinary autograd would not call it).
-        found = hook_registered_since(self.hook_serial, self.walked)
+        found = hook_registered_since(self.hook_serial, self.hooks_checked)
         if found is None:
             return
         m, kind = found
         label = "" if m is None else (
-            (prefix + _names(self.modules).get(id(m), "")).rstrip(".") or type(m).__name__
+            (prefix + module_names(self.modules).get(id(m), "")).rstrip(".") or type(m).__name__
         )
         where = f"on {label}" if label else "globally"
         raise RuntimeError(
@@ -394,10 +414,22 @@ class Recording:
             for s, now in current:
                 s.put(now)
 
+    @contextlib.contextmanager
+    def _held_found(self) -> Iterator[None]:
+        moved = [(s, s.current()) for s in self.held if s.current() is not s.tensor]
+        for s, _ in moved:
+            s.put(s.tensor)
+        try:
+            yield
+        finally:
+            for s, now in moved:
+                s.put(now)
+
     def drop(self) -> None:
         """Forget what the replay needed (the copies of changed state, the generators' states)."""
         self.changed, self.generators, self.python, self.slots = [], [], [], []
         self.scalars, self.external, self.assigned, self.containers = [], [], [], []
+        self.held = []
 
 
 class _Replay:
@@ -422,6 +454,8 @@ class _Replay:
                 rare.enter_context(r._external_found())
             if r.containers:
                 rare.enter_context(as_found(r.containers))
+            if r.held:
+                rare.enter_context(r._held_found())
             if r.changed:
                 rare.enter_context(r._state_as(_found_copy))
             self.scalars = r._scalars_found()
@@ -452,14 +486,6 @@ class _Replay:
 def _found_copy(slot: _Slot) -> Tensor | None:
     # A copy: whatever the replay writes into it is dropped (NOTE [ Replay ], rule 2).
     return None if slot.found is None else slot.found.clone()
-
-
-def _names(modules: Sequence[nn.Module]) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for root in modules:
-        for name, m in root.named_modules():
-            names.setdefault(id(m), f"{name}." if name else "")
-    return names
 
 
 @contextlib.contextmanager

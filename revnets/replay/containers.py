@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["ContainerCopy", "as_found", "changed_containers"]
+__all__ = ["ContainerCopy", "as_found"]
 
 MUTABLE = (list, dict, set, collections.deque)
 NESTING = (*MUTABLE, tuple, frozenset)
@@ -30,8 +30,10 @@ class ContainerCopy:
         now, then = self.container, self.contents
         if len(now) != len(then):
             return False
-        if isinstance(now, dict):
-            return all(k in then and then[k] is v for k, v in now.items())
+        if isinstance(now, dict):  # in order: code may read the first key (an LRU cache)
+            return all(
+                (k is j or k == j) and v is w for (k, v), (j, w) in zip(now.items(), then.items())
+            )
         if isinstance(now, set):
             return now == set(then)
         return all(a is b for a, b in zip(now, then))
@@ -46,16 +48,13 @@ class ContainerCopy:
              else container.update)(self.contents)
 
 
-def changed_containers(copies: list[ContainerCopy]) -> list[ContainerCopy]:
-    """The copies whose containers the run changed: what the replay puts back for its time."""
-    return [c for c in copies if not c.same()]
-
-
 @contextlib.contextmanager
 def as_found(found: Sequence[ContainerCopy]) -> Iterator[None]:
-    """The containers as the run found them for the time of a replay, then as they are now."""
-    now = [ContainerCopy(c.container) for c in found]
-    for c in found:
+    """The containers as the run found them for the time of a replay (those changed since, by
+    the run or by code after it), then as they are now."""
+    changed = [c for c in found if not c.same()]
+    now = [ContainerCopy(c.container) for c in changed]
+    for c in changed:
         c.put_back()
     try:
         yield

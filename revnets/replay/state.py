@@ -296,6 +296,15 @@ def submodules(root: nn.Module) -> list[nn.Module]:
     return found
 
 
+def module_names(modules: Sequence[nn.Module]) -> dict[int, str]:
+    """Each module under ``modules`` by identity: its dotted name and a dot, for messages."""
+    names: dict[int, str] = {}
+    for root in modules:
+        for name, m in root.named_modules():
+            names.setdefault(id(m), f"{name}." if name else "")
+    return names
+
+
 def _is_tracked_norm(m: nn.Module) -> bool:
     return (
         isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
@@ -335,6 +344,7 @@ class Census:
     attributes: list[tuple[nn.Module, dict, tuple[str, ...], list[str]]]
     # The lists, dicts, sets and deques the modules hold, nested ones too, as they were.
     containers: list[ContainerCopy]
+    held_from: int = 0  # modules[held_from:] are held unregistered (or below one that is)
 
     @classmethod
     def take(cls, roots: Sequence[nn.Module], generators: bool, reach: bool = False) -> Census:
@@ -360,6 +370,8 @@ class Census:
                 found._visit(m, reached, walk)
             if walk is not None:  # then the modules held unregistered, and what they hold
                 stack = walk.modules_outside(seen, roots)
+                if not reached:
+                    found.held_from = len(found.modules)
                 reached = True
         return found
 
