@@ -104,8 +104,8 @@ def test_a_forward_hook_on_a_helper_held_unregistered_fires_once_per_step():
 class Parent(nn.Module):
     """Checkpoints a child that holds the parent back (a plain reference, as callbacks do) and its
     neighbour, which runs after it. The parent and the neighbour change their own state after the
-    child ran: that is the rest of the forward, not the child's run, and no reason to refuse the
-    child's recomputation."""
+    child ran: that is the rest of the forward, no reason to refuse the child's recomputation,
+    which reads the parent's numbers and lists as the child's forward read them."""
 
     def __init__(self):
         super().__init__()
@@ -114,19 +114,28 @@ class Parent(nn.Module):
         self.child.module.neighbour = [self.neighbour]
         self.register_buffer("seen", torch.zeros(()))
         self.steps = 0
+        self.log = []
 
     def forward(self, x):
         h = self.neighbour(self.child(x))
         self.steps += 1
+        self.log.append(self.steps)
         self.summary = h.detach().mean()  # reassigned after the child ran
         self.seen += 1  # written in place after the child ran
         return h
 
 
 class Child(Unit):
+    """Reads the parent's step count and log, which the parent advances after calling it."""
+
     def __init__(self, parent):
         super().__init__(Helper())
         self.owner = [parent]
+
+    def forward(self, x):
+        parent = self.owner[0]
+        scale = torch.tensor(1.0 + parent.steps + len(parent.log), dtype=x.dtype)
+        return super().forward(x) * scale
 
 
 class Counted(nn.Module):
@@ -245,3 +254,41 @@ def test_what_the_forward_read_is_replayed_as_it_read_it_whatever_changes_it_lat
     plain = gradients_when_read_state_changes_after_the_forward(checkpointed=False)
     for a, b in zip(checkpointed, plain):
         assert rel_error(a, b) <= 1e-10
+
+
+class Shared(nn.Module):
+    """One helper every unit calls, held unregistered; its output follows its call count."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16).requires_grad_(False)
+        self.calls, self.seen = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(x.shape[0])
+        return torch.tanh(self.lin(x)) * torch.tensor(1 + 0.1 * self.calls, dtype=x.dtype)
+
+
+class CallsShared(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.lin, self.shared = nn.Linear(16, 16), [shared]
+
+    def forward(self, x):
+        return self.shared[0](torch.tanh(self.lin(x))) + x
+
+
+def test_planning_leaves_a_helper_held_unregistered_as_it_found_it():
+    """Planning ran the model several times and put back the state of its registered modules
+    only: the helper's count stood at 6 calls after auto_checkpoint."""
+    torch.manual_seed(0)
+    shared = Shared().double()
+    model = nn.Sequential(*(CallsShared(shared) for _ in range(6)), nn.Linear(16, 1)).double()
+    x = torch.randn(64, 16, dtype=torch.float64)
+    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
+    assert (shared.calls, shared.seen) == (0, [])
+    planned = revnets.auto_checkpoint(model, x, budget=int(0.85 * peak), measure_time=False,
+                                      loss_fn=lambda out: out.sum())
+    assert planned is not model  # a plan, run through the helper's calls
+    assert (shared.calls, shared.seen) == (0, [])

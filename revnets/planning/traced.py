@@ -78,30 +78,36 @@ class Attributes:
         # id(module): where its entries are in ``saved`` and ``tensors``
         self.ranges: dict[int, tuple[int, int, int, int]] = {}
         seen: set[int] = set()
-        for module in modules:
+        # Then the modules they hold unregistered (a helper in a plain list), with theirs.
+        todo = list(modules)
+        for module in todo:
             if id(module) in seen:
                 continue
             registered = {id(t) for t in module._parameters.values() if t is not None}
             start = len(self.saved), len(self.tensors)
-            self._follow(module, module, vars(module), _DEPTH, seen, registered)
+            self._follow(module, module, vars(module), _DEPTH, seen, registered, todo)
             self.ranges[id(module)] = (start[0], len(self.saved), start[1], len(self.tensors))
 
     def _follow(self, module: nn.Module, holder: Any, contents: Any, depth: int,
-                seen: set[int], registered: set[int]) -> None:
+                seen: set[int], registered: set[int], held: list[nn.Module]) -> None:
         seen.add(id(holder))
         self.saved.append((module, holder, _copy(contents)))
         for value in (contents.values() if isinstance(contents, dict) else contents):
-            if id(value) in seen or isinstance(value, _SKIPPED):
+            if id(value) in seen:
+                continue
+            if isinstance(value, nn.Module) and holder is not module._modules:
+                held += value.modules()
+            if isinstance(value, _SKIPPED):
                 continue
             if isinstance(value, Tensor):
                 seen.add(id(value))
                 copy = None if id(value) in registered else _copy_of(value)
                 self.tensors.append([module, value, _version(value), copy])
             elif depth > 0 and isinstance(value, (list, dict, set, tuple)):
-                self._follow(module, value, value, depth - 1, seen, registered)
+                self._follow(module, value, value, depth - 1, seen, registered, held)
             elif (depth > 0 and isinstance(getattr(value, "__dict__", None), dict)
                   and not callable(value)):
-                self._follow(module, value, vars(value), depth - 1, seen, registered)
+                self._follow(module, value, vars(value), depth - 1, seen, registered, held)
 
     def changed(self, modules: Iterable[nn.Module] | None = None) -> str | None:
         """``"Module.attribute"`` (or ``"Module (state it holds)"``) of the first change since

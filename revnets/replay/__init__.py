@@ -26,8 +26,8 @@ or restores state.
 #    appended to, a cache filled; in order), are as the run found them for the time of the
 #    replay, whoever changed them since.
 #    A run's modules are the recorded ones, their submodules, and what they hold unregistered
-#    (a helper in a plain list or attribute, with its submodules), but for any module that holds
-#    the recorded one: a parent's state belongs to the rest of the forward (Census, state.py).
+#    (a helper in a plain list or attribute, with its submodules); of a module that holds the
+#    recorded one (a parent), only its own numbers and containers (Census, state.py).
 # 3. Anything else the run read must be unchanged when the replay runs, by identity and version
 #    counter and requires_grad: a parameter updated in place, swapped (an optimizer step,
 #    functional_call) or frozen is refused by name. A run that writes into a parameter is refused
@@ -72,6 +72,7 @@ from revnets.replay.hooks import (
     silenced_tensor_hooks,
 )
 from revnets.replay.known import known_run
+from revnets.replay.norms import frozen_running_stats
 from revnets.replay.state import (
     Census,
     RecordingChain,
@@ -79,7 +80,6 @@ from revnets.replay.state import (
     _storage_key,
     _version,
     forked_rng,
-    frozen_running_stats,
     generators_held,
     module_names,
     same_state,

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
 
-__all__ = ["forked_rng", "frozen_running_stats", "state_tensors"]
+__all__ = ["forked_rng", "state_tensors"]
 
 
 def _default_generator(device: torch.device) -> Any:
@@ -191,56 +191,6 @@ def state_tensors(
     return found
 
 
-class frozen_running_stats:  # noqa: N801 (a context manager, named like contextlib's)
-    """Within this context, BatchNorm layers in training mode normalise with batch statistics as
-    usual but leave ``running_mean``, ``running_var`` and ``num_batches_tracked`` as they were
-    (NOTE [ Replay ], rule 2). ``tracked``: ``modules`` are those BatchNorms already.
-
-    ``uncounted``: only torch.nn's own norms run inside (NOTE [ Known layers ]), which read
-    ``num_batches_tracked`` for nothing but its update when momentum is set: it is taken out for
-    the time of the context and put back as it was, instead of copied and restored.
-
-    A class rather than a generator: it is entered for every replay of every transform."""
-
-    __slots__ = ("norms", "frozen", "uncounted")
-
-    def __init__(
-        self, modules: nn.Module | Sequence[nn.Module], tracked: bool = False,
-        uncounted: bool = False,
-    ) -> None:
-        if isinstance(modules, nn.Module):
-            modules = [modules]
-        self.norms = modules if tracked else _tracked_norms(modules)
-        self.frozen: list[tuple[Any, Tensor | None]] = []
-        self.uncounted = uncounted
-
-    def __enter__(self) -> None:
-        for m in self.norms:
-            count = m._buffers.get("num_batches_tracked")
-            if count is not None and self.uncounted:
-                m._buffers["num_batches_tracked"] = None
-                self.frozen.append((m.momentum, count))
-            else:
-                self.frozen.append((m.momentum, None if count is None else count.clone()))
-            # Momentum 0 blends in nothing of the batch: running = running * 1 + batch * 0,
-            # exactly. Everything else stays as in the original forward, down to which tensors
-            # autograd saves (torch.utils.checkpoint checks that the recomputation saves the same
-            # ones). object.__setattr__: a plain attribute (or a subclass's property), without
-            # nn.Module.__setattr__'s checks for parameters and submodules.
-            object.__setattr__(m, "momentum", 0.0)
-
-    def __exit__(self, *exc: Any) -> None:
-        frozen, self.frozen = self.frozen, []
-        for (momentum, count), m in zip(frozen, self.norms):
-            object.__setattr__(m, "momentum", momentum)
-            if count is not None and self.uncounted:
-                m._buffers["num_batches_tracked"] = count  # the very tensor, untouched
-            elif count is not None:  # a layer may drop its count (num_batches_tracked = None)
-                now = m._buffers.get("num_batches_tracked")
-                if now is not None:  # an integer count: copy_ records no graph
-                    now.copy_(count)
-
-
 @dataclass(slots=True)
 class _Slot:
     """One place a module keeps a tensor: ``table`` is ``_parameters``, ``_buffers`` or
@@ -327,8 +277,9 @@ class Census:
 
     The run's modules are the roots and their submodules, and, where the run may be user code
     (``reach``), the modules they hold unregistered (in a plain attribute, a list, a dict) with
-    their own submodules, at any depth, but for any that holds a root among its submodules: a
-    parent's state is the rest of the forward's. Slots of modules held unregistered are checked
+    their own submodules, at any depth, but for any that holds a root among its submodules (a
+    parent): of that, its own numbers and containers only, which the run may read; its tensors
+    and hooks are the rest of the forward's. Tensors of modules held unregistered are checked
     before a replay only where the run read them (NOTE [ Replay ], rule 3)."""
 
     modules: list[nn.Module]
@@ -409,6 +360,18 @@ class Census:
                 walk.scan(value)
         self.attributes.append((m, d, keys, candidates))
 
+    def _visit_holder(self, m: nn.Module, walk: _HeldWalk) -> None:
+        """A module that holds a root (a parent): its own numbers and containers, which the run
+        may read and the rest of the forward change; its tensors, hooks and other modules are
+        the rest of the forward's."""
+        d = vars(m)
+        for key in _own_attributes(tuple(d)):
+            value = d[key]
+            if type(value) in (bool, int, float):
+                self.scalars.append((d, key, value))
+            elif not isinstance(value, (Tensor, nn.Module)):
+                walk.scan(value, modules=False)
+
     def new_tensor_attributes(self) -> list[_Slot]:
         """Tensor attributes the run created: slots that did not exist before it."""
         created = []
@@ -451,12 +414,14 @@ class _HeldWalk:
         self.held: list[nn.Module] = []
         self.seen: set[int] = set()
 
-    def scan(self, value: Any) -> None:
+    def scan(self, value: Any, modules: bool = True) -> None:
+        """``value``'s containers, generators and (``modules``) modules, at any depth."""
         pending = [value]
         while pending:
             v = pending.pop()
             if isinstance(v, nn.Module):
-                self.held.append(v)
+                if modules:
+                    self.held.append(v)
             elif isinstance(v, NESTING):
                 if id(v) in self.seen:
                     continue
@@ -475,8 +440,11 @@ class _HeldWalk:
         rooted = {id(r) for r in roots}
         found = []
         for m in held:
-            if id(m) in seen or any(id(s) in rooted for s in submodules(m)):
+            if id(m) in seen:
+                continue
+            if any(id(s) in rooted for s in submodules(m)):
                 seen.add(id(m))
+                self.census._visit_holder(m, self)
                 continue
             found.append(m)
         return found[::-1]
