@@ -292,3 +292,92 @@ def test_planning_leaves_a_helper_held_unregistered_as_it_found_it():
                                       loss_fn=lambda out: out.sum())
     assert planned is not model  # a plan, run through the helper's calls
     assert (shared.calls, shared.seen) == (0, [])
+
+
+class Encoder(nn.Module):
+    """U-Net style: pushes its output onto a list shared with its decoder, which pops it; a
+    history list reassigned, a mode string, and a counter created on the first call."""
+
+    def __init__(self, skips):
+        super().__init__()
+        self.lin, self.skips = nn.Linear(4, 4), skips
+        self.history, self.mode = [], "a"
+
+    def forward(self, x):
+        self.calls = getattr(self, "calls", 0) + 1
+        self.history.append(1)
+        y = torch.tanh(self.lin(x))
+        self.skips.append(y)
+        scale = self.calls + len(self.history) + len(self.skips) + (self.mode == "a")
+        return y * torch.tensor(float(scale), dtype=x.dtype)
+
+
+class Decoder(nn.Module):
+    def __init__(self, skips):
+        super().__init__()
+        self.lin, self.skips = nn.Linear(4, 4), skips
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) + self.skips.pop()
+
+
+def test_state_the_rest_of_the_step_changes_back_or_reassigns_is_read_as_the_forward_read_it():
+    """The skip list the decoder emptied again kept the recomputation's push (a leak, and other
+    gradients from the next step); a history list or mode string reassigned between forward and
+    backward was read as reassigned; a counter the first call created counted twice."""
+    grads = {}
+    for checkpointed in (True, False):
+        torch.manual_seed(0)
+        skips = []
+        encoder = Encoder(skips).double()
+        model = nn.Sequential(revnets.Checkpointed(encoder) if checkpointed else encoder,
+                              Decoder(skips)).double()
+        x = torch.randn(3, 4, dtype=torch.float64)
+        for step in range(3):
+            out = model(x)
+            encoder.history, encoder.mode = [], "b" if step % 2 else "a"
+            out.square().sum().backward()
+            assert skips == []
+        grads[checkpointed] = [p.grad.clone() for p in model.parameters()]
+        assert encoder.calls == 3
+    for a, b in zip(grads[True], grads[False]):
+        assert rel_error(a, b) <= 1e-10
+
+
+class Backref(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.lin(x))) + x
+
+
+class HeldBack(nn.Module):
+    """Blocks that hold the model back (``block.root = [model]``, never read); a step counter
+    keeps fx from tracing it, so it is planned as checkpoints of the modules it calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Backref() for _ in range(6))
+        for block in self.blocks:
+            block.root = [self]
+        self.head, self.step = nn.Linear(16, 1), 0
+
+    def forward(self, x):
+        self.step += 1
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_block_holding_the_model_back_is_still_checkpointed():
+    """Following held modules, the planner's snapshot of each block held the whole model, whose
+    later BatchNorms made every block look written: nothing could be checkpointed."""
+    torch.manual_seed(0)
+    model, x = HeldBack(), torch.randn(2048, 16)
+    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
+    with pytest.warns(UserWarning):
+        planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
+                                          loss_fn=lambda out: out.sum())
+    assert any(part.name.startswith("blocks.") for part in planned.memory_plan.parts)

@@ -96,7 +96,9 @@ class Attributes:
             if id(value) in seen:
                 continue
             if isinstance(value, nn.Module) and holder is not module._modules:
-                held += value.modules()
+                inside = list(value.modules())
+                if not any(m is module for m in inside):  # not a parent held back
+                    held += inside
             if isinstance(value, _SKIPPED):
                 continue
             if isinstance(value, Tensor):

@@ -37,7 +37,9 @@ or restores state.
 # 4. Forward hooks fire once, in the recorded run. A hook that replaced a module's output or
 #    changed it in place is part of the computation: the replay runs it again (it can tell, with
 #    :func:`is_recomputing`); every other forward hook is silenced. Forward pre-hooks always run
-#    (they compute weights: weight_norm, spectral_norm, pruning).
+#    (they compute weights: weight_norm, spectral_norm, pruning). A hook registered after the run
+#    (a forward pre-hook, a backward hook) is hidden from the replay, as autograd would not run
+#    it for this step.
 # 5. Parametrizations' caches (``torch.nn.utils.parametrize.cached``) are suspended in both runs:
 #    a weight cached without a graph would reach backward without a path to its original.
 #
@@ -66,7 +68,7 @@ from revnets.replay.hooks import (
     HookWatch,
     ReplayedHook,
     has_forward_hooks,
-    hook_registered_since,
+    hooks_hidden_since,
     is_recomputing,
     recomputing,
     silenced_tensor_hooks,
@@ -74,6 +76,7 @@ from revnets.replay.hooks import (
 from revnets.replay.known import known_run
 from revnets.replay.norms import frozen_running_stats
 from revnets.replay.state import (
+    MISSING,
     Census,
     RecordingChain,
     _Slot,
@@ -82,9 +85,11 @@ from revnets.replay.state import (
     forked_rng,
     generators_held,
     module_names,
+    put_attribute,
     same_state,
     state_tensors,
     submodules,
+    uncached_parametrizations,
 )
 from revnets.replay.watch import Watch
 
@@ -145,7 +150,6 @@ class Recording:
         self.external: list[tuple[Tensor, Tensor]] = []
         self.containers: list[ContainerCopy] = []  # the modules' containers, as found
         self.held: list[_Slot] = []  # tensors of modules held unregistered that the run read
-        self.hooks_checked: list[nn.Module] = []
         self.assigned: list[_Slot] = []  # tensor attributes the run created or reassigned
         self._run: contextlib.ExitStack | None = None
         self._census: Census | None = None
@@ -189,7 +193,7 @@ class Recording:
         reads = frozenset(s.storage for s in self.slots if s.reached and s.storage is not None)
         self._watch = Watch(watched, self.preserve_rng, exempt, reads)
         self._hooks = HookWatch(census.hooked, self.modules, self.root_owner)
-        self._run.enter_context(_uncached_parametrizations())
+        self._run.enter_context(uncached_parametrizations())
         self._run.enter_context(self._hooks)
         self._run.enter_context(self._watch)
         return self
@@ -236,7 +240,6 @@ class Recording:
             # write only into running statistics, which are no slots (NOTE [ Known layers ]):
             # every slot is as the run found it.
             self.walked, self._census = self._census.modules, None
-            self.hooks_checked = self.walked
             return
         for s in self.slots:
             now = s.current()
@@ -258,6 +261,7 @@ class Recording:
         self.walked = census.modules
         self.containers = census.containers
         created = census.new_tensor_attributes()
+        self.scalars = self.scalars + census.new_plain_attributes()
         reassigned = [s for s in self.changed if s.table == "__dict__"]
         for s in created:
             self.changed.append(s)  # the replay runs without them, as the forward did
@@ -272,21 +276,12 @@ class Recording:
         # A held module's tensor the run read is to the replay what a saved tensor is to
         # autograd: the one the run read, unless written since; its slot may be reassigned.
         self.held = [s for s in kept if s.reached and s.storage in watch.read]
-        # Hooks registered since are looked for on the held modules whose weights the run read,
-        # as it does when it calls them (a neighbour it holds, reads an attribute of, but never
-        # calls may take hooks freely).
-        read_from = {id(s.module) for s in self.held if s.table != "__dict__"}
-        self.hooks_checked = census.modules[:census.held_from] + [
-            m for m in census.modules[census.held_from:] if id(m) in read_from
-        ]
 
     # -- before a replay -----------------------------------------------------------------------
     def check(self, owner: str, remedy: str, prefix: str = "") -> None:
         """Raise if a tensor the run read was swapped, modified in place or had its
         ``requires_grad`` changed since (NOTE [ Replay ], rule 3); ``prefix`` is the module's
         dotted name, for the message."""
-        if RemovableHandle.next_id != self.hook_serial:
-            self._check_no_hooks_since(owner, remedy, prefix)
         for s in self.held:  # by version only: its slot may be reassigned (``held``)
             if _version(s.tensor) != s.version or s.tensor.requires_grad != s.requires_grad:
                 self._refuse(s, s.tensor, owner, remedy, prefix)
@@ -324,23 +319,6 @@ class Recording:
             "changing it, or change it out of place. " + remedy
         )
 
-    def _check_no_hooks_since(self, owner: str, remedy: str, prefix: str) -> None:
-        # A forward pre-hook would run in the replay only, and a module's backward hook fires
-        # only for forwards that ran with it (ordinary autograd would not call it).
-        found = hook_registered_since(self.hook_serial, self.hooks_checked)
-        if found is None:
-            return
-        m, kind = found
-        label = "" if m is None else (
-            (prefix + module_names(self.modules).get(id(m), "")).rstrip(".") or type(m).__name__
-        )
-        where = f"on {label}" if label else "globally"
-        raise RuntimeError(
-            f"{owner}: a {kind} was registered {where} between the forward pass and backward; "
-            "the recomputation would run it although the forward did not. Register hooks "
-            f"before the forward pass. {remedy}"
-        )
-
     # -- the replay ----------------------------------------------------------------------------
     def replayed(self) -> contextlib.AbstractContextManager[None]:
         """Run the replay: same random numbers, the module state the run found, transforming
@@ -353,6 +331,7 @@ class Recording:
         ``keep_left_state``), and the random numbers the run drew."""
         with (
             self._random_replayed(),
+            hooks_hidden_since(self.hook_serial, self.walked),
             self._state_as(lambda s: s.left),
             frozen_running_stats(self.norms, tracked=True),
             recomputing(self.walked, walked=True),
@@ -387,9 +366,9 @@ class Recording:
 
     def _scalars_found(self) -> list[tuple[dict, str, Any]]:
         """Put the plain numbers and flags the run found; return what to put back."""
-        current = [(d, k, d.get(k)) for d, k, _ in self.scalars]
+        current = [(d, k, d.get(k, MISSING)) for d, k, _ in self.scalars]
         for d, k, v in self.scalars:
-            d[k] = v
+            put_attribute(d, k, v)
         return current
 
     @contextlib.contextmanager
@@ -456,6 +435,8 @@ class _Replay:
                 rare.enter_context(as_found(r.containers))
             if r.held:
                 rare.enter_context(r._held_found())
+            if RemovableHandle.next_id != r.hook_serial:  # hooks registered since (rule 4)
+                rare.enter_context(hooks_hidden_since(r.hook_serial, r.walked))
             if r.changed:
                 rare.enter_context(r._state_as(_found_copy))
             self.scalars = r._scalars_found()
@@ -465,7 +446,7 @@ class _Replay:
             self.marked = recomputing(r.walked, r.hooks, walked=True)
             self.marked.__enter__()
             if parametrize._cache_enabled:  # a cache entered inside the run is the run's own
-                self.uncached = _uncached_parametrizations()
+                self.uncached = uncached_parametrizations()
                 self.uncached.__enter__()
         except BaseException:
             self.__exit__(None, None, None)
@@ -478,7 +459,7 @@ class _Replay:
                     entered.__exit__(None, None, None)
             if self.scalars is not None:
                 for d, k, v in self.scalars:
-                    d[k] = v
+                    put_attribute(d, k, v)
         finally:
             self.rare.__exit__(*exc)
 
@@ -486,13 +467,3 @@ class _Replay:
 def _found_copy(slot: _Slot) -> Tensor | None:
     # A copy: whatever the replay writes into it is dropped (NOTE [ Replay ], rule 2).
     return None if slot.found is None else slot.found.clone()
-
-
-@contextlib.contextmanager
-def _uncached_parametrizations() -> Iterator[None]:
-    enabled = parametrize._cache_enabled
-    parametrize._cache_enabled = 0
-    try:
-        yield
-    finally:
-        parametrize._cache_enabled = enabled

@@ -51,13 +51,15 @@ class ContainerCopy:
 @contextlib.contextmanager
 def as_found(found: Sequence[ContainerCopy]) -> Iterator[None]:
     """The containers as the run found them for the time of a replay (those changed since, by
-    the run or by code after it), then as they are now."""
-    changed = [c for c in found if not c.same()]
-    now = [ContainerCopy(c.container) for c in changed]
-    for c in changed:
-        c.put_back()
+    the run or by code after it), then as they were before it, whatever the replay did to any
+    of them (a list the run appended to and later code emptied is emptied again)."""
+    now = [ContainerCopy(c.container) for c in found]
+    for c in found:
+        if not c.same():
+            c.put_back()
     try:
         yield
     finally:
         for c in now:
-            c.put_back()
+            if not c.same():
+                c.put_back()

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from revnets.replay.state import _version
 
@@ -17,7 +18,7 @@ __all__ = [
     "HookWatch",
     "ReplayedHook",
     "has_forward_hooks",
-    "hook_registered_since",
+    "hooks_hidden_since",
     "hooked",
     "is_recomputing",
     "recomputing",
@@ -205,23 +206,27 @@ def has_forward_hooks(modules: Iterable[nn.Module]) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
-def hook_registered_since(
-    serial: int, modules: Iterable[nn.Module]
-) -> tuple[nn.Module | None, str] | None:
-    """A forward pre-hook, backward hook or backward pre-hook registered on one of ``modules`` or
-    globally since ``RemovableHandle.next_id`` was ``serial`` (hook ids grow with every
-    registration): its module (None: global) and kind; None if there is none."""
-    module = nn.modules.module
-    tables: list[tuple[nn.Module | None, str, dict]] = [
-        (None, "forward pre-hook", module._global_forward_pre_hooks),
-        (None, "backward hook", module._global_backward_hooks),
-        (None, "backward pre-hook", module._global_backward_pre_hooks),
-    ]
-    for m in modules:
-        tables += [(m, "forward pre-hook", m._forward_pre_hooks),
-                   (m, "backward hook", m._backward_hooks),
-                   (m, "backward pre-hook", m._backward_pre_hooks)]
-    for m, kind, table in tables:
-        if any(key >= serial for key in table):
-            return m, kind
-    return None
+@contextlib.contextmanager
+def hooks_hidden_since(serial: int, modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Without the forward pre-hooks, backward hooks and backward pre-hooks registered on
+    ``modules`` or globally since ``RemovableHandle.next_id`` was ``serial`` (hook ids grow with
+    every registration): a replay runs as the recorded run did, before they existed."""
+    hidden = []
+    if RemovableHandle.next_id != serial:
+        module = nn.modules.module
+        tables = [module._global_forward_pre_hooks, module._global_backward_hooks,
+                  module._global_backward_pre_hooks]
+        for m in modules:
+            tables += [m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
+        for table in tables:
+            newer = [k for k in table if isinstance(k, int) and k >= serial]
+            if newer:
+                hidden.append((table, dict(table)))
+                for k in newer:
+                    del table[k]
+    try:
+        yield
+    finally:
+        for table, saved in hidden:
+            table.clear()
+            table.update(saved)

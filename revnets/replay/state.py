@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
@@ -356,7 +357,9 @@ class Census:
             candidates.append(key)
             if type(value) in (bool, int, float):
                 self.scalars.append((d, key, value))
-            elif walk is not None:
+            elif walk is not None:  # user code may reassign anything (a list, a mode string)
+                if not isinstance(value, nn.Module):
+                    self.scalars.append((d, key, value))
                 walk.scan(value)
         self.attributes.append((m, d, keys, candidates))
 
@@ -386,6 +389,23 @@ class Census:
                 if isinstance(d.get(k), Tensor)
             ]
         return created
+
+    def new_plain_attributes(self) -> list[tuple[dict, str, Any]]:
+        """Other attributes the run created (a counter made on the first call), as scalars
+        that were ``MISSING`` before it: the replay runs without them, as the run did."""
+        created = []
+        for _, d, keys, _ in self.attributes:
+            if tuple(d) != keys:
+                before = set(keys)
+                created += [
+                    (d, k, MISSING) for k, v in d.items()
+                    if k not in before and k not in _MODULE_INTERNALS
+                    and not isinstance(v, (Tensor, nn.Module))
+                ]
+        return created
+
+
+MISSING = object()  # an attribute that did not exist when the run began
 
 
 _OWN_ATTRIBUTES: dict[tuple[str, ...], tuple[str, ...]] = {}
@@ -455,3 +475,21 @@ def _storage_key(t: Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # storage-less tensors (sparse, nested)
         return None
+
+
+def put_attribute(attributes: dict, key: str, value: Any) -> None:
+    if value is MISSING:
+        attributes.pop(key, None)
+    else:
+        attributes[key] = value
+
+
+@contextlib.contextmanager
+def uncached_parametrizations() -> Iterator[None]:
+    """Parametrizations' caches suspended (NOTE [ Replay ], rule 5)."""
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled
