@@ -296,7 +296,6 @@ class Census:
     attributes: list[tuple[nn.Module, dict, tuple[str, ...], list[str]]]
     # The lists, dicts, sets and deques the modules hold, nested ones too, as they were.
     containers: list[ContainerCopy]
-    held_from: int = 0  # modules[held_from:] are held unregistered (or below one that is)
 
     @classmethod
     def take(cls, roots: Sequence[nn.Module], generators: bool, reach: bool = False) -> Census:
@@ -322,8 +321,6 @@ class Census:
                 found._visit(m, reached, walk)
             if walk is not None:  # then the modules held unregistered, and what they hold
                 stack = walk.modules_outside(seen, roots)
-                if not reached:
-                    found.held_from = len(found.modules)
                 reached = True
         return found
 
