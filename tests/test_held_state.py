@@ -381,3 +381,39 @@ def test_a_block_holding_the_model_back_is_still_checkpointed():
         planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
                                           loss_fn=lambda out: out.sum())
     assert any(part.name.startswith("blocks.") for part in planned.memory_plan.parts)
+
+
+class Owner(nn.Module):
+    """Checkpoints a child that reads the owner's tensor attribute, which the owner reassigns
+    after calling it (a running summary)."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = revnets.Checkpointed(Reader(self))
+        self.summary = torch.ones(4, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.child(x)
+        self.summary = 1 + h.detach().mean(0)
+        return h
+
+
+class Reader(nn.Module):
+    def __init__(self, owner):
+        super().__init__()
+        self.lin, self.owner = nn.Linear(4, 4), [owner]
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.owner[0].summary)
+
+
+def test_a_parent_s_tensor_the_child_read_is_replayed_as_read():
+    """The recomputation read the summary as the owner reassigned it after the child ran."""
+    torch.manual_seed(0)
+    model = Owner().double()
+    reference = twin(model)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for m in (model, reference):
+        for _ in range(2):
+            m(x).square().sum().backward()
+    assert max_grad_error(model, reference) <= 1e-10

@@ -27,7 +27,7 @@ or restores state.
 #    replay, whoever changed them since.
 #    A run's modules are the recorded ones, their submodules, and what they hold unregistered
 #    (a helper in a plain list or attribute, with its submodules); of a module that holds the
-#    recorded one (a parent), only its own numbers and containers (Census, state.py).
+#    recorded one (a parent), only its own numbers, containers and tensors (Census, state.py).
 # 3. Anything else the run read must be unchanged when the replay runs, by identity and version
 #    counter and requires_grad: a parameter updated in place, swapped (an optimizer step,
 #    functional_call) or frozen is refused by name. A run that writes into a parameter is refused
@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
-from revnets.replay.autocast import AutocastState
+from revnets.replay.autocast import AutocastState, uncached_parametrizations
 from revnets.replay.containers import ContainerCopy, as_found
 from revnets.replay.hooks import (
     HookWatch,
@@ -89,7 +89,6 @@ from revnets.replay.state import (
     same_state,
     state_tensors,
     submodules,
-    uncached_parametrizations,
 )
 from revnets.replay.watch import Watch
 

@@ -1,13 +1,16 @@
-"""The autocast settings a forward ran under, re-entered for its replay."""
+"""The settings a forward ran under, re-entered for its replay (autocast), and those both runs
+change (parametrizations' caches, NOTE [ Replay ], rule 5)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils import parametrize
 
-__all__ = ["AutocastState"]
+__all__ = ["AutocastState", "uncached_parametrizations"]
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,14 @@ class AutocastState:
         return torch.autocast(
             self.device_type, dtype=self.dtype, enabled=True, cache_enabled=self.cache_enabled
         )
+
+
+@contextlib.contextmanager
+def uncached_parametrizations() -> Iterator[None]:
+    """Parametrizations' caches suspended (NOTE [ Replay ], rule 5)."""
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled

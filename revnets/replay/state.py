@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
@@ -279,9 +278,9 @@ class Census:
     The run's modules are the roots and their submodules, and, where the run may be user code
     (``reach``), the modules they hold unregistered (in a plain attribute, a list, a dict) with
     their own submodules, at any depth, but for any that holds a root among its submodules (a
-    parent): of that, its own numbers and containers only, which the run may read; its tensors
-    and hooks are the rest of the forward's. Tensors of modules held unregistered are checked
-    before a replay only where the run read them (NOTE [ Replay ], rule 3)."""
+    parent): of that, its own numbers, containers and tensors only, which the run may read; its
+    hooks and other modules are the rest of the forward's. Tensors of modules held unregistered
+    are checked before a replay only where the run read them (NOTE [ Replay ], rule 3)."""
 
     modules: list[nn.Module]
     norms: list[nn.modules.batchnorm._NormBase]  # BatchNorms in training mode (rule 2)
@@ -361,15 +360,26 @@ class Census:
         self.attributes.append((m, d, keys, candidates))
 
     def _visit_holder(self, m: nn.Module, walk: _HeldWalk) -> None:
-        """A module that holds a root (a parent): its own numbers and containers, which the run
-        may read and the rest of the forward change; its tensors, hooks and other modules are
-        the rest of the forward's."""
+        """A module that holds a root (a parent): its own numbers, containers and tensors, which
+        the run may read and the rest of the forward change (its tensors as a held module's,
+        checked where the run read them); its hooks and other modules are the rest of the
+        forward's."""
+        for table, kind in ((m._parameters, "_parameters"), (m._buffers, "_buffers")):
+            self.slots += [
+                _Slot(m, kind, k, t, _version(t), _storage_key(t), t.requires_grad, True)
+                for k, t in table.items() if t is not None
+            ]
         d = vars(m)
         for key in _own_attributes(tuple(d)):
             value = d[key]
-            if type(value) in (bool, int, float):
+            if isinstance(value, Tensor):  # as a held module's: replayed where the run read it
+                self.slots.append(_Slot(
+                    m, "__dict__", key, value, _version(value), _storage_key(value),
+                    value.requires_grad, True,
+                ))
+            elif type(value) in (bool, int, float):
                 self.scalars.append((d, key, value))
-            elif not isinstance(value, (Tensor, nn.Module)):
+            elif not isinstance(value, nn.Module):
                 walk.scan(value, modules=False)
 
     def new_tensor_attributes(self) -> list[_Slot]:
@@ -479,14 +489,3 @@ def put_attribute(attributes: dict, key: str, value: Any) -> None:
         attributes.pop(key, None)
     else:
         attributes[key] = value
-
-
-@contextlib.contextmanager
-def uncached_parametrizations() -> Iterator[None]:
-    """Parametrizations' caches suspended (NOTE [ Replay ], rule 5)."""
-    enabled = parametrize._cache_enabled
-    parametrize._cache_enabled = 0
-    try:
-        yield
-    finally:
-        parametrize._cache_enabled = enabled
