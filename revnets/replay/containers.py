@@ -1,5 +1,6 @@
-"""Python lists, dicts, sets and deques that modules hold, changed in place by a run (NOTE
-[ Replay ], rule 2): a history a forward appends to, a cache it fills, a dict of counters."""
+"""Python lists, dicts, sets and deques that modules hold, put back for a replay as the run found
+them, whoever changed them in place since (NOTE [ Replay ], rule 2): a history a forward appends
+to, a cache it fills, a dict of counters, a skip list a decoder empties."""
 
 from __future__ import annotations
 
