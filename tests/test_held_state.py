@@ -294,6 +294,52 @@ def test_planning_leaves_a_helper_held_unregistered_as_it_found_it():
     assert (shared.calls, shared.seen) == (0, [])
 
 
+class LogsAndCallsShared(CallsShared):
+    """Keeps a log, so the planner keeps it whole."""
+
+    def __init__(self, shared):
+        super().__init__(shared)
+        self.log = []
+
+    def forward(self, x):
+        self.log.append(x.shape[0])
+        return super().forward(x)
+
+
+class SharedOnRoot(nn.Module):
+    """The helper registered on the model too (for its state_dict), called by whole blocks
+    that hold it in a plain list."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = Shared()
+        self.blocks = nn.Sequential(*(LogsAndCallsShared(self.shared) for _ in range(6)))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_a_helper_registered_on_the_model_and_called_by_whole_blocks_trains_every_step():
+    """The planned model took the helper for one it runs as a traced graph, frozen with its
+    count at planning time, and refused the second step ("shared.calls ... is 6, 0 when
+    planned") although the blocks calling it run whole."""
+    torch.manual_seed(0)
+    model = SharedOnRoot().double()
+    plain = twin(model)
+    x = torch.randn(512, 16, dtype=torch.float64)
+    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
+    planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
+                                      loss_fn=lambda out: out.sum())
+    assert planned.memory_plan.parts  # a plan, not the model as it was
+    for _ in range(3):
+        for m in (planned, plain):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        assert max_grad_error(model, plain) <= 1e-10
+        assert model.shared.calls == plain.shared.calls
+
+
 class Encoder(nn.Module):
     """U-Net style: pushes its output onto a list shared with its decoder, which pops it; a
     history list reassigned, a mode string, and a counter created on the first call."""
