@@ -184,13 +184,14 @@ class Scale(nn.Module):
 
 def test_a_held_buffer_read_by_the_run_and_written_later_is_refused_by_name():
     """The recomputation would read the buffer as the later code left it: silently other
-    gradients. A held buffer the run does not read may change freely (the parent above)."""
+    gradients. A held buffer the run does not read may change freely (the parent above). The
+    refusal names the buffer by the path it is held through; it named its class alone."""
     shared = Scale()
     first = revnets.Checkpointed(Scaled(shared))
     h = first(torch.randn(2, 4))
     shared.scale.mul_(2.0)  # a later part of the forward
-    with pytest.raises(RuntimeError, match=r"Scale\.scale was modified in place between the "
-                                           r"forward pass and backward"):
+    with pytest.raises(RuntimeError, match=r"shared\[0\]\.scale was modified in place between "
+                                           r"the forward pass and backward"):
         h.sum().backward()
 
 
