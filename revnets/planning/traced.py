@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
 from revnets.replay.known_calls import bound_arguments
-from revnets.replay.state import _NumpyGenerator, generators_held
+from revnets.replay.state import _MODULE_INTERNALS, _NumpyGenerator, generators_held
 
 __all__ = [
     "Attributes", "Draws", "Frozen", "code_by_module", "drop_specialisation_checks",
@@ -163,7 +163,8 @@ def with_held(modules: Iterable[nn.Module]) -> list[nn.Module]:
             continue
         seen.add(id(module))
         found.append(module)
-        pending = [(v, _DEPTH) for v in vars(module).values() if v is not module._modules]
+        # nn.Module's own entries hold registered modules, tensors, hooks and flags only.
+        pending = [(v, _DEPTH) for k, v in vars(module).items() if k not in _MODULE_INTERNALS]
         while pending:
             value, depth = pending.pop()
             if id(value) in seen:
