@@ -30,6 +30,8 @@ from revnets.planning import (
 )
 from revnets.planning import chain as chain_module
 from revnets.planning.chain import SELECTIVE
+from revnets.planning.meta_attention import may_attend
+from revnets.planning.model_chain import planning_chain
 from revnets.planning.nested import most_frugal_schedule
 from revnets.planning.profile import meta_like, on_meta
 
@@ -743,6 +745,40 @@ def test_attention_profiled_on_meta_saves_what_the_cpu_kernel_saves(mask):
     size = lambda profiles: [(p.saved_bytes, p.state) for p in profiles]  # noqa: E731
     assert size(for_cpu) == size(on_cpu)
     assert (size(math) == size(on_cpu)) == (mask == "bias")
+
+
+class AttentionByFunction(nn.Module):
+    """Attention traced into its graph as a function, after torch.nn's own attention."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(width, 4, batch_first=True)
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        x = self.mha(x, x, x, need_weights=False)[0]
+        q, k, v = self.qkv(x).view(x.size(0), x.size(1), 3, 4, -1).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).flatten(1)
+
+
+def test_attention_in_a_traced_chain_is_profiled_as_the_cpu_runs_it_and_only_there():
+    """The mode that runs attention's CPU kernel on meta costs a few microseconds on every torch
+    function a profile calls, so it is entered only for chains with a step that may attend:
+    torch.nn's attention, F.scaled_dot_product_attention, or code not torch's own. A ResNet's
+    steps, all torch.nn's and torch's, do not."""
+    chain = planning_chain(AttentionByFunction())
+    mha = [isinstance(getattr(step, "module", None), nn.MultiheadAttention) for step in chain]
+    assert [may_attend(step) for step in chain] == [
+        attends or getattr(step, "target", None) is F.scaled_dot_product_attention
+        for step, attends in zip(chain, mha)]
+    x = torch.randn(2, 64, 64)
+    on_cpu = profile_chain(list(chain), x)
+    with on_meta(list(chain)):
+        for_cpu = profile_chain(list(chain), meta_like(x), kernels_of=torch.device("cpu"))
+    # torch.nn's attention runs as before on meta (NOTE [ Attention on the meta device ]).
+    sizes = lambda profiles: [p.saved_bytes for p, m in zip(profiles, mha) if not m]  # noqa: E731
+    assert sizes(for_cpu) == sizes(on_cpu)
+    assert not any(map(may_attend, planning_chain(torchvision.models.resnet18())))
 
 
 def test_sizes_are_profiled_on_meta_copies_of_the_models_own_tensors():

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import flop_registry
 
 from revnets.checkpoint import SELECTIVE_OPS
 from revnets.memory import measure_memory
-from revnets.planning.meta_attention import AttentionAsOn
+from revnets.planning.meta_attention import AttentionAsOn, may_attend
 from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
@@ -97,12 +97,14 @@ def profile_chain(
     generators are restored afterwards.
     """
     device = next(t for t in tree_leaves(example_input) if isinstance(t, Tensor)).device
-    attention = (AttentionAsOn(kernels_of) if kernels_of is not None and device.type == "meta"
-                 else contextlib.nullcontext())
-    with frozen_running_stats(list(layers)), forked_rng(device), attention:
-        profiles, output = _profile(layers, example_input, repeats)
+    as_on = device.type == "meta" and kernels_of is not None  # where steps may attend, below
+    attention = AttentionAsOn(kernels_of) if as_on else contextlib.nullcontext()
+    with frozen_running_stats(list(layers)), forked_rng(device):
+        with attention if any(map(may_attend, layers)) else contextlib.nullcontext():
+            profiles, output = _profile(layers, example_input, repeats)
         if loss_fn is not None and profiles and device.type == "meta":
-            profiles[-1] = replace(profiles[-1], loss_bytes=_loss_bytes(loss_fn, output))
+            with attention:
+                profiles[-1] = replace(profiles[-1], loss_bytes=_loss_bytes(loss_fn, output))
         return profiles
 
 
