@@ -11,7 +11,7 @@ from torch import nn
 from revnets.checkpoint import Checkpointed, checkpoint
 from revnets.plan import Checkpoint, MemoryPlan
 from revnets.planning.model_view import ModelView
-from revnets.planning.traced import Frozen, refuse_hooks, with_held
+from revnets.planning.traced import Frozen, refuse_hooks
 
 __all__ = ["PlanChain", "PlannedModel"]
 
@@ -89,10 +89,10 @@ class PlannedModel(ModelView):
     def __init__(self, model: nn.Module, plan: nn.Sequential) -> None:
         super().__init__(model)
         self._plan = (plan,)  # unregistered: its modules are the model's
-        # The modules the plan runs as their traced graph (the model itself among them): not
-        # those its steps call, nor what those hold unregistered (a helper in a plain list).
-        own = {id(m) for m in model.modules()}
-        called = {id(m) for m in with_held(m for m in plan.modules() if id(m) in own)}
+        # The modules the plan runs as their traced graph (the model itself among them). A module
+        # a kept-whole step calls through a plain list stays among them (refused once its state
+        # changes), since the trace may also have gone through it elsewhere.
+        called = {id(m) for m in plan.modules()}
         self._traced = tuple((n, m) for n, m in model.named_modules() if id(m) not in called)
         self._frozen = Frozen(self._traced)
         # The model's tensors that steps read directly (parameters, buffers, plain attributes),

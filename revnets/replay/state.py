@@ -273,8 +273,9 @@ def _held_in(value: Any, path: str, depth: int) -> Iterator[tuple[str, nn.Module
         for i, v in enumerate(value):
             yield from _held_in(v, f"{path}[{i}]", depth - 1)
     elif depth and isinstance(value, dict):
-        for k, v in value.items():
-            yield from _held_in(v, f"{path}[{k!r}]", depth - 1)
+        for k, v in value.items():  # keys named where their repr is plain and cannot fail
+            key = repr(k) if type(k) in (str, int) else f"<{type(k).__name__}>"
+            yield from _held_in(v, f"{path}[{key}]", depth - 1)
 
 
 def _is_tracked_norm(m: nn.Module) -> bool:
