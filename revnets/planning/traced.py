@@ -26,7 +26,7 @@ from revnets.replay.state import _MODULE_INTERNALS, _NumpyGenerator, generators_
 __all__ = [
     "Attributes", "Draws", "Frozen", "code_by_module", "drop_specialisation_checks",
     "grad_and_autocast", "modes_flipped", "mutated_argument", "own_code", "refuse_hooks",
-    "steering_defaults", "with_held", "writes_in_place",
+    "steering_defaults", "writes_in_place",
 ]
 
 # NOTE [ Traced modules run as their graph ]
