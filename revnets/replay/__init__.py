@@ -74,6 +74,7 @@ from revnets.replay.hooks import (
     silenced_tensor_hooks,
 )
 from revnets.replay.known import known_run
+from revnets.replay.names import module_names
 from revnets.replay.norms import frozen_running_stats
 from revnets.replay.state import (
     MISSING,
@@ -84,7 +85,6 @@ from revnets.replay.state import (
     _version,
     forked_rng,
     generators_held,
-    module_names,
     put_attribute,
     same_state,
     state_tensors,
