@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
 from revnets.replay.known_calls import bound_arguments
-from revnets.replay.state import _MODULE_INTERNALS, _NumpyGenerator, generators_held
+from revnets.replay.state import _NumpyGenerator, generators_held
 
 __all__ = [
     "Attributes", "Draws", "Frozen", "code_by_module", "drop_specialisation_checks",
@@ -78,25 +78,38 @@ class Attributes:
         # id(module): where its entries are in ``saved`` and ``tensors``
         self.ranges: dict[int, tuple[int, int, int, int]] = {}
         seen: set[int] = set()
-        for module in with_held(modules):
+        # Then the modules they hold unregistered (a helper in a plain list), with theirs.
+        todo = list(modules)
+        for module in todo:
+            if id(module) in seen:
+                continue
             registered = {id(t) for t in module._parameters.values() if t is not None}
             start = len(self.saved), len(self.tensors)
-            self._follow(module, module, vars(module), _DEPTH, seen, registered)
+            self._follow(module, module, vars(module), _DEPTH, seen, registered, todo)
             self.ranges[id(module)] = (start[0], len(self.saved), start[1], len(self.tensors))
 
     def _follow(self, module: nn.Module, holder: Any, contents: Any, depth: int,
-                seen: set[int], registered: set[int]) -> None:
+                seen: set[int], registered: set[int], held: list[nn.Module]) -> None:
         seen.add(id(holder))
         self.saved.append((module, holder, _copy(contents)))
-        for value in _values(contents):
-            if id(value) in seen or isinstance(value, _SKIPPED):
+        for value in (contents.values() if isinstance(contents, dict) else contents):
+            if id(value) in seen:
+                continue
+            if isinstance(value, nn.Module) and holder is not module._modules:
+                inside = list(value.modules())
+                if not any(m is module for m in inside):  # not a parent held back
+                    held += inside
+            if isinstance(value, _SKIPPED):
                 continue
             if isinstance(value, Tensor):
                 seen.add(id(value))
                 copy = None if id(value) in registered else _copy_of(value)
                 self.tensors.append([module, value, _version(value), copy])
-            elif depth > 0 and (inside := _followed(value)) is not None:
-                self._follow(module, value, inside, depth - 1, seen, registered)
+            elif depth > 0 and isinstance(value, (list, dict, set, tuple)):
+                self._follow(module, value, value, depth - 1, seen, registered, held)
+            elif (depth > 0 and isinstance(getattr(value, "__dict__", None), dict)
+                  and not callable(value)):
+                self._follow(module, value, vars(value), depth - 1, seen, registered, held)
 
     def changed(self, modules: Iterable[nn.Module] | None = None) -> str | None:
         """``"Module.attribute"`` (or ``"Module (state it holds)"``) of the first change since
@@ -149,48 +162,6 @@ class Attributes:
                 with torch.no_grad():
                     tensor.copy_(copy)
                 entry[2] = _version(tensor)  # as found, at the version putting it back made
-
-
-def with_held(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """``modules``, then the modules they hold unregistered (a helper in a plain list, attribute
-    or plain object, up to ``_DEPTH`` levels down) with their submodules, each once; a module
-    held by one of its own submodules (a parent held back) is not among them."""
-    found: list[nn.Module] = []
-    seen: set[int] = set()
-    todo = list(modules)
-    for module in todo:
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        found.append(module)
-        # nn.Module's own entries hold registered modules, tensors, hooks and flags only.
-        pending = [(v, _DEPTH) for k, v in vars(module).items() if k not in _MODULE_INTERNALS]
-        while pending:
-            value, depth = pending.pop()
-            if id(value) in seen:
-                continue
-            if isinstance(value, nn.Module):
-                inside = list(value.modules())
-                if not any(m is module for m in inside):
-                    todo += inside
-            elif (depth > 0 and not isinstance(value, (Tensor, *_SKIPPED))
-                  and (contents := _followed(value)) is not None):
-                seen.add(id(value))
-                pending += [(v, depth - 1) for v in _values(contents)]
-    return found
-
-
-def _followed(value: Any) -> Any:
-    """What of ``value`` is followed for state: a container's items, a plain object's
-    attributes; None for anything else."""
-    if isinstance(value, (list, dict, set, tuple)):
-        return value
-    contents = getattr(value, "__dict__", None)
-    return contents if isinstance(contents, dict) and not callable(value) else None
-
-
-def _values(contents: Any) -> Iterable[Any]:
-    return contents.values() if isinstance(contents, dict) else contents
 
 
 def _contents_of(holder: Any) -> Any:
