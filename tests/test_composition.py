@@ -4,6 +4,7 @@ modules under ordinary autograd (float64, 1e-10), or expects an error that names
 
 import itertools
 import random
+import types
 import weakref
 
 import pytest
@@ -157,13 +158,25 @@ def test_a_tensor_read_through_an_attribute_is_refused_by_name():
         out.sum().backward()
 
 
-def test_a_parameter_in_a_plain_list_is_refused():
+class ReadsAPlainObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.settings = types.SimpleNamespace(weights={"w": nn.Parameter(torch.randn(WIDTH))})
+
+    def forward(self, x):
+        return x * self.settings.weights["w"]
+
+
+@pytest.mark.parametrize("g, where", [
+    (ReadsAPlainList, r"g\.weights\[0\]"), (ReadsAPlainObject, r"g\.settings\.weights\['w'\]"),
+], ids=["list", "plain-object"])
+def test_a_parameter_held_unregistered_is_refused_by_the_path_it_is_held_through(g, where):
     model = revnets.ReversibleSequence(
-        [revnets.ReversibleBlock(nn.Linear(WIDTH, WIDTH), ReadsAPlainList(), split_dim=-1)]
+        [revnets.ReversibleBlock(nn.Linear(WIDTH, WIDTH), g(), split_dim=-1)]
     )
     out = model(torch.randn(3, 2 * WIDTH, requires_grad=True))
-    with pytest.raises(RuntimeError, match=r"ReversibleBlock.g \(ReadsAPlainList\) reads the "
-                                           r"attribute g.weights, which requires grad"):
+    with pytest.raises(RuntimeError, match=rf"ReversibleBlock.g \({g.__name__}\) reads the "
+                                           rf"attribute {where}, which requires grad"):
         out.sum().backward()
 
 

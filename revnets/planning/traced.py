@@ -10,7 +10,6 @@ import inspect
 import operator
 import random
 import sys
-import types
 from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
@@ -18,6 +17,8 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
+from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
+from revnets.replay.held import is_plain_object, reached
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
 from revnets.replay.known_calls import bound_arguments
@@ -58,22 +59,20 @@ __all__ = [
 
 # Modes are flipped on purpose, to find code that depends on them (trace.py).
 _MODE = "training"
-_DEPTH = 4  # how far state is followed from a module through containers and plain objects
-_SKIPPED = (nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-            types.ModuleType, str, bytes, int, float, bool, complex, type(None))
 
 
 class Attributes:
     """The state ``modules`` hold (NOTE [ Traced modules run as their graph ]), to find and undo
     what a trace changed: each module's ``__dict__`` (hooks, parameters and submodules are dicts
-    there), the lists, dicts, sets and plain objects reached from it, and the version of every
-    tensor among them; tensors other than parameters (which a trace does not write) are
-    copied, to put back a write into one. ``tracer_names``: the attributes torch.fx itself
-    adds to the traced model (constants its graph reads), which are kept."""
+    there), what that reaches (containers, plain objects' attributes: NOTE [ What a module
+    holds ]), and the version of every tensor among them; tensors other than parameters (which
+    a trace does not write) are copied, to put back a write into one. ``tracer_names``: the
+    attributes torch.fx itself adds to the traced model (constants its graph reads), kept."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.tracer_names: set[str] = set()
-        self.saved: list[tuple[nn.Module, Any, Any]] = []  # (module, holder, its contents)
+        # (module, holder, its contents): the module's own dict, or a ContainerCopy
+        self.saved: list[tuple[nn.Module, Any, Any]] = []
         self.tensors: list[list] = []  # [module, tensor, version, copy or None]
         # id(module): where its entries are in ``saved`` and ``tensors``
         self.ranges: dict[int, tuple[int, int, int, int]] = {}
@@ -83,33 +82,29 @@ class Attributes:
         for module in todo:
             if id(module) in seen:
                 continue
-            registered = {id(t) for t in module._parameters.values() if t is not None}
+            seen.add(id(module))
             start = len(self.saved), len(self.tensors)
-            self._follow(module, module, vars(module), _DEPTH, seen, registered, todo)
+            self._follow(module, seen, todo)
             self.ranges[id(module)] = (start[0], len(self.saved), start[1], len(self.tensors))
 
-    def _follow(self, module: nn.Module, holder: Any, contents: Any, depth: int,
-                seen: set[int], registered: set[int], held: list[nn.Module]) -> None:
-        seen.add(id(holder))
-        self.saved.append((module, holder, _copy(contents)))
-        for value in (contents.values() if isinstance(contents, dict) else contents):
-            if id(value) in seen:
-                continue
-            if isinstance(value, nn.Module) and holder is not module._modules:
-                inside = list(value.modules())
-                if not any(m is module for m in inside):  # not a parent held back
-                    held += inside
-            if isinstance(value, _SKIPPED):
-                continue
-            if isinstance(value, Tensor):
-                seen.add(id(value))
-                copy = None if id(value) in registered else _copy_of(value)
-                self.tensors.append([module, value, _version(value), copy])
-            elif depth > 0 and isinstance(value, (list, dict, set, tuple)):
-                self._follow(module, value, value, depth - 1, seen, registered, held)
-            elif (depth > 0 and isinstance(getattr(value, "__dict__", None), dict)
-                  and not callable(value)):
-                self._follow(module, value, vars(value), depth - 1, seen, registered, held)
+    def _follow(self, module: nn.Module, seen: set[int], held: list[nn.Module]) -> None:
+        registered = {id(t) for t in module._parameters.values() if t is not None}
+        own = vars(module)
+        self.saved.append((module, module, dict(own)))
+        for value in list(own.values()):
+            for _, v in reached(value, seen):
+                if isinstance(v, nn.Module):
+                    if value is not module._modules and v is not module:
+                        inside = list(v.modules())
+                        if not any(m is module for m in inside):  # not a parent held back
+                            held += inside
+                elif isinstance(v, Tensor):
+                    copy = None if id(v) in registered else _copy_of(v)
+                    self.tensors.append([module, v, _version(v), copy])
+                elif isinstance(v, NESTING):
+                    self.saved.append((module, v, ContainerCopy(v)))
+                elif is_plain_object(v):
+                    self.saved.append((module, v, ContainerCopy(vars(v))))
 
     def changed(self, modules: Iterable[nn.Module] | None = None) -> str | None:
         """``"Module.attribute"`` (or ``"Module (state it holds)"``) of the first change since
@@ -125,12 +120,11 @@ class Attributes:
 
     def _changed(self, saved_state: list, tensors: list) -> str | None:
         for module, holder, saved in saved_state:
-            now = _contents_of(holder)
             if holder is module:
-                key = _changed_key(now, saved, self.tracer_names)
+                key = _changed_key(vars(module), saved, self.tracer_names)
                 if key is not None:
                     return f"{type(module).__name__}.{key}"
-            elif not _same(now, saved):
+            elif not saved.same():
                 return f"{type(module).__name__} (state it holds: {type(holder).__name__})"
         for module, tensor, version, _ in tensors:
             if _version(tensor) != version:
@@ -148,24 +142,19 @@ class Attributes:
 
     def _restore(self, saved_state: list, tensors: list) -> None:
         for module, holder, saved in saved_state:
-            now = _contents_of(holder)
             if holder is module:
+                now = vars(module)
                 for key in [k for k in now if k not in saved and k not in self.tracer_names]:
                     del now[key]
                 now.update((k, v) for k, v in saved.items() if k != _MODE)
-            elif not isinstance(now, tuple) and not _same(now, saved):
-                now.clear()
-                (now.extend if isinstance(now, list) else now.update)(saved)
+            elif isinstance(saved.container, MUTABLE) and not saved.same():
+                saved.put_back()
         for entry in tensors:
             _, tensor, version, copy = entry
             if _version(tensor) != version and copy is not None:
                 with torch.no_grad():
                     tensor.copy_(copy)
                 entry[2] = _version(tensor)  # as found, at the version putting it back made
-
-
-def _contents_of(holder: Any) -> Any:
-    return holder if isinstance(holder, (list, dict, set, tuple)) else vars(holder)
 
 
 def _copy_of(tensor: Tensor) -> Tensor | None:
@@ -182,11 +171,6 @@ def _version(tensor: Tensor) -> int | None:
         return None
 
 
-def _copy(contents: Any) -> Any:
-    return (dict(contents) if isinstance(contents, dict) else
-            set(contents) if isinstance(contents, set) else list(contents))
-
-
 def _changed_key(now: dict, saved: dict, tracer_names: set[str]) -> str | None:
     for key in now.keys() | saved.keys():
         if key == _MODE or (key in tracer_names and key not in saved):
@@ -197,16 +181,6 @@ def _changed_key(now: dict, saved: dict, tracer_names: set[str]) -> str | None:
 
 
 _MISSING = object()
-
-
-def _same(value: Any, items: Any) -> bool:
-    if len(value) != len(items):
-        return False
-    if isinstance(value, dict):
-        return all(k in items and value[k] is items[k] for k in value)
-    if isinstance(value, set):
-        return value == items
-    return all(a is b for a, b in zip(value, items))
 
 
 _SCALARS = (int, float, bool, str, complex, type(None))

@@ -22,11 +22,12 @@ or restores state.
 #    happens once. An inverse (``left_state``) runs with the state the run left.
 #    Training-mode BatchNorm is the one exception: its output does not depend on its running
 #    statistics, so the replay leaves them alone instead of copying them. Plain numbers and
-#    flags, and the lists, dicts, sets and deques modules hold (nested ones too: a history
-#    appended to, a cache filled; in order), are as the run found them for the time of the
-#    replay, whoever changed them since.
+#    flags, and the lists, dicts, sets, deques and plain objects modules hold (nested ones too:
+#    a history appended to, a cache filled, a config's counter; in order), are as the run found
+#    them for the time of the replay, whoever changed them since.
 #    A run's modules are the recorded ones, their submodules, and what they hold unregistered
-#    (a helper in a plain list or attribute, with its submodules); of a module that holds the
+#    (a helper in a list or a plain object, with its submodules: NOTE [ What a module holds ],
+#    held.py); of a module that holds the
 #    recorded one (a parent), only its own numbers, containers and tensors (Census, state.py).
 # 3. Anything else the run read must be unchanged when the replay runs, by identity and version
 #    counter and requires_grad: a parameter updated in place, swapped (an optimizer step,

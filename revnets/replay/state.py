@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-import types
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
+from revnets.replay.containers import MUTABLE, ContainerCopy
+from revnets.replay.held import is_plain_object, reached
 
 __all__ = ["forked_rng", "state_tensors"]
 
@@ -142,28 +142,24 @@ def forked_rng(
 
 
 def generators_held(module: nn.Module) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects ``module`` and its submodules hold: in attributes, and in
-    the containers, plain objects and modules they reach (a module held unregistered: the
-    model a planned model runs), at any depth (what a deep copy of the module would copy;
-    each object visited once)."""
+    """The ``torch.Generator`` objects ``module`` and its submodules hold, and the modules they
+    hold unregistered (the model a planned model runs), in attributes and in what those reach
+    (NOTE [ What a module holds ])."""
     found: dict[int, torch.Generator] = {}
     seen: set[int] = set()
-    pending: list[Any] = [module]
+    walked: set[int] = set()
+    pending = [module]
     while pending:
-        value = pending.pop()
-        if id(value) in seen or isinstance(value, (Tensor, type, types.ModuleType)):
+        m = pending.pop()
+        if id(m) in walked:
             continue
-        seen.add(id(value))
-        if isinstance(value, nn.Module):
-            pending.extend(vars(value).values())  # its submodules among them, in _modules
-        elif isinstance(value, torch.Generator):
-            found[id(value)] = value
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            pending.extend(value)
-        elif isinstance(value, dict):
-            pending.extend(value.values())
-        elif hasattr(value, "__dict__"):
-            pending.extend(vars(value).values())
+        walked.add(id(m))
+        for attribute in vars(m).values():  # _modules among them
+            for _, value in reached(attribute, seen):
+                if isinstance(value, nn.Module):
+                    pending.append(value)
+                elif isinstance(value, torch.Generator):
+                    found[id(value)] = value
     return list(found.values())
 
 
@@ -267,11 +263,12 @@ class Census:
     in :meth:`new_tensor_attributes`.
 
     The run's modules are the roots and their submodules, and, where the run may be user code
-    (``reach``), the modules they hold unregistered (in a plain attribute, a list, a dict) with
-    their own submodules, at any depth, but for any that holds a root among its submodules (a
-    parent): of that, its own numbers, containers and tensors only, which the run may read; its
-    hooks and other modules are the rest of the forward's. Tensors of modules held unregistered
-    are checked before a replay only where the run read them (NOTE [ Replay ], rule 3)."""
+    (``reach``), the modules they hold unregistered (in an attribute, a list, a dict, a plain
+    object: NOTE [ What a module holds ]) with their own submodules, but for any that holds a
+    root among its submodules (a parent): of that, its own numbers, containers and tensors
+    only, which the run may read; its hooks and other modules are the rest of the forward's.
+    Tensors of modules held unregistered are checked before a replay only where the run read
+    them (NOTE [ Replay ], rule 3)."""
 
     modules: list[nn.Module]
     norms: list[nn.modules.batchnorm._NormBase]  # BatchNorms in training mode (rule 2)
@@ -284,7 +281,8 @@ class Census:
     # Each module's attribute names, and those of its attributes that could become a tensor
     # (anything but a tensor or a module's internals), for new_tensor_attributes.
     attributes: list[tuple[nn.Module, dict, tuple[str, ...], list[str]]]
-    # The lists, dicts, sets and deques the modules hold, nested ones too, as they were.
+    # The lists, dicts, sets and deques the modules hold, nested ones too, and plain objects'
+    # attributes, as they were.
     containers: list[ContainerCopy]
 
     @classmethod
@@ -421,10 +419,9 @@ def _own_attributes(keys: tuple[str, ...]) -> tuple[str, ...]:
 
 
 class _HeldWalk:
-    """What modules hold besides their registered state (:meth:`Census.take`): their containers,
-    the modules held in plain attributes and containers, and the Python and numpy generators
-    among them (``kinds``; None: not looked for). A plain object's own attributes are not
-    followed."""
+    """What modules hold besides their registered state (:meth:`Census.take`, NOTE [ What a
+    module holds ]): their containers and plain objects' attributes, the modules held there,
+    and the Python and numpy generators among them (``kinds``; None: not looked for)."""
 
     def __init__(self, census: Census, kinds: tuple[type, ...] | None) -> None:
         self.census = census
@@ -433,24 +430,19 @@ class _HeldWalk:
         self.seen: set[int] = set()
 
     def scan(self, value: Any, modules: bool = True) -> None:
-        """``value``'s containers, generators and (``modules``) modules, at any depth."""
-        pending = [value]
-        while pending:
-            v = pending.pop()
+        """``value``'s containers, plain objects, generators and (``modules``) modules."""
+        for _, v in reached(value, self.seen):
             if isinstance(v, nn.Module):
                 if modules:
                     self.held.append(v)
-            elif isinstance(v, NESTING):
-                if id(v) in self.seen:
-                    continue
-                self.seen.add(id(v))
-                if isinstance(v, MUTABLE):
-                    self.census.containers.append(ContainerCopy(v))
-                pending.extend(v.values() if isinstance(v, dict) else v)
+            elif isinstance(v, MUTABLE):
+                self.census.containers.append(ContainerCopy(v))
             elif self.kinds is not None and isinstance(v, self.kinds):
                 self.census.python[id(v)] = (
                     v if isinstance(v, random.Random) else _NumpyGenerator(v)
                 )
+            elif is_plain_object(v):  # its attributes, put back as a dict's entries
+                self.census.containers.append(ContainerCopy(vars(v)))
 
     def modules_outside(self, seen: set[int], roots: Sequence[nn.Module]) -> list[nn.Module]:
         """The modules held unregistered not yet walked, but for those that hold a root."""

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from revnets.replay import silenced_tensor_hooks
+from revnets.replay.held import reached
 
 __all__ = ["GradRoot", "check_reached"]
 
@@ -115,15 +116,18 @@ def _stray_tensor_error(
 
 
 def _tensor_attributes(root: nn.Module, prefix: str) -> dict[int, str]:
-    """Tensors held as plain attributes of ``root``'s modules (also in lists, tuples and dicts),
-    by the id of the leaf itself or of the node that made it: ``"the attribute f.emb"``."""
+    """Tensors held as attributes of ``root``'s modules, or in what those hold (NOTE [ What a
+    module holds ]), by the id of the leaf itself or of the node that made it: ``"the
+    attribute f.emb"``, ``"the attribute f.cfg.table[0]"``."""
     found: dict[int, str] = {}
+    seen: set[int] = set()
     for module_name, module in root.named_modules(prefix=prefix):
         for key, value in vars(module).items():
-            values = list(value.values()) if isinstance(value, dict) else value
-            values = values if isinstance(values, (list, tuple)) else [values]
-            for v in values:
+            if key == "_parameters":  # the block's own, never stray
+                continue
+            for where, v in reached(value, seen, f"{module_name}.{key}"):
                 if isinstance(v, Tensor):
-                    where = f"the attribute {module_name}.{key}"
-                    found[id(v.grad_fn) if v.grad_fn is not None else id(v)] = where
+                    found[id(v.grad_fn) if v.grad_fn is not None else id(v)] = (
+                        f"the attribute {where}"
+                    )
     return found
