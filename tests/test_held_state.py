@@ -321,12 +321,10 @@ class SharedOnRoot(nn.Module):
         return self.head(self.blocks(x))
 
 
-def test_a_helper_registered_on_the_model_and_called_by_whole_blocks_is_refused_not_wrong():
-    """The planned model cannot tell a module its kept-whole blocks call through a plain list
-    from one its trace went through (a module both can be, or hold the model back), so it keeps
-    the helper among the traced ones: the first step is right, and the second refused by name,
-    never silently other gradients. (Left out of the traced ones, a helper both traced through
-    and called whole lost a hook's call and read a changed constant silently.)"""
+def test_a_helper_registered_on_the_model_and_called_by_whole_blocks_trains_as_the_model():
+    """The planned model took every module its steps do not call for one it runs as its traced
+    graph, the helper too: its count, which the whole blocks advance, was refused at the second
+    step as a constant the graph froze. The modules traced are those the trace went into."""
     torch.manual_seed(0)
     model = SharedOnRoot().double()
     plain = twin(model)
@@ -335,11 +333,66 @@ def test_a_helper_registered_on_the_model_and_called_by_whole_blocks_is_refused_
     planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
                                       loss_fn=lambda out: out.sum())
     assert planned.memory_plan.parts  # a plan, not the model as it was
-    for m in (planned, plain):
-        m(x).square().sum().backward()
-    assert max_grad_error(model, plain) <= 1e-10
-    assert model.shared.calls == plain.shared.calls
-    with pytest.raises(RuntimeError, match=r"shared\.calls \(Shared\) is 6, 0 when planned"):
+    fired = {id(model): [], id(plain): []}
+    for m in (model, plain):  # after planning: the helper runs as itself, so the hook fires
+        m.shared.register_forward_hook(lambda h, args, out, m=m: fired[id(m)].append(h.calls))
+    for _ in range(3):
+        for m in (planned, plain):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        assert max_grad_error(model, plain) <= 1e-10
+    assert model.shared.calls == plain.shared.calls == 18
+    assert fired[id(model)] == fired[id(plain)] == list(range(1, 19))
+
+
+class Scaling(nn.Module):
+    """Code that reads a number, which a trace through it freezes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.k = nn.Linear(16, 16), 0.1
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * (1 + self.k)
+
+
+class CallsScaling(LogsAndCallsShared):
+    """Kept whole (it keeps a log), calling the model's Scaling through a plain list."""
+
+
+class TracedAndCalledWhole(nn.Module):
+    """``scaling`` is traced through by the model's own forward and called whole by blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaling = Scaling()
+        self.blocks = nn.Sequential(*(CallsScaling(self.scaling) for _ in range(6)))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.scaling(x) + x))
+
+
+@pytest.mark.parametrize("after_planning", ["number", "hook"])
+def test_a_module_traced_through_and_also_called_whole_is_still_refused_once_changed(
+        after_planning):
+    """Whatever else calls it, a module the trace went into runs as its graph there: a number
+    its code reads changed after planning, or a hook added, would be silently wrong there."""
+    torch.manual_seed(0)
+    model = TracedAndCalledWhole().double()
+    x = torch.randn(512, 16, dtype=torch.float64)
+    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
+    planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
+                                      loss_fn=lambda out: out.sum())
+    assert planned.memory_plan.parts
+    planned(x).sum().backward()
+    if after_planning == "number":
+        model.scaling.k = 0.5
+        match = r"scaling\.k \(Scaling\) is 0\.5, 0\.1 when planned"
+    else:
+        model.scaling.register_forward_hook(lambda m, args, out: None)
+        match = r"a hook is registered on scaling \(Scaling\), which the plan runs as its traced"
+    with pytest.raises(RuntimeError, match=match):
         planned(x)
 
 

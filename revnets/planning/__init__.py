@@ -14,12 +14,13 @@ from revnets.planning.chain import (
     selective_plans,
     sqrt_plan,
 )
+from revnets.planning.graph_step import GraphStep
 from revnets.planning.memory_model import ChainModel
 from revnets.planning.module_plan import CheckpointedModules
 from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
 from revnets.planning.profile import LayerProfile, profile_chain
 from revnets.planning.step_times import ForwardTimes, forward_times
-from revnets.planning.trace import GraphStep, NotAChainError, as_graph_chain
+from revnets.planning.trace import NotAChainError, as_graph_chain
 
 __all__ = [
     "ChainModel",

@@ -209,7 +209,8 @@ def _auto_checkpoint(
                        predictor)
     planned, plan = planner.fit(budget)
     # Nothing checkpointed: the model itself, as predicted, runs the plan.
-    result = model if planned is chain else PlannedModel(model, planned)
+    result = model if planned is chain else PlannedModel(
+        model, planned, PlannedModel.traced_by(chain))
     result.memory_plan = plan
     return result
 
@@ -285,7 +286,7 @@ class _Planner:
         model ]), or of the model itself."""
         self.predictions += 1
         if module is not self.model:
-            module = PlannedModel(self.model, module)
+            module = PlannedModel(self.model, module, PlannedModel.traced_by(self.chain))
         return self.predictor.predict(
             training_step, (module, self.example_input, self.loss_fn, self.optimizer), {}
         ).peak_bytes

@@ -10,9 +10,9 @@ from torch import nn
 
 from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.chain import SELECTIVE, Recompute
+from revnets.planning.graph_step import GraphStep
 from revnets.planning.profile import LayerProfile
 from revnets.planning.search import Segments
-from revnets.planning.trace import GraphStep
 from revnets.reversible import ReversibleSequence
 
 __all__ = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from revnets.checkpoint import Checkpointed, checkpoint
 from revnets.plan import Checkpoint, MemoryPlan
+from revnets.planning.graph_step import GraphStep
 from revnets.planning.model_view import ModelView
 from revnets.planning.traced import Frozen, refuse_hooks
 
@@ -86,14 +88,15 @@ class PlannedModel(ModelView):
 
     memory_plan: MemoryPlan
 
-    def __init__(self, model: nn.Module, plan: nn.Sequential) -> None:
+    def __init__(self, model: nn.Module, plan: nn.Sequential,
+                 traced: Sequence[str] = ("",)) -> None:
         super().__init__(model)
         self._plan = (plan,)  # unregistered: its modules are the model's
-        # The modules the plan runs as their traced graph (the model itself among them). A module
-        # a kept-whole step calls through a plain list stays among them (refused once its state
-        # changes), since the trace may also have gone through it elsewhere.
-        called = {id(m) for m in plan.modules()}
-        self._traced = tuple((n, m) for n, m in model.named_modules() if id(m) not in called)
+        # The modules the plan runs as their traced graph, by name: those the trace went into
+        # (``traced_by``), the model itself first. Any other module runs as itself where it is
+        # called, by a step or by a kept-whole module (a helper in a plain list), and the
+        # replay follows its state as any module's.
+        self._traced = tuple((name, model.get_submodule(name)) for name in traced)
         self._frozen = Frozen(self._traced)
         # The model's tensors that steps read directly (parameters, buffers, plain attributes),
         # by owner and name. A constant torch.fx made of a tensor the forward makes (or
@@ -104,6 +107,12 @@ class PlannedModel(ModelView):
                        if getattr(owner := model.get_submodule(path), name, None)
                        is getattr(step, key)]
         refuse_hooks(self._traced)
+
+    @staticmethod
+    def traced_by(chain: nn.Sequential) -> tuple[str, ...]:
+        """The modules a chain's trace went into (:func:`as_graph_chain`); of a plain
+        ``nn.Sequential`` planned as itself, itself alone."""
+        return chain.traced if len(chain) and isinstance(chain[0], GraphStep) else ("",)
 
     @property
     def plan(self) -> nn.Sequential:

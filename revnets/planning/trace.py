@@ -20,7 +20,8 @@ import torch.fx
 from torch import nn
 
 from revnets.invertible import Invertible
-from revnets.planning.graph_values import Attr, Ref, resolve, substitute
+from revnets.planning.graph_step import GraphKey, GraphStep
+from revnets.planning.graph_values import substitute
 from revnets.planning.traced import (
     Attributes,
     Draws,
@@ -31,147 +32,16 @@ from revnets.planning.traced import (
     mutated_argument,
     own_code,
     steering_defaults,
-    writes_in_place,
 )
 from revnets.replay.hooks import hooked
-from revnets.replay.known import KnownWalk, known_composite
-from revnets.replay.known_calls import call_kind, plain, plain_parameters
 from revnets.reversible import ReversibleSequence
 
-__all__ = ["GraphStep", "NotAChainError", "as_graph_chain"]
+__all__ = ["NotAChainError", "as_graph_chain"]
 
 
 class NotAChainError(ValueError):
     """The model cannot be called as one chain of steps (several required inputs, nothing to
     compute)."""
-
-
-@known_composite("target")
-class GraphStep(nn.Module):
-    """One node of a traced graph: takes the live values before it, returns those after it.
-
-    ``state_names`` names the values of the tuple it returns (the model's output for the last
-    step); ``mutates_from`` is the index of the step that produced a value this node overwrites
-    in place (None if it overwrites nothing): no checkpoint may be cut between the two.
-    """
-
-    def __init__(
-        self,
-        node: torch.fx.Node,
-        root: nn.Module,
-        inputs: list[str],
-        outputs: list[str] | None,
-        result: Any = None,
-        graph: object | None = None,
-    ) -> None:
-        super().__init__()
-        self.graph = graph  # shared by the steps of one traced graph
-        self.op, self.target, self.label = node.op, node.target, node.name
-        self.reads: dict[str, tuple[str, str]] = {}  # key: (owner's path, name), _reference
-
-        def reference(n: torch.fx.Node) -> Any:
-            return self._reference(n, root)
-
-        self.args = torch.fx.node.map_arg(node.args, reference)
-        self.kwargs = torch.fx.node.map_arg(dict(node.kwargs), reference)
-        self.result = torch.fx.node.map_arg(result, reference)
-        if self.op == "call_module":
-            self.module = root.get_submodule(node.target)
-        self.inputs, self.outputs = inputs, outputs  # outputs None: the last step, ``result``
-        self.state_names = outputs if outputs is not None else [node.name]
-        self.mutates_from: int | None = None
-        self.mutated: str | None = None  # the name of the value it overwrites
-        self.inplace = False
-        self.writes_in_place = writes_in_place(node, root)
-        self._call_kind: Any = False  # not looked up yet (call_kind gives a kind or None)
-        # NOTE [ A mode frozen in the model's own code ]: the mode it was traced in, the model
-        # (not registered: its modules are the chain's) and, the first step's, every module's.
-        self.frozen_mode: bool | None = None
-        self.root: tuple[nn.Module, ...] = ()
-        self.frozen_modes: tuple[tuple[nn.Module, bool], ...] = ()
-        self._known_arguments: bool | None = None  # whether its constants are plain values
-
-    def _reference(self, node: torch.fx.Node, root: nn.Module) -> Any:
-        if node.op != "get_attr":
-            return Ref(node.name)
-        # A parameter or buffer the graph reads directly: registered here too (the same object),
-        # so that moving or copying the chain moves it with the step that reads it.
-        owner, _, name = node.target.rpartition(".")
-        value = getattr(root.get_submodule(owner), name)
-        key = f"attr_{node.name}"
-        if isinstance(value, nn.Parameter):
-            self.register_parameter(key, value)
-        elif isinstance(value, torch.Tensor):
-            self.register_buffer(key, value)
-        else:
-            return value
-        self.reads[key] = (owner, name)
-        return Attr(key)
-
-    def forward(self, state: Any) -> Any:
-        if self.frozen_mode is not None:
-            self._check_mode()
-        env = dict(zip(self.inputs, state if isinstance(state, tuple) else (state,)))
-        args = resolve(self.args, env, self)
-        kwargs = resolve(self.kwargs, env, self)
-        if self.op == "call_module":
-            value = self.module(*args, **kwargs)
-        elif self.op == "call_function":
-            value = self.target(*args, **kwargs)
-        else:  # call_method
-            value = getattr(args[0], self.target)(*args[1:], **kwargs)
-        env[self.label] = value
-        if self.outputs is None:
-            return resolve(self.result, env, self)
-        return tuple(env[name] for name in self.outputs)
-
-    def _check_mode(self) -> None:
-        model = self.root[0]
-        if (self.training is not self.frozen_mode or model.training is not self.frozen_mode
-                or any(m.training is not mode for m, mode in self.frozen_modes)):
-            raise RuntimeError(
-                f"the forward of {type(model).__name__} depends on self.training, and its "
-                f"chain of steps runs in the modes it was traced in only (the model in "
-                f"{'training' if self.frozen_mode else 'eval'} mode), where a PlannedModel "
-                f"runs it; anywhere else, run the model itself")
-
-    def walk_known(self, walk: KnownWalk) -> bool:
-        """Whether this step calls only known code (NOTE [ Known layers ], NOTE [ Known calls ]),
-        following which of the graph's values are memory the walked run made."""
-        if self._buffers:
-            return False  # read directly, a buffer might be statistics a norm updates
-        if self._known_arguments is None:  # constants never change (NOTE [ Known calls ])
-            self._known_arguments = plain((self.args, self.kwargs), also=Ref)
-        if not self._known_arguments or not plain_parameters(self):
-            return False
-        first = self.args[0] if self.args else None
-        # Values are named per graph: chains of two graphs may share names.
-        into_fresh = type(first) is Ref and (self.graph, first.name) in walk.fresh_values
-        if self.op == "call_module":
-            walk.fresh = into_fresh
-            if not walk.module(self.module):
-                return False
-            fresh = walk.fresh
-        else:
-            if self._call_kind is False:  # the target and its constant arguments never change
-                self._call_kind = call_kind(self.op, self.target, self.args, self.kwargs)
-            fresh = walk.call(self._call_kind, self.writes_in_place, into_fresh)
-            if fresh is None:
-                return False
-        if fresh:
-            walk.fresh_values.add((self.graph, self.label))
-        walk.fresh = False  # what follows a step in a chain gets a tuple of values, or its result
-        return True
-
-    def extra_repr(self) -> str:
-        target = self.target if isinstance(self.target, str) else self.target.__name__
-        return f"{self.label}: {self.op} {target}"
-
-
-class _GraphKey:
-    """Names the graph a step's values belong to (copied once with a copied chain)."""
-
-    __slots__ = ()
 
 
 class _Tracer(torch.fx.Tracer):
@@ -195,6 +65,7 @@ class _Tracer(torch.fx.Tracer):
         self.whole, self.attributes, self.locate, self.draws = whole, attributes, locate, draws
         self.changing: dict[str, str] = {}  # found when locating: module name, what it changed
         self.tracing: list[tuple[str, nn.Module]] = [("", nn.Module())]  # modules being traced
+        self.entered: list[str] = []  # every module traced into, by name
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         if qualified_name in self.whole or hooked(m):
@@ -290,6 +161,7 @@ class _Tracer(torch.fx.Tracer):
             return super().call_module(m, forward, args, kwargs)
         drawn = self.draws.states() if self.draws is not None else None
         self.tracing.append((name, m))
+        self.entered.append(name)
         try:
             out = super().call_module(m, forward, args, kwargs)
         except _KeepWhole:
@@ -340,15 +212,18 @@ class _KeepWhole(Exception):
 # (a frozen BatchNorm). Any other mode raises: a chain used on its own, or a model or a module
 # it reads switched to eval under a training PlannedModel, never runs the training branch in
 # evaluation silently.
-def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None, bool]:
+def _trace(
+    model: nn.Module,
+) -> tuple[torch.fx.Graph, set[str], bool | None, bool, tuple[str, ...]]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
     trace, that draws random numbers (:class:`Draws`), assigns attributes (NOTE [ Traced modules
     run as their graph ]) or whose traced code depends on ``training`` stays whole, called as a
     module by its step (a coarser chain), reading its mode when it runs; the model's own
     forward must trace. Returns the graph, the names of the constants the traces stored on the
     model (its graph reads them), the mode the model's own code was traced in where it depends
-    on it, else None, and whether that code reads other modules' modes too (NOTE [ A mode
-    frozen in the model's own code ])."""
+    on it, else None, whether that code reads other modules' modes too (NOTE [ A mode frozen
+    in the model's own code ]), and the names of the modules the graph's trace went into, the
+    model's own ("") first."""
     whole: frozenset[str] = frozenset()
     locate = False  # check attributes after each module's trace, to find the one assigning
     draws, watched = Draws(model), False  # and the generators, to find the one drawing
@@ -399,7 +274,7 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None, boo
                        code_by_module(graph, model, attributes.tracer_names)
                        ^ code_by_module(flipped, model, attributes.tracer_names)}
             if not depends:
-                return graph, attributes.tracer_names, None, False
+                return graph, attributes.tracer_names, None, False, _entered(tracer)
             if depends == {""}:
                 # Only the mode, if the same mode traced again gives the same code (NOTE).
                 again = _Tracer(whole, attributes, locate, None).trace(model)
@@ -418,7 +293,7 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None, boo
                         model.training = not model.training
                     reads_others = own_code(others, model, attributes.tracer_names) != \
                         own_code(graph, model, attributes.tracer_names)
-                    return graph, attributes.tracer_names, True, reads_others
+                    return graph, attributes.tracer_names, True, reads_others, _entered(tracer)
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} depends on "
                     "self.training, which a trace freezes, and the model is in eval mode: "
@@ -436,6 +311,10 @@ def _trace(model: nn.Module) -> tuple[torch.fx.Graph, set[str], bool | None, boo
         attributes.restore()
 
 
+def _entered(tracer: _Tracer) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(["", *tracer.entered]))
+
+
 def as_graph_chain(model: nn.Module) -> nn.Sequential:
     """``model`` as an ``nn.Sequential`` of :class:`GraphStep`, one per node of its torch.fx graph.
 
@@ -446,9 +325,11 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     for a forward of the model itself it cannot trace (data-dependent control flow); submodules
     it cannot trace are kept whole (:func:`_trace`). Where the model's own forward depends on
     its mode, the chain runs in training mode only (NOTE [ A mode frozen in the model's own
-    code ]).
+    code ]). The chain's ``traced`` names the modules whose forward the trace went into, the
+    model's own ("") first: the modules a planned step runs as their graph, never calling them
+    (NOTE [ Traced modules run as their graph ]).
     """
-    graph, stored, frozen_mode, reads_others = _trace(model)
+    graph, stored, frozen_mode, reads_others, traced = _trace(model)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     # Optional arguments (attention masks and the like) keep their defaults, **kwargs none.
@@ -474,7 +355,7 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
 
     steps: list[nn.Module] = []
     live = [placeholders[0].name]
-    graph_key = _GraphKey()
+    graph_key = GraphKey()
     for i, node in enumerate(compute):
         produced = [node.name] if last_use.get(node.name, -1) > i else []
         after = [name for name in live if last_use.get(name, -1) > i] + produced
@@ -497,4 +378,6 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
         delattr(model, name)
     if reads_others:  # NOTE [ A mode frozen in the model's own code ]
         steps[0].frozen_modes = tuple((m, m.training) for m in model.modules())
-    return nn.Sequential(*steps)
+    chain = nn.Sequential(*steps)
+    chain.traced = traced
+    return chain
