@@ -17,12 +17,11 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
-from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
-from revnets.replay.held import is_plain_object, reached
+from revnets.replay.held import attributes_of, is_plain_object, reached, state_copies
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
 from revnets.replay.known_calls import bound_arguments
-from revnets.replay.state import _NumpyGenerator, generators_held
+from revnets.replay.state import _NumpyGenerator, _own_attributes, generators_held
 
 __all__ = [
     "Attributes", "Draws", "Frozen", "code_by_module", "drop_specialisation_checks",
@@ -73,26 +72,27 @@ class Attributes:
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.tracer_names: set[str] = set()
-        # (module, holder, its contents): the module's own dict, or a ContainerCopy
+        # (module, holder, its contents): the module's own dict, or a state copy (held.py)
         self.saved: list[tuple[nn.Module, Any, Any]] = []
         self.tensors: list[list] = []  # [module, tensor, version, copy or None]
-        # id(module): where its entries are in ``saved`` and ``tensors``
-        self.ranges: dict[int, tuple[int, int, int, int]] = {}
-        seen: set[int] = set()
+        # id(module): where what it reaches is in ``saved`` and ``tensors``. An object several
+        # modules reach (a config, a logger they share) is each one's: any of them may be
+        # the one changing it, and the trace finds which.
+        self.owned: dict[int, tuple[list[int], list[int]]] = {}
+        records: dict[int, tuple[list[int], list[int]]] = {}  # id(object): its entries
         # Then the modules they hold unregistered (a helper in a plain list), with theirs.
         todo = list(modules)
         for module in todo:
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            start = len(self.saved), len(self.tensors)
-            self._follow(module, seen, todo)
-            self.ranges[id(module)] = (start[0], len(self.saved), start[1], len(self.tensors))
+            if id(module) not in self.owned:
+                self.owned[id(module)] = self._follow(module, records, todo)
 
-    def _follow(self, module: nn.Module, seen: set[int], held: list[nn.Module]) -> None:
+    def _follow(self, module: nn.Module, records: dict[int, tuple[list[int], list[int]]],
+                held: list[nn.Module]) -> tuple[list[int], list[int]]:
         registered = {id(t) for t in module._parameters.values() if t is not None}
         own = vars(module)
+        saved, tensors = [len(self.saved)], []
         self.saved.append((module, module, dict(own)))
+        seen: set[int] = set()
         for value in list(own.values()):
             for _, v in reached(value, seen):
                 if isinstance(v, nn.Module):
@@ -100,47 +100,57 @@ class Attributes:
                         inside = list(v.modules())
                         if not any(m is module for m in inside):  # not a parent held back
                             held += inside
-                elif isinstance(v, Tensor):
-                    copy = None if id(v) in registered else _copy_of(v)
-                    self.tensors.append([module, v, _version(v), copy])
-                elif isinstance(v, NESTING):
-                    self.saved.append((module, v, ContainerCopy(v)))
-                elif is_plain_object(v):
-                    self.saved.append((module, v, ContainerCopy(vars(v))))
+                    continue
+                entries = records.get(id(v))
+                if entries is None:
+                    entries = records[id(v)] = ([], [])
+                    if isinstance(v, Tensor):
+                        entries[1].append(len(self.tensors))
+                        copy = None if id(v) in registered else _copy_of(v)
+                        self.tensors.append([module, v, _version(v), copy])
+                    else:  # a container's elements, a plain object's attributes
+                        for copy in state_copies(v):
+                            entries[0].append(len(self.saved))
+                            self.saved.append((module, v, copy))
+                saved += entries[0]
+                tensors += entries[1]
+        return saved, tensors
+
+    def _entries(self, modules: Iterable[nn.Module] | None) -> Iterator[tuple[Any, list, list]]:
+        if modules is None:
+            yield None, self.saved, self.tensors
+            return
+        for module in modules:
+            saved, tensors = self.owned.get(id(module), ((), ()))
+            yield module, [self.saved[i] for i in saved], [self.tensors[i] for i in tensors]
 
     def changed(self, modules: Iterable[nn.Module] | None = None) -> str | None:
         """``"Module.attribute"`` (or ``"Module (state it holds)"``) of the first change since
         in the state of ``modules`` (all of them: None), or None."""
-        if modules is not None:
-            for module in modules:
-                s0, s1, t0, t1 = self.ranges.get(id(module), (0, 0, 0, 0))
-                found = self._changed(self.saved[s0:s1], self.tensors[t0:t1])
-                if found is not None:
-                    return found
-            return None
-        return self._changed(self.saved, self.tensors)
+        for module, saved, tensors in self._entries(modules):
+            found = self._changed(module, saved, tensors)
+            if found is not None:
+                return found
+        return None
 
-    def _changed(self, saved_state: list, tensors: list) -> str | None:
+    def _changed(self, who: nn.Module | None, saved_state: list, tensors: list) -> str | None:
         for module, holder, saved in saved_state:
+            name = type(who or module).__name__
             if holder is module:
                 key = _changed_key(vars(module), saved, self.tracer_names)
                 if key is not None:
                     return f"{type(module).__name__}.{key}"
             elif not saved.same():
-                return f"{type(module).__name__} (state it holds: {type(holder).__name__})"
+                return f"{name} (state it holds: {type(holder).__name__})"
         for module, tensor, version, _ in tensors:
             if _version(tensor) != version:
-                return f"{type(module).__name__} (a tensor it holds, written in place)"
+                return f"{type(who or module).__name__} (a tensor it holds, written in place)"
         return None
 
     def restore(self, modules: Iterable[nn.Module] | None = None) -> None:
         """Put back the state of ``modules`` (all of them: None)."""
-        if modules is not None:
-            for module in modules:
-                s0, s1, t0, t1 = self.ranges.get(id(module), (0, 0, 0, 0))
-                self._restore(self.saved[s0:s1], self.tensors[t0:t1])
-            return
-        self._restore(self.saved, self.tensors)
+        for _, saved, tensors in self._entries(modules):
+            self._restore(saved, tensors)
 
     def _restore(self, saved_state: list, tensors: list) -> None:
         for module, holder, saved in saved_state:
@@ -149,7 +159,7 @@ class Attributes:
                 for key in [k for k in now if k not in saved and k not in self.tracer_names]:
                     del now[key]
                 now.update((k, v) for k, v in saved.items() if k != _MODE)
-            elif isinstance(saved.container, MUTABLE) and not saved.same():
+            elif not saved.same():
                 saved.put_back()
         for entry in tensors:
             _, tensor, version, copy = entry
@@ -190,14 +200,21 @@ _SCALARS = (int, float, bool, str, complex, type(None))
 
 class Frozen:
     """What a traced graph froze of the modules it runs as their graph (``traced``: names and
-    modules): the numbers, flags and strings their classes' code reads, by value, and their
-    submodules, by identity (NOTE [ Traced modules run as their graph ])."""
+    modules): the numbers, flags and strings their classes' code reads, by value, theirs and
+    those of the plain objects they hold (``self.cfg.rate``: NOTE [ What a module holds ]), and
+    their submodules, by identity (NOTE [ Traced modules run as their graph ])."""
 
     def __init__(self, traced: Iterable[tuple[str, nn.Module]]) -> None:
+        traced = list(traced)
         self.values = [
             (name, module, key, value) for name, module in traced
             for key, value in vars(module).items()
             if key != _MODE and isinstance(value, _SCALARS) and key in _names_read(type(module))
+        ]
+        self.held = [
+            (f"{name + '.' if name else ''}{where}", holder, key, value)
+            for name, module in traced for where, holder in _plain_objects_read(module)
+            for key, value in _scalars_of(holder) if key in _names_read(type(module))
         ]
         self.modules = [(name, module, key, child) for name, module in traced
                         for key, child in module._modules.items()]
@@ -208,12 +225,31 @@ class Frozen:
             now = vars(module).get(key, _MISSING)
             if now is not value and now != value:
                 _refuse(name, module, key, f"is {now!r}, {value!r} when planned")
+        for name, holder, key, value in self.held:
+            now = dict(_scalars_of(holder)).get(key, _MISSING)
+            if now is not value and now != value:
+                _refuse(name, holder, key, f"is {now!r}, {value!r} when planned")
         for name, module, key, child in self.modules:
             if module._modules.get(key) is not child:
                 _refuse(name, module, key, "is another module than when planned")
 
 
-def _refuse(name: str, module: nn.Module, key: str, what: str) -> None:
+def _plain_objects_read(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The plain objects ``module`` holds under names its class's code reads, with their
+    paths."""
+    d, read, seen = vars(module), _names_read(type(module)), set()
+    for key in _own_attributes(tuple(d)):
+        if key in read:
+            yield from ((where, v) for where, v in reached(d[key], seen, key)
+                        if not isinstance(v, nn.Module) and is_plain_object(v))
+
+
+def _scalars_of(holder: Any) -> list[tuple[str, Any]]:
+    own, slots = attributes_of(holder)
+    return [(k, v) for k, v in (*own.items(), *slots.items()) if isinstance(v, _SCALARS)]
+
+
+def _refuse(name: str, module: Any, key: str, what: str) -> None:
     raise RuntimeError(
         f"auto_checkpoint: {name + '.' if name else ''}{key} ({type(module).__name__}) {what}; "
         "the plan runs a graph traced with it as it was. Plan again (auto_checkpoint on the "

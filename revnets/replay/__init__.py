@@ -65,6 +65,7 @@ from torch.utils.hooks import RemovableHandle
 
 from revnets.replay.autocast import AutocastState, uncached_parametrizations
 from revnets.replay.containers import ContainerCopy, as_found
+from revnets.replay.held import AttributesCopy
 from revnets.replay.hooks import (
     HookWatch,
     ReplayedHook,
@@ -81,6 +82,7 @@ from revnets.replay.state import (
     MISSING,
     Census,
     RecordingChain,
+    _Loose,
     _Slot,
     _storage_key,
     _version,
@@ -148,8 +150,10 @@ class Recording:
         self.hooks: list[ReplayedHook] = []
         self.scalars: list[tuple[dict, str, Any]] = []
         self.external: list[tuple[Tensor, Tensor]] = []
-        self.containers: list[ContainerCopy] = []  # the modules' containers, as found
+        # the modules' containers and plain objects' attributes, as found
+        self.containers: list[ContainerCopy | AttributesCopy] = []
         self.held: list[_Slot] = []  # tensors of modules held unregistered that the run read
+        self.loose: list[_Loose] = []  # tensors in containers and plain objects it read
         self.assigned: list[_Slot] = []  # tensor attributes the run created or reassigned
         self._run: contextlib.ExitStack | None = None
         self._census: Census | None = None
@@ -190,7 +194,9 @@ class Recording:
                 watched.setdefault(s.storage, []).append(s)
         self.chain.user_code_runs()
         self._python_found = self.chain.begin(census.python)
-        reads = frozenset(s.storage for s in self.slots if s.reached and s.storage is not None)
+        reads = frozenset(s.storage for s in (*self.slots, *census.loose)
+                          if (s.reached if isinstance(s, _Slot) else True)
+                          and s.storage is not None)
         self._watch = Watch(watched, self.preserve_rng, exempt, reads)
         self._hooks = HookWatch(census.hooked, self.modules, self.root_owner)
         self._run.enter_context(uncached_parametrizations())
@@ -276,13 +282,17 @@ class Recording:
         # A held module's tensor the run read is to the replay what a saved tensor is to
         # autograd: the one the run read, unless written since; its slot may be reassigned.
         self.held = [s for s in kept if s.reached and s.storage in watch.read]
+        # So is a tensor held in a container or plain object, unless the run wrote it (then
+        # replayed from its copy).
+        self.loose = [t for t in census.loose if t.storage in watch.read
+                      and t.storage not in watch.written and t.storage not in watch.external]
 
     # -- before a replay -----------------------------------------------------------------------
     def check(self, owner: str, remedy: str, prefix: str = "") -> None:
         """Raise if a tensor the run read was swapped, modified in place or had its
         ``requires_grad`` changed since (NOTE [ Replay ], rule 3); ``prefix`` is the module's
         dotted name, for the message."""
-        for s in self.held:  # by version only: its slot may be reassigned (``held``)
+        for s in (*self.held, *self.loose):  # by version only: its place may be reassigned
             if _version(s.tensor) != s.version or s.tensor.requires_grad != s.requires_grad:
                 self._refuse(s, s.tensor, owner, remedy, prefix)
         for s in self.slots:
@@ -408,7 +418,7 @@ class Recording:
         """Forget what the replay needed (the copies of changed state, the generators' states)."""
         self.changed, self.generators, self.python, self.slots = [], [], [], []
         self.scalars, self.external, self.assigned, self.containers = [], [], [], []
-        self.held = []
+        self.held, self.loose = [], []
 
 
 class _Replay:

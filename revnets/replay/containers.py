@@ -54,7 +54,7 @@ def as_found(found: Sequence[ContainerCopy]) -> Iterator[None]:
     """The containers as the run found them for the time of a replay (those changed since, by
     the run or by code after it), then as they were before it, whatever the replay did to any
     of them (a list the run appended to and later code emptied is emptied again)."""
-    now = [ContainerCopy(c.container) for c in found]
+    now = [type(c)(c.container) for c in found]  # plain objects' attributes too (held.py)
     for c in found:
         if not c.same():
             c.put_back()

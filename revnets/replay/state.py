@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from revnets.replay.containers import MUTABLE, ContainerCopy
-from revnets.replay.held import is_plain_object, reached
+from revnets.replay.containers import ContainerCopy
+from revnets.replay.held import AttributesCopy, path_to, reached, state_copies
 
 __all__ = ["forked_rng", "state_tensors"]
 
@@ -256,6 +256,25 @@ def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._N
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
+@dataclass(slots=True)
+class _Loose:
+    """A tensor a module holds in a container or a plain object (NOTE [ What a module holds ]):
+    to the replay what a saved tensor is to autograd where the run read it (NOTE [ Replay ],
+    rule 3), its place followed as the container's."""
+
+    module: nn.Module
+    tensor: Tensor
+    version: int | None
+    storage: int | None
+    requires_grad: bool
+
+    def name(self, names: dict[int, str]) -> str:
+        d = vars(self.module)
+        where = path_to(self.tensor, d, _own_attributes(tuple(d)))
+        return names.get(id(self.module), f"{type(self.module).__name__}.") + (
+            where or "(a tensor it holds)")
+
+
 @dataclass
 class Census:
     """What a run's modules hold before the run, found in one walk over them (every module once):
@@ -283,11 +302,13 @@ class Census:
     attributes: list[tuple[nn.Module, dict, tuple[str, ...], list[str]]]
     # The lists, dicts, sets and deques the modules hold, nested ones too, and plain objects'
     # attributes, as they were.
-    containers: list[ContainerCopy]
+    containers: list[ContainerCopy | AttributesCopy]
+    # Tensors held in those containers and plain objects, checked where the run read them.
+    loose: list[_Loose]
 
     @classmethod
     def take(cls, roots: Sequence[nn.Module], generators: bool, reach: bool = False) -> Census:
-        found = cls([], [], [], [], {}, [], [], [])
+        found = cls([], [], [], [], {}, [], [], [], [])
         kinds: tuple[type, ...] = (random.Random,)
         numpy = sys.modules.get("numpy") if generators else None
         if generators:
@@ -345,7 +366,7 @@ class Census:
             elif walk is not None:  # user code may reassign anything (a list, a mode string)
                 if not isinstance(value, nn.Module):
                     self.scalars.append((d, key, value))
-                walk.scan(value)
+                walk.scan(value, m)
         self.attributes.append((m, d, keys, candidates))
 
     def _visit_holder(self, m: nn.Module, walk: _HeldWalk) -> None:
@@ -369,7 +390,7 @@ class Census:
             elif type(value) in (bool, int, float):
                 self.scalars.append((d, key, value))
             elif not isinstance(value, nn.Module):
-                walk.scan(value, modules=False)
+                walk.scan(value, m, modules=False)
 
     def new_tensor_attributes(self) -> list[_Slot]:
         """Tensor attributes the run created: slots that did not exist before it."""
@@ -429,20 +450,22 @@ class _HeldWalk:
         self.held: list[nn.Module] = []
         self.seen: set[int] = set()
 
-    def scan(self, value: Any, modules: bool = True) -> None:
-        """``value``'s containers, plain objects, generators and (``modules``) modules."""
+    def scan(self, value: Any, owner: nn.Module, modules: bool = True) -> None:
+        """``value``'s containers, plain objects, tensors, generators and (``modules``)
+        modules; ``owner``: the module holding ``value``, to name a tensor by."""
         for _, v in reached(value, self.seen):
             if isinstance(v, nn.Module):
                 if modules:
                     self.held.append(v)
-            elif isinstance(v, MUTABLE):
-                self.census.containers.append(ContainerCopy(v))
+            elif isinstance(v, Tensor):
+                self.census.loose.append(
+                    _Loose(owner, v, _version(v), _storage_key(v), v.requires_grad))
             elif self.kinds is not None and isinstance(v, self.kinds):
                 self.census.python[id(v)] = (
                     v if isinstance(v, random.Random) else _NumpyGenerator(v)
                 )
-            elif is_plain_object(v):  # its attributes, put back as a dict's entries
-                self.census.containers.append(ContainerCopy(vars(v)))
+            else:  # a container's elements, a plain object's attributes
+                self.census.containers += state_copies(v)
 
     def modules_outside(self, seen: set[int], roots: Sequence[nn.Module]) -> list[nn.Module]:
         """The modules held unregistered not yet walked, but for those that hold a root."""
