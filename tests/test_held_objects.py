@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from test_held_state import Scale, Scaled
+from test_held_state import Scale, Scaled, planned_at
 from torch import nn
 
 import revnets
@@ -126,10 +126,8 @@ def test_planning_finds_and_undoes_a_counter_held_deeper_than_four_objects():
     model = nn.Sequential(*(CountsDeep() for _ in range(6)), nn.Linear(16, 1)).double()
     plain = twin(model)
     x = torch.randn(256, 16, dtype=torch.float64)
-    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
     assert deepest_calls(model) == [0] * 6
-    planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
-                                      loss_fn=lambda out: out.sum())
+    planned = planned_at(model, x, 0.7)
     assert planned.memory_plan.parts  # a plan, not the model as it was
     assert deepest_calls(model) == [0] * 6
     for _ in range(2):
@@ -275,9 +273,7 @@ def test_an_object_blocks_share_is_each_ones_and_a_count_the_graph_froze_is_refu
     model = SharesInALoop().double()
     plain = twin(model)
     x = torch.randn(512, 16, dtype=torch.float64)
-    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
-    planned = revnets.auto_checkpoint(model, x, budget=int(0.8 * peak), measure_time=False,
-                                      loss_fn=lambda out: out.sum())
+    planned = planned_at(model, x, 0.8)
     assert planned.memory_plan.parts
     assert model.blocks[0].shared.ctx.calls == 0  # as planning found it
     for m in (planned, plain):

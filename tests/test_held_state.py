@@ -13,6 +13,13 @@ from revnets import Reconstruct
 from conftest import max_grad_error, rel_error, twin
 
 
+def planned_at(model, x, keep):
+    """``model`` as auto_checkpoint plans it within ``keep`` of its predicted peak."""
+    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
+    return revnets.auto_checkpoint(model, x, budget=int(keep * peak), measure_time=False,
+                                   loss_fn=lambda out: out.sum())
+
+
 class Helper(nn.Module):
     """A module its users keep unregistered (in a plain list): a Python counter, a tensor
     attribute reassigned, a frozen layer; its output depends on the counter through a tensor
@@ -287,10 +294,8 @@ def test_planning_leaves_a_helper_held_unregistered_as_it_found_it():
     shared = Shared().double()
     model = nn.Sequential(*(CallsShared(shared) for _ in range(6)), nn.Linear(16, 1)).double()
     x = torch.randn(64, 16, dtype=torch.float64)
-    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
     assert (shared.calls, shared.seen) == (0, [])
-    planned = revnets.auto_checkpoint(model, x, budget=int(0.85 * peak), measure_time=False,
-                                      loss_fn=lambda out: out.sum())
+    planned = planned_at(model, x, 0.85)
     assert planned is not model  # a plan, run through the helper's calls
     assert (shared.calls, shared.seen) == (0, [])
 
@@ -329,9 +334,7 @@ def test_a_helper_registered_on_the_model_and_called_by_whole_blocks_trains_as_t
     model = SharedOnRoot().double()
     plain = twin(model)
     x = torch.randn(512, 16, dtype=torch.float64)
-    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
-    planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
-                                      loss_fn=lambda out: out.sum())
+    planned = planned_at(model, x, 0.7)
     assert planned.memory_plan.parts  # a plan, not the model as it was
     fired = {id(model): [], id(plain): []}
     for m in (model, plain):  # after planning: the helper runs as itself, so the hook fires
@@ -381,9 +384,7 @@ def test_a_module_traced_through_and_also_called_whole_is_still_refused_once_cha
     torch.manual_seed(0)
     model = TracedAndCalledWhole().double()
     x = torch.randn(512, 16, dtype=torch.float64)
-    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
-    planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
-                                      loss_fn=lambda out: out.sum())
+    planned = planned_at(model, x, 0.7)
     assert planned.memory_plan.parts
     planned(x).sum().backward()
     if after_planning == "number":
@@ -582,9 +583,7 @@ def test_what_the_trace_froze_of_modules_it_read_without_calling_is_refused_once
     torch.manual_seed(0)
     model = Looped().double()
     x = torch.randn(512, 16, dtype=torch.float64)
-    peak = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
-    planned = revnets.auto_checkpoint(model, x, budget=int(0.7 * peak), measure_time=False,
-                                      loss_fn=lambda out: out.sum())
+    planned = planned_at(model, x, 0.7)
     assert planned.memory_plan.parts
     planned(x).sum().backward()
     change(model)
