@@ -29,7 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from revnets.replay.state import generators_held
+from revnets.replay.held import generators_held
 
 
 def is_cpu_scalar(tensor: Tensor) -> bool:

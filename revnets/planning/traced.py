@@ -17,11 +17,17 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
-from revnets.replay.held import attributes_of, is_plain_object, reached, state_copies
+from revnets.replay.held import (
+    attributes_of,
+    generators_held,
+    is_plain_object,
+    reached,
+    state_copies,
+)
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
 from revnets.replay.known_calls import bound_arguments
-from revnets.replay.state import _NumpyGenerator, _own_attributes, generators_held
+from revnets.replay.state import _NumpyGenerator, _own_attributes
 
 __all__ = [
     "Attributes", "Draws", "Frozen", "code_by_module", "drop_specialisation_checks",
@@ -79,18 +85,18 @@ class Attributes:
         # modules reach (a config, a logger they share) is each one's: any of them may be
         # the one changing it, and the trace finds which.
         self.owned: dict[int, tuple[list[int], list[int]]] = {}
-        records: dict[int, tuple[list[int], list[int]]] = {}  # id(object): its entries
+        records: dict[int, list[int]] = {}  # id(object): its entries (a tensor's as ~index)
         # Then the modules they hold unregistered (a helper in a plain list), with theirs.
         todo = list(modules)
         for module in todo:
             if id(module) not in self.owned:
                 self.owned[id(module)] = self._follow(module, records, todo)
 
-    def _follow(self, module: nn.Module, records: dict[int, tuple[list[int], list[int]]],
+    def _follow(self, module: nn.Module, records: dict[int, list[int]],
                 held: list[nn.Module]) -> tuple[list[int], list[int]]:
         registered = {id(t) for t in module._parameters.values() if t is not None}
         own = vars(module)
-        saved, tensors = [len(self.saved)], []
+        entries = [len(self.saved)]
         self.saved.append((module, module, dict(own)))
         seen: set[int] = set()
         for value in list(own.values()):
@@ -101,20 +107,19 @@ class Attributes:
                         if not any(m is module for m in inside):  # not a parent held back
                             held += inside
                     continue
-                entries = records.get(id(v))
-                if entries is None:
-                    entries = records[id(v)] = ([], [])
+                found = records.get(id(v))
+                if found is None:
                     if isinstance(v, Tensor):
-                        entries[1].append(len(self.tensors))
+                        found = [~len(self.tensors)]
                         copy = None if id(v) in registered else _copy_of(v)
                         self.tensors.append([module, v, _version(v), copy])
                     else:  # a container's elements, a plain object's attributes
-                        for copy in state_copies(v):
-                            entries[0].append(len(self.saved))
-                            self.saved.append((module, v, copy))
-                saved += entries[0]
-                tensors += entries[1]
-        return saved, tensors
+                        found = list(range(len(self.saved), len(self.saved) + len(
+                            copies := state_copies(v))))
+                        self.saved += [(module, v, copy) for copy in copies]
+                    records[id(v)] = found
+                entries += found
+        return [i for i in entries if i >= 0], [~i for i in entries if i < 0]
 
     def _entries(self, modules: Iterable[nn.Module] | None) -> Iterator[tuple[Any, list, list]]:
         if modules is None:

@@ -65,7 +65,7 @@ from torch.utils.hooks import RemovableHandle
 
 from revnets.replay.autocast import AutocastState, uncached_parametrizations
 from revnets.replay.containers import ContainerCopy, as_found
-from revnets.replay.held import AttributesCopy
+from revnets.replay.held import AttributesCopy, generators_held
 from revnets.replay.hooks import (
     HookWatch,
     ReplayedHook,
@@ -87,7 +87,6 @@ from revnets.replay.state import (
     _storage_key,
     _version,
     forked_rng,
-    generators_held,
     put_attribute,
     same_state,
     state_tensors,

@@ -4,6 +4,7 @@ planner and the messages naming modules all share (NOTE [ What a module holds ])
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import sys
@@ -11,12 +12,14 @@ import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
 
 __all__ = [
-    "AttributesCopy", "attributes_of", "is_plain_object", "path_to", "reached", "state_copies",
+    "AttributesCopy", "attributes_of", "generators_held", "is_plain_object", "path_to",
+    "reached", "state_copies",
 ]
 
 # NOTE [ What a module holds ]
@@ -47,14 +50,18 @@ _RECORDS = (types.SimpleNamespace, argparse.Namespace)
 
 def is_plain_object(value: Any) -> bool:
     """Whether ``reached`` walks into ``value``'s attributes (NOTE [ What a module holds ]):
-    its ``__dict__`` and ``__slots__``. Found without calling the object's own code (a
-    ``__getattr__`` that raises)."""
-    kind = type(value)
+    its ``__dict__`` and ``__slots__``. Decided by its class, without calling the object's own
+    code (a ``__getattr__`` that raises)."""
+    return _plain_kind(type(value))
+
+
+@functools.cache
+def _plain_kind(kind: type) -> bool:
     package = str(getattr(kind, "__module__", "")).partition(".")[0]
-    if isinstance(value, _NOT_PLAIN) or package == "torch" or (
+    if issubclass(kind, _NOT_PLAIN) or package == "torch" or (
             package in sys.stdlib_module_names and kind not in _RECORDS):
         return False
-    return _own_dict(value) is not None or bool(_slot_names(kind))
+    return bool(getattr(kind, "__dictoffset__", 0)) or bool(_slot_names(kind))
 
 
 def _own_dict(value: Any) -> dict | None:
@@ -182,3 +189,30 @@ def _part(holder: Any, key: Any) -> str:
         return "{...}"  # an element of a set: no place to name
     # keys named where their repr is plain and cannot fail
     return f"[{repr(key) if type(key) in (str, int) else f'<{type(key).__name__}>'}]"
+
+
+_EMPTY_SKIPPED = (dict, collections.OrderedDict, list)
+
+
+def generators_held(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects ``module`` and its submodules hold, and the modules they
+    hold unregistered (the model a planned model runs), in attributes and in what those reach
+    (NOTE [ What a module holds ])."""
+    found: dict[int, torch.Generator] = {}
+    seen: set[int] = set()
+    walked: set[int] = set()
+    pending = [module]
+    while pending:
+        m = pending.pop()
+        if id(m) in walked:
+            continue
+        walked.add(id(m))
+        for attribute in vars(m).values():  # _modules among them
+            if type(attribute) in _EMPTY_SKIPPED and not attribute:  # most hook tables
+                continue
+            for _, value in reached(attribute, seen):
+                if isinstance(value, nn.Module):
+                    pending.append(value)
+                elif isinstance(value, torch.Generator):
+                    found[id(value)] = value
+    return list(found.values())

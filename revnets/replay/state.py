@@ -141,28 +141,6 @@ def forked_rng(
         random.setstate(python)
 
 
-def generators_held(module: nn.Module) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects ``module`` and its submodules hold, and the modules they
-    hold unregistered (the model a planned model runs), in attributes and in what those reach
-    (NOTE [ What a module holds ])."""
-    found: dict[int, torch.Generator] = {}
-    seen: set[int] = set()
-    walked: set[int] = set()
-    pending = [module]
-    while pending:
-        m = pending.pop()
-        if id(m) in walked:
-            continue
-        walked.add(id(m))
-        for attribute in vars(m).values():  # _modules among them
-            for _, value in reached(attribute, seen):
-                if isinstance(value, nn.Module):
-                    pending.append(value)
-                elif isinstance(value, torch.Generator):
-                    found[id(value)] = value
-    return list(found.values())
-
-
 def state_tensors(
     module: nn.Module, buffers: bool = True, names: bool = False
 ) -> list[Any]:
