@@ -14,8 +14,6 @@ from revnets.plan import Checkpoint, MemoryPlan
 from revnets.planning.graph_step import GraphStep
 from revnets.planning.model_view import ModelView
 from revnets.planning.traced import Frozen, refuse_hooks
-from revnets.replay.held import reached
-from revnets.replay.state import _own_attributes
 
 __all__ = ["PlanChain", "PlannedModel"]
 
@@ -96,14 +94,13 @@ class PlannedModel(ModelView):
         self._plan = (plan,)  # unregistered: its modules are the model's
         # The modules the plan runs as their traced graph: those the trace went into
         # (``traced_by``), and any other its steps do not call (a ModuleList indexed, a block
-        # run through another method, a module whose numbers its parent reads), but for those
-        # the modules the steps call hold unregistered (a helper in a plain list), which run as
-        # themselves where they are called.
+        # run through another method, a module whose numbers its parent reads). A module the
+        # steps call only through a plain list (a helper of kept-whole blocks) is among them
+        # too: the trace may have read it without calling it, so a change to it is refused.
         entered = {id(model.get_submodule(name)) for name in traced}
         called = {id(m) for m in plan.modules()}
-        held = _held_by([m for m in model.modules() if id(m) in called])
-        self._traced = tuple((n, m) for n, m in model.named_modules() if id(m) in entered
-                             or (id(m) not in called and id(m) not in held))
+        self._traced = tuple((n, m) for n, m in model.named_modules()
+                             if id(m) in entered or id(m) not in called)
         self._frozen = Frozen(self._traced)
         # The model's tensors that steps read directly (parameters, buffers, plain attributes),
         # by owner and name. A constant torch.fx made of a tensor the forward makes (or
@@ -185,20 +182,3 @@ class PlannedModel(ModelView):
             self._follow()
             return self.plan(self._input_of(args, kwargs))
         return self.model(*args, **kwargs)
-
-
-def _held_by(modules: list[nn.Module]) -> set[int]:
-    """The modules ``modules`` hold unregistered, directly (NOTE [ What a module holds ]), with
-    their submodules; not one holding a module of ``modules`` (a parent held back), nor what
-    those hold in turn (a helper holding the model would make every module look called)."""
-    held: set[int] = set()
-    for module in modules:
-        seen: set[int] = set()
-        d = vars(module)
-        for key in _own_attributes(tuple(d)):
-            for _, value in reached(d[key], seen):
-                if isinstance(value, nn.Module):
-                    inside = list(value.modules())
-                    if not any(m is module for m in inside):
-                        held.update(id(m) for m in inside)
-    return held

@@ -38,8 +38,8 @@ __all__ = [
 # NOTE [ Traced modules run as their graph ]
 # A module the planner's trace goes through (any module with submodules that is not kept whole:
 # those the tracer entered, ``traced`` of as_graph_chain) is never called in a planned training
-# step: its steps run the nodes its forward recorded once, on proxies; any other module is
-# called where it is, by a step or by a module kept whole. Whatever else a traced forward does
+# step: its steps run the nodes its forward recorded once, on proxies; a planned model also
+# watches every module its steps do not call (planned.py). Whatever else a traced forward does
 # would happen once, at planning time, with proxies, and never again. So a module stays whole
 # (called as itself by its step, its code run each time) where its forward does more than
 # compute values:
