@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from revnets.checkpoint import SELECTIVE_OPS
+from revnets.cpu_kernels import CPU_OUTPUTS
 from revnets.memory import measure_memory
 from revnets.planning.meta_attention import AttentionAsOn, may_attend
 from revnets.planning.traced import Attributes
@@ -91,10 +92,8 @@ def profile_chain(
     times are measured too (the fastest of ``repeats`` runs of each layer). What passes between
     layers may be a tensor or a tuple of tensors (a recurrent state, or the live values of a
     graph chain). On the meta device, ``loss_fn`` (of the last layer's output) is profiled too:
-    the last profile's ``loss_bytes``.
-
-    The layers are left as they were: BatchNorm running statistics and the random number
-    generators are restored afterwards.
+    the last profile's ``loss_bytes``. The layers are left as they were: BatchNorm running
+    statistics and the random number generators are restored afterwards.
     """
     device = next(t for t in tree_leaves(example_input) if isinstance(t, Tensor)).device
     as_on = device.type == "meta" and kernels_of is not None  # where steps may attend, below
@@ -324,7 +323,10 @@ class _SelectiveOutputs(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.meta:
             args, kwargs = _all_meta(args, kwargs)
-        out = func(*args, **kwargs)
+        # Batch norm's meta kernel is a slow decomposition (NOTE [ CPU kernels that allocate
+        # unlike their meta kernels ]): its outputs are made as the CPU's kernel makes them.
+        out = CPU_OUTPUTS[func](*args, **kwargs) if self.meta and func in CPU_OUTPUTS else None
+        out = func(*args, **kwargs) if out is None or out is NotImplemented else out
         if func in SELECTIVE_OPS:
             self.outputs += [(t, t._version) for t in tree_leaves(out)
                              if isinstance(t, Tensor)]
@@ -479,11 +481,8 @@ def _as_leaf(value: Any) -> Any:
 def meta_like(value: Any) -> Any:
     """Meta tensors shaped like ``value`` (a tensor or a tuple of tensors), keeping
     requires_grad."""
-    return tree_map(
-        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
-        if isinstance(t, Tensor) else t,
-        value,
-    )
+    return tree_map(lambda t: torch.empty_like(t, device="meta").requires_grad_(
+        t.requires_grad) if isinstance(t, Tensor) else t, value)
 
 
 TIMED_BATCH = 8
