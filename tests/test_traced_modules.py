@@ -368,6 +368,20 @@ def test_what_a_traced_graph_froze_is_refused_by_name_when_changed_after_plannin
         train_step(planned, x)
 
 
+def test_a_block_added_to_a_traced_container_after_planning_is_refused_by_name():
+    """The graph runs the blocks the trace went through: one appended since (a model grown
+    stage by stage) would be left out of every planned step without a word."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.8)
+    model.blocks.append(Residual())
+    with pytest.raises(RuntimeError, match=r"blocks \(Sequential\) has submodules \['6'\] "
+                                           r"added since planning"):
+        train_step(planned, x)
+    del model.blocks[6]
+    train_step(planned, x)
+
+
 class SharedAndDirect(nn.Module):
     """Parameters and a buffer read directly in the model's code, one parameter under two
     names (a tied head), another reassigned by hand before tracing."""

@@ -56,10 +56,10 @@ __all__ = [
 # module after planning, on the model itself, or globally would not run either: a planned
 # training step refuses them by name (``refuse_hooks``), and so does it refuse what the graph
 # froze that has changed since (``Frozen``): a number, flag or string a traced module's code
-# reads (a drop-path rate raised by a schedule), a submodule replaced (a new head). A tensor
-# it reads directly (a parameter, a buffer, a plain attribute) is followed instead (NOTE [ A
-# planned model is the model ]). Code changing the grad mode or autocast keeps its module
-# whole (trace.py), since a graph records neither.
+# reads (a drop-path rate raised by a schedule), a submodule replaced (a new head) or added (a
+# block appended). A tensor it reads directly (a parameter, a buffer, a plain attribute) is
+# followed instead (NOTE [ A planned model is the model ]). Code changing the grad mode or
+# autocast keeps its module whole (trace.py), since a graph records neither.
 # Planning's runs on the meta device run kept-whole modules too, and so do the real runs that
 # time the forward; both put back what they assign the same way (profile.on_meta,
 # step_times.chain_times).
@@ -223,6 +223,7 @@ class Frozen:
         ]
         self.modules = [(name, module, key, child) for name, module in traced
                         for key, child in module._modules.items()]
+        self.names = [(name, module, tuple(module._modules)) for name, module in traced]
 
     def check(self) -> None:
         """Raise, naming it, if anything frozen changed."""
@@ -237,6 +238,10 @@ class Frozen:
         for name, module, key, child in self.modules:
             if module._modules.get(key) is not child:
                 _refuse(name, module, key, "is another module than when planned")
+        for name, module, keys in self.names:  # a block appended: the graph would skip it
+            if len(module._modules) != len(keys):
+                added = [key for key in module._modules if key not in keys]
+                _refuse(name, module, "", f"has submodules {added} added since planning")
 
 
 def _plain_objects_read(module: nn.Module) -> Iterator[tuple[str, Any]]:
@@ -256,9 +261,9 @@ def _scalars_of(holder: Any) -> list[tuple[str, Any]]:
 
 def _refuse(name: str, module: Any, key: str, what: str) -> None:
     raise RuntimeError(
-        f"auto_checkpoint: {name + '.' if name else ''}{key} ({type(module).__name__}) {what}; "
-        "the plan runs a graph traced with it as it was. Plan again (auto_checkpoint on the "
-        "model as it is now)"
+        f"auto_checkpoint: {'.'.join(filter(None, (name, key))) or 'the model'} "
+        f"({type(module).__name__}) {what}; the plan runs a graph traced with it as it was. "
+        f"Plan again (auto_checkpoint on the model as it is now)"
     )
 
 
