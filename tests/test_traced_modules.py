@@ -382,6 +382,32 @@ def test_a_block_added_to_a_traced_container_after_planning_is_refused_by_name()
     train_step(planned, x)
 
 
+class ListScaled(Residual):
+    def __init__(self):
+        super().__init__()
+        self.scales = [1.0, 2.0]  # read by a traced graph as constants
+        self.act = torch.relu  # called by a traced graph as the function it was
+
+    def forward(self, x):
+        return x + self.scales[0] * self.b(self.act(self.a(x)))
+
+
+def test_what_a_traced_graph_froze_of_lists_and_functions_is_refused_by_name_when_changed():
+    """Numbers in a list, and a function held as an attribute, are frozen into the graph as
+    they were when planned: changed since, the plan would run the old ones."""
+    torch.manual_seed(0)
+    model, x = Stack(ListScaled), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.8)
+    model.blocks[2].scales[0] = 3.0
+    with pytest.raises(RuntimeError, match=r"blocks\.2\.scales \(list\) was changed in place"):
+        train_step(planned, x)
+    model.blocks[2].scales[0] = 1.0  # an equal number: as planned
+    train_step(planned, x)
+    model.blocks[1].act = torch.tanh
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.act \(ListScaled\) is tanh, relu when"):
+        train_step(planned, x)
+
+
 class SharedAndDirect(nn.Module):
     """Parameters and a buffer read directly in the model's code, one parameter under two
     names (a tied head), another reassigned by hand before tracing."""

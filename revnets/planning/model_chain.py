@@ -12,9 +12,9 @@ from torch import nn
 from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS
 from revnets.planning.budget import LossFn, no_fit, training_step
+from revnets.planning.frozen import refuse_hooks
 from revnets.planning.graph_step import GraphStep
 from revnets.planning.trace import as_graph_chain
-from revnets.planning.traced import refuse_hooks
 from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
 

@@ -11,9 +11,9 @@ from torch import nn
 
 from revnets.checkpoint import Checkpointed, checkpoint
 from revnets.plan import Checkpoint, MemoryPlan
+from revnets.planning.frozen import Frozen, refuse_hooks
 from revnets.planning.graph_step import GraphStep
 from revnets.planning.model_view import ModelView
-from revnets.planning.traced import Frozen, refuse_hooks
 
 __all__ = ["PlanChain", "PlannedModel"]
 

@@ -5,7 +5,6 @@ reads (NOTE [ Traced modules run as their graph ])."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import operator
 import random
@@ -18,20 +17,16 @@ import torch.fx
 from torch import Tensor, nn
 
 from revnets.replay.held import (
-    attributes_of,
     generators_held,
-    is_plain_object,
     reached,
     state_copies,
 )
-from revnets.replay.hooks import hooked
-from revnets.replay.known import names_run_by
 from revnets.replay.known_calls import bound_arguments
-from revnets.replay.state import _NumpyGenerator, _own_attributes
+from revnets.replay.state import _NumpyGenerator
 
 __all__ = [
-    "Attributes", "Draws", "Frozen", "code_by_module", "drop_specialisation_checks",
-    "grad_and_autocast", "modes_flipped", "mutated_argument", "own_code", "refuse_hooks",
+    "Attributes", "Draws", "code_by_module", "drop_specialisation_checks",
+    "grad_and_autocast", "modes_flipped", "mutated_argument", "own_code",
     "steering_defaults", "writes_in_place",
 ]
 
@@ -54,12 +49,14 @@ __all__ = [
 #   - it draws from Python's random module, or its code depends on ``training`` (trace.py).
 # State outside the model (module-level globals) is not followed. A hook registered on a traced
 # module after planning, on the model itself, or globally would not run either: a planned
-# training step refuses them by name (``refuse_hooks``), and so does it refuse what the graph
-# froze that has changed since (``Frozen``): a number, flag or string a traced module's code
-# reads (a drop-path rate raised by a schedule), a submodule replaced (a new head) or added (a
-# block appended). A tensor it reads directly (a parameter, a buffer, a plain attribute) is
-# followed instead (NOTE [ A planned model is the model ]). Code changing the grad mode or
-# autocast keeps its module whole (trace.py), since a graph records neither.
+# training step refuses them by name, and so does it refuse what the graph froze that has
+# changed since (``Frozen``, frozen.py): what a traced module's code reads, by value where it is
+# a number, flag or string (a drop-path rate raised by a schedule), else by identity (a function
+# swapped), with what the lists, dicts and plain objects it reads hold (``self.scales[0] =
+# ...``), and a submodule replaced (a new head) or added (a block appended). A tensor it reads
+# directly (a parameter, a buffer, a plain attribute) is followed instead (NOTE [ A planned
+# model is the model ]). Code changing the grad mode or autocast keeps its module whole
+# (trace.py), since a graph records neither.
 # Planning's runs on the meta device run kept-whole modules too, and so do the real runs that
 # time the forward; both put back what they assign the same way (profile.on_meta,
 # step_times.chain_times).
@@ -188,6 +185,9 @@ def _version(tensor: Tensor) -> int | None:
         return None
 
 
+_MISSING = object()
+
+
 def _changed_key(now: dict, saved: dict, tracer_names: set[str]) -> str | None:
     for key in now.keys() | saved.keys():
         if key == _MODE or (key in tracer_names and key not in saved):
@@ -195,117 +195,6 @@ def _changed_key(now: dict, saved: dict, tracer_names: set[str]) -> str | None:
         if now.get(key, _MISSING) is not saved.get(key, _MISSING):
             return key
     return None
-
-
-_MISSING = object()
-
-
-_SCALARS = (int, float, bool, str, complex, type(None))
-
-
-class Frozen:
-    """What a traced graph froze of the modules it runs as their graph (``traced``: names and
-    modules): the numbers, flags and strings their classes' code reads, by value, theirs and
-    those of the plain objects they hold (``self.cfg.rate``: NOTE [ What a module holds ]), and
-    their submodules, by identity (NOTE [ Traced modules run as their graph ])."""
-
-    def __init__(self, traced: Iterable[tuple[str, nn.Module]]) -> None:
-        traced = list(traced)
-        self.values = [
-            (name, module, key, value) for name, module in traced
-            for key, value in vars(module).items()
-            if key != _MODE and isinstance(value, _SCALARS) and key in _names_read(type(module))
-        ]
-        self.held = [
-            (f"{name + '.' if name else ''}{where}", holder, key, value)
-            for name, module in traced for where, holder in _plain_objects_read(module)
-            for key, value in _scalars_of(holder) if key in _names_read(type(module))
-        ]
-        self.modules = [(name, module, key, child) for name, module in traced
-                        for key, child in module._modules.items()]
-        self.names = [(name, module, tuple(module._modules)) for name, module in traced]
-
-    def check(self) -> None:
-        """Raise, naming it, if anything frozen changed."""
-        for name, module, key, value in self.values:
-            now = vars(module).get(key, _MISSING)
-            if now is not value and now != value:
-                _refuse(name, module, key, f"is {now!r}, {value!r} when planned")
-        for name, holder, key, value in self.held:
-            now = dict(_scalars_of(holder)).get(key, _MISSING)
-            if now is not value and now != value:
-                _refuse(name, holder, key, f"is {now!r}, {value!r} when planned")
-        for name, module, key, child in self.modules:
-            if module._modules.get(key) is not child:
-                _refuse(name, module, key, "is another module than when planned")
-        for name, module, keys in self.names:  # a block appended: the graph would skip it
-            if len(module._modules) != len(keys):
-                added = [key for key in module._modules if key not in keys]
-                _refuse(name, module, "", f"has submodules {added} added since planning")
-
-
-def _plain_objects_read(module: nn.Module) -> Iterator[tuple[str, Any]]:
-    """The plain objects ``module`` holds under names its class's code reads, with their
-    paths."""
-    d, read, seen = vars(module), _names_read(type(module)), set()
-    for key in _own_attributes(tuple(d)):
-        if key in read:
-            yield from ((where, v) for where, v in reached(d[key], seen, key)
-                        if not isinstance(v, nn.Module) and is_plain_object(v))
-
-
-def _scalars_of(holder: Any) -> list[tuple[str, Any]]:
-    own, slots = attributes_of(holder)
-    return [(k, v) for k, v in (*own.items(), *slots.items()) if isinstance(v, _SCALARS)]
-
-
-def _refuse(name: str, module: Any, key: str, what: str) -> None:
-    raise RuntimeError(
-        f"auto_checkpoint: {'.'.join(filter(None, (name, key))) or 'the model'} "
-        f"({type(module).__name__}) {what}; the plan runs a graph traced with it as it was. "
-        f"Plan again (auto_checkpoint on the model as it is now)"
-    )
-
-
-@functools.cache
-def _names_read(kind: type) -> frozenset[str]:
-    """Every attribute name the code of ``kind`` and its bases (torch's own excluded) reads:
-    methods, and the functions under properties, static and class methods."""
-    return names_run_by(
-        getattr(f, "fget", None) or getattr(f, "__func__", None) or f
-        for base in kind.__mro__ if base is not object and not base.__module__.startswith("torch.")
-        for f in vars(base).values()
-    )
-
-
-def _global_hooks() -> bool:
-    module = nn.modules.module
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks
-                or module._global_backward_hooks or module._global_backward_pre_hooks)
-
-
-def refuse_hooks(traced: Iterable[tuple[str, nn.Module]]) -> None:
-    """Raise, naming it, if a module a planned step runs as its traced graph (``traced``: names
-    and modules, "" for the model itself) has a hook, or if a global module hook is registered
-    (NOTE [ Traced modules run as their graph ])."""
-    if _global_hooks():
-        raise RuntimeError(
-            "auto_checkpoint: a global module hook (torch.nn.modules.module.register_module_"
-            "forward_hook and the like) is registered; a planned training step runs traced "
-            "graphs in which most of the model's modules are never called, so it would not fire "
-            "as in the model. Remove it around planned training steps, or register hooks on the "
-            "modules themselves before planning (the planner then keeps them whole)"
-        )
-    for name, module in traced:
-        if hooked(module):
-            where = (f"the model itself ({type(module).__name__}): register it on the model "
-                     "auto_checkpoint returned" if not name else
-                     f"{name} ({type(module).__name__}), which the plan runs as its traced graph: "
-                     "register hooks before auto_checkpoint, which then keeps the module whole")
-            raise RuntimeError(
-                f"auto_checkpoint: a hook is registered on {where}. Where it is now, it would "
-                "not run in a planned training step"
-            )
 
 
 # What a trace freezes of modes: found by tracing again with each flipped (trace.py).

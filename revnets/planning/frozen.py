@@ -1,0 +1,166 @@
+"""What a planned training step checks before it runs a traced graph: that what the graph froze
+of the modules it runs as their graph is as it was when planned, and that no hook is registered
+where it would not fire (NOTE [ Traced modules run as their graph ] in traced.py)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Container, Iterable, Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from revnets.planning.traced import _MODE
+from revnets.replay.containers import MUTABLE
+from revnets.replay.held import attributes_of, is_plain_object, reached
+from revnets.replay.hooks import hooked
+from revnets.replay.known import names_run_by
+from revnets.replay.state import _own_attributes
+
+__all__ = ["Frozen", "refuse_hooks"]
+
+_MISSING = object()
+
+
+_SCALARS = (int, float, bool, str, complex, type(None))
+
+
+class Frozen:
+    """What a traced graph froze of the modules it runs as their graph (``traced``: names and
+    modules): what their classes' code reads, theirs and what the containers and plain objects
+    they hold hold (``self.cfg.rate``, ``self.scales[0]``: NOTE [ What a module holds ]),
+    numbers, flags and strings by value, anything else by identity (a function, a list), tensors
+    aside (followed: NOTE [ A planned model is the model ]); and their submodules, by identity
+    (NOTE [ Traced modules run as their graph ])."""
+
+    def __init__(self, traced: Iterable[tuple[str, nn.Module]]) -> None:
+        traced = list(traced)
+        self.values = [
+            (name, module, key, value) for name, module in traced
+            for key, value in _frozen_of(vars(module), _names_read(type(module)))
+        ]
+        self.held = []  # (path, holder, its frozen contents as found)
+        for name, module in traced:
+            read = _names_read(type(module))
+            for where, holder in _held_read(module):
+                path = f"{name + '.' if name else ''}{where}"
+                if isinstance(holder, MUTABLE):
+                    self.held.append((path, holder, _contents(holder)))
+                if is_plain_object(holder):
+                    own, slots = attributes_of(holder)
+                    self.held.append((path, holder, dict(_frozen_of({**own, **slots}, read))))
+        self.modules = [(name, module, key, child) for name, module in traced
+                        for key, child in module._modules.items()]
+        self.names = [(name, module, tuple(module._modules)) for name, module in traced]
+
+    def check(self) -> None:
+        """Raise, naming it, if anything frozen changed."""
+        for name, module, key, value in self.values:
+            _check(name, module, key, vars(module).get(key, _MISSING), value)
+        for name, holder, then in self.held:
+            if isinstance(then, list):  # a container's elements
+                now = _contents(holder)
+                if len(now) != len(then) or not all(map(_same, now, then)):
+                    _refuse(name, holder, "", "was changed in place since planning")
+                continue
+            own, slots = attributes_of(holder)
+            now = {**own, **slots}
+            for key, value in then.items():
+                _check(name, holder, key, now.get(key, _MISSING), value)
+        for name, module, key, child in self.modules:
+            if module._modules.get(key) is not child:
+                _refuse(name, module, key, "is another module than when planned")
+        for name, module, keys in self.names:  # a block appended: the graph would skip it
+            if len(module._modules) != len(keys):
+                added = [key for key in module._modules if key not in keys]
+                _refuse(name, module, "", f"has submodules {added} added since planning")
+
+
+def _frozen_of(attributes: dict, read: Container[str]) -> Iterator[tuple[str, Any]]:
+    """The attributes a graph may have frozen: those the code reads, but the training flag
+    (flipped on purpose), tensors (followed) and modules (checked as submodules)."""
+    return ((key, value) for key, value in attributes.items() if key in read and key != _MODE
+            and not isinstance(value, (Tensor, nn.Module)))
+
+
+def _same(now: Any, then: Any) -> bool:
+    return now is then or (type(now) in _SCALARS and type(then) in _SCALARS and now == then)
+
+
+def _check(name: str, holder: Any, key: str, now: Any, then: Any) -> None:
+    if not _same(now, then):
+        _refuse(name, holder, key, f"is {_named(now)}, {_named(then)} when planned")
+
+
+def _named(value: Any) -> str:
+    if type(value) in _SCALARS:
+        return repr(value)
+    if value is _MISSING:
+        return "gone"
+    return getattr(value, "__name__", None) or f"another {type(value).__name__}"
+
+
+def _contents(container: Any) -> list:
+    """A container's keys and elements, in order, one flat list."""
+    if isinstance(container, dict):
+        return [x for item in dict.items(container) for x in item]
+    return list(container)
+
+
+def _held_read(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The containers and plain objects ``module`` holds under names its class's code reads,
+    with their paths."""
+    d, read, seen = vars(module), _names_read(type(module)), set()
+    for key in _own_attributes(tuple(d)):
+        if key in read:
+            yield from ((where, v) for where, v in reached(d[key], seen, key)
+                        if isinstance(v, MUTABLE) or is_plain_object(v))
+
+
+def _refuse(name: str, module: Any, key: str, what: str) -> None:
+    raise RuntimeError(
+        f"auto_checkpoint: {'.'.join(filter(None, (name, key))) or 'the model'} "
+        f"({type(module).__name__}) {what}; the plan runs a graph traced with it as it was. "
+        f"Plan again (auto_checkpoint on the model as it is now)"
+    )
+
+
+@functools.cache
+def _names_read(kind: type) -> frozenset[str]:
+    """Every attribute name the code of ``kind`` and its bases (torch's own excluded) reads:
+    methods, and the functions under properties, static and class methods."""
+    return names_run_by(
+        getattr(f, "fget", None) or getattr(f, "__func__", None) or f
+        for base in kind.__mro__ if base is not object and not base.__module__.startswith("torch.")
+        for f in vars(base).values()
+    )
+
+
+def _global_hooks() -> bool:
+    module = nn.modules.module
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks
+                or module._global_backward_hooks or module._global_backward_pre_hooks)
+
+
+def refuse_hooks(traced: Iterable[tuple[str, nn.Module]]) -> None:
+    """Raise, naming it, if a module a planned step runs as its traced graph (``traced``: names
+    and modules, "" for the model itself) has a hook, or if a global module hook is registered
+    (NOTE [ Traced modules run as their graph ])."""
+    if _global_hooks():
+        raise RuntimeError(
+            "auto_checkpoint: a global module hook (torch.nn.modules.module.register_module_"
+            "forward_hook and the like) is registered; a planned training step runs traced "
+            "graphs in which most of the model's modules are never called, so it would not fire "
+            "as in the model. Remove it around planned training steps, or register hooks on the "
+            "modules themselves before planning (the planner then keeps them whole)"
+        )
+    for name, module in traced:
+        if hooked(module):
+            where = (f"the model itself ({type(module).__name__}): register it on the model "
+                     "auto_checkpoint returned" if not name else
+                     f"{name} ({type(module).__name__}), which the plan runs as its traced graph: "
+                     "register hooks before auto_checkpoint, which then keeps the module whole")
+            raise RuntimeError(
+                f"auto_checkpoint: a hook is registered on {where}. Where it is now, it would "
+                "not run in a planned training step"
+            )
