@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 import revnets
@@ -220,7 +219,7 @@ def test_below_the_floors_a_smaller_budget_never_gets_a_higher_peak(seed):
                if budget < least)
 
 
-def test_no_nested_schedule_is_searched_where_the_floor_is_next_to_the_end(
+def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_thousandth_of_the_end(
         monkeypatch):
     """Wide layers at batch 1: the peak is the weights and their gradients, which every plan
     holds at the step's end, and the lowest floor is next to it. The nested search, whose
@@ -239,7 +238,7 @@ def test_no_nested_schedule_is_searched_where_the_floor_is_next_to_the_end(
     assert planned.memory_plan.peak_bytes <= refusal.value.smallest_budget
 
 
-def test_no_nested_schedule_is_searched_where_the_floor_is_next_to_a_backward(
+def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_thousandth_of_a_backward(
         monkeypatch):
     """A wide head under cross-entropy: while it is backpropagated the step holds its weights'
     gradient and its output's, 5 % more than at the step's end, and the lowest floor is next to
@@ -289,30 +288,6 @@ def test_batch_norm_is_sized_on_the_meta_device_without_its_python_decomposition
     assert decomposed == []
     assert [(p.output_bytes, p.saved_bytes) for p in on_meta] == [
         (p.output_bytes, p.saved_bytes) for p in on_cpu]
-
-
-def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_twentieth_of_what_it_holds(
-        monkeypatch):
-    """torchvision's ResNet-18 asked for what no plan reaches: its lowest floor lies a few
-    percent of the activations it holds above the least every plan holds (the stem's output and
-    its gradient), where nesting gained nothing on the planner zoo while each of its
-    predictions cost a second or more. The refusal names the floor, which plans."""
-    def refused(*args):
-        raise AssertionError("nested schedules searched")
-
-    monkeypatch.setattr(auto, "nested_candidates", refused)
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None)
-    x, labels = torch.randn(2, 3, 64, 64), torch.randint(0, 1000, (2,))
-
-    def plan(budget):
-        return revnets.auto_checkpoint(model, x, budget, measure_time=False,
-                                       loss_fn=lambda out: F.cross_entropy(out, labels))
-
-    with pytest.raises(revnets.PlanningError) as refusal:
-        plan(1)
-    planned = plan(refusal.value.smallest_budget)
-    assert planned.memory_plan.peak_bytes <= refusal.value.smallest_budget
 
 
 def test_a_refusal_names_a_plan_modelled_above_the_floors_that_peaks_below_them():

@@ -77,7 +77,7 @@ __all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
 
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 NESTED_SLOTS = 512  # and O(slots): memory in 1/512ths of the room, each term rounded up
-NESTED_MIN_GAIN = 0.05  # below the floors: the least share of the peak above the model state
+NESTED_MIN_GAIN = 0.001  # below the floors, the least share of the peak worth nesting for
 # Selective candidates: for the rooms of one fixed grid, ROOM_RATIO apart, that lie within
 # these shares of the budget left for activations (NOTE [ Modelled search, exact acceptance ]).
 SELECTIVE_SHARES = (0.9, 1.1)
@@ -437,13 +437,13 @@ class _Planner:
         frugal = most_frugal_schedule(grouped)
         # No plan peaks below the least every plan holds at some moment (the model state, and
         # in the chain model the step's end state, or a step's backward: what it saves, the
-        # gradients made by then). Where the lowest floor is within NESTED_MIN_GAIN of that
-        # (a share of what the floor holds above the model state), nested checkpoints are not
-        # searched: what they could save is little, and their predictions cost seconds
-        # (NOTE [ Modelled search, exact acceptance ]). Sizes and the floor decide, never the
-        # budget.
+        # gradients made by then). Where the lowest floor is within NESTED_MIN_GAIN of that,
+        # nested checkpoints are not searched: what they could save is next to nothing, and
+        # their predictions cost seconds on a large model (torchvision's ViT-H/14, whose peak
+        # is its weights and their gradients; RegNet-Y-128GF, whose last stage's backward makes
+        # most of its 2.6 GB of gradients). Sizes and the floor decide, never the budget.
         least = self.model_state + ChainModel.of(profiles, self.input_state).least_bytes
-        if frugal is None or low_peak - least < NESTED_MIN_GAIN * (low_peak - self.model_state):
+        if frugal is None or low_peak - least < NESTED_MIN_GAIN * low_peak:
             raise no_fit(budget, low_peak, how)
         candidates = nested_candidates(
             frugal, lambda room: nested_schedule(counted, room, slots=NESTED_SLOTS))
