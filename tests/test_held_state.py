@@ -345,6 +345,44 @@ def test_a_helper_registered_on_the_model_and_called_by_whole_blocks_is_refused_
         planned(x)
 
 
+class Logger(nn.Module):
+    """A helper keeping a log of its inputs' sizes, its output independent of the log."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16).requires_grad_(False)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.shape[0])
+        return torch.tanh(self.lin(x))
+
+
+class LoggerOnRoot(SharedOnRoot):
+    def __init__(self):
+        super().__init__()
+        self.shared = Logger()
+        self.blocks = nn.Sequential(*(LogsAndCallsShared(self.shared) for _ in range(6)))
+
+
+def test_a_helper_registered_on_the_model_keeps_its_log_in_planned_steps():
+    """A list the helper of kept-whole blocks appends to each call is its own state, not
+    something the model's trace froze (the trace never entered it): planned steps run, step
+    after step, with the gradients and the log of the model itself."""
+    torch.manual_seed(0)
+    model = LoggerOnRoot().double()
+    plain = twin(model)
+    x = torch.randn(512, 16, dtype=torch.float64)
+    planned = planned_at(model, x, 0.7)
+    assert planned.memory_plan.parts  # a plan, not the model as it was
+    for _ in range(2):
+        for m in (planned, plain):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        assert max_grad_error(model, plain) <= 1e-10
+    assert model.shared.seen == plain.shared.seen
+
+
 class Scaling(nn.Module):
     """Code that reads a number, which a trace through it freezes."""
 

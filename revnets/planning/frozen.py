@@ -27,28 +27,33 @@ _SCALARS = (int, float, bool, str, complex, type(None))
 
 class Frozen:
     """What a traced graph froze of the modules it runs as their graph (``traced``: names and
-    modules): what their classes' code reads, theirs and what the containers and plain objects
-    they hold hold (``self.cfg.rate``, ``self.scales[0]``: NOTE [ What a module holds ]),
-    numbers, flags and strings by value, anything else by identity (a function, a list), tensors
+    modules): what their classes' code reads, theirs and what the plain objects they hold hold
+    (``self.cfg.rate``: NOTE [ What a module holds ]), numbers, flags and strings by value; of
+    those whose forward the trace went into (``entered``, ids), anything else too, by identity
+    (a function), and what the lists and dicts they read hold (``self.scales[0]``); tensors
     aside (followed: NOTE [ A planned model is the model ]); and their submodules, by identity
-    (NOTE [ Traced modules run as their graph ])."""
+    (NOTE [ Traced modules run as their graph ]). A module the trace did not enter (a helper
+    kept-whole blocks call, reached through a plain list) may change its own lists each step."""
 
-    def __init__(self, traced: Iterable[tuple[str, nn.Module]]) -> None:
+    def __init__(self, traced: Iterable[tuple[str, nn.Module]],
+                 entered: Container[int] = ()) -> None:
         traced = list(traced)
         self.values = [
             (name, module, key, value) for name, module in traced
-            for key, value in _frozen_of(vars(module), _names_read(type(module)))
+            for key, value in _frozen_of(vars(module), _names_read(type(module)),
+                                         id(module) in entered)
         ]
         self.held = []  # (path, holder, its frozen contents as found)
         for name, module in traced:
-            read = _names_read(type(module))
+            read, wide = _names_read(type(module)), id(module) in entered
             for where, holder in _held_read(module):
                 path = f"{name + '.' if name else ''}{where}"
-                if isinstance(holder, MUTABLE):
+                if isinstance(holder, MUTABLE) and wide:
                     self.held.append((path, holder, _contents(holder)))
                 if is_plain_object(holder):
                     own, slots = attributes_of(holder)
-                    self.held.append((path, holder, dict(_frozen_of({**own, **slots}, read))))
+                    self.held.append((path, holder,
+                                      dict(_frozen_of({**own, **slots}, read, wide))))
         self.modules = [(name, module, key, child) for name, module in traced
                         for key, child in module._modules.items()]
         self.names = [(name, module, tuple(module._modules)) for name, module in traced]
@@ -76,11 +81,13 @@ class Frozen:
                 _refuse(name, module, "", f"has submodules {added} added since planning")
 
 
-def _frozen_of(attributes: dict, read: Container[str]) -> Iterator[tuple[str, Any]]:
+def _frozen_of(attributes: dict, read: Container[str], wide: bool) -> Iterator[tuple[str, Any]]:
     """The attributes a graph may have frozen: those the code reads, but the training flag
-    (flipped on purpose), tensors (followed) and modules (checked as submodules)."""
+    (flipped on purpose); numbers, flags and strings, or (``wide``) anything but tensors
+    (followed) and modules (checked as submodules)."""
     return ((key, value) for key, value in attributes.items() if key in read and key != _MODE
-            and not isinstance(value, (Tensor, nn.Module)))
+            and (isinstance(value, _SCALARS) if not wide
+                 else not isinstance(value, (Tensor, nn.Module))))
 
 
 def _same(now: Any, then: Any) -> bool:

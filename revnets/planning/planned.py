@@ -101,7 +101,7 @@ class PlannedModel(ModelView):
         called = {id(m) for m in plan.modules()}
         self._traced = tuple((n, m) for n, m in model.named_modules()
                              if id(m) in entered or id(m) not in called)
-        self._frozen = Frozen(self._traced)
+        self._frozen = Frozen(self._traced, entered)
         # The model's tensors that steps read directly (parameters, buffers, plain attributes),
         # by owner and name. A constant torch.fx made of a tensor the forward makes (or
         # computed from others at trace time) is the steps' alone, kept as traced: eager runs
