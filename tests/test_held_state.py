@@ -326,17 +326,24 @@ class SharedOnRoot(nn.Module):
         return self.head(self.blocks(x))
 
 
+def planned_with_twin(kind):
+    """A model of ``kind`` in float64, its unplanned twin, an input, and the model planned to
+    keep 70 % of its activations (a plan, not the model as it was)."""
+    torch.manual_seed(0)
+    model = kind().double()
+    plain = twin(model)
+    x = torch.randn(512, 16, dtype=torch.float64)
+    planned = planned_at(model, x, 0.7)
+    assert planned.memory_plan.parts
+    return model, plain, x, planned
+
+
 def test_a_helper_registered_on_the_model_and_called_by_whole_blocks_is_refused_not_wrong():
     """The planned model cannot tell a module its kept-whole blocks call through a plain list
     from one its trace read without calling (a number the model's own code reads, a ModuleList
     it indexes), so it watches the helper: the first step is right, and the second refused by
     name, never silently other gradients."""
-    torch.manual_seed(0)
-    model = SharedOnRoot().double()
-    plain = twin(model)
-    x = torch.randn(512, 16, dtype=torch.float64)
-    planned = planned_at(model, x, 0.7)
-    assert planned.memory_plan.parts  # a plan, not the model as it was
+    model, plain, x, planned = planned_with_twin(SharedOnRoot)
     for m in (planned, plain):
         m(x).square().sum().backward()
     assert max_grad_error(model, plain) <= 1e-10
@@ -369,12 +376,7 @@ def test_a_helper_registered_on_the_model_keeps_its_log_in_planned_steps():
     """A list the helper of kept-whole blocks appends to each call is its own state, not
     something the model's trace froze (the trace never entered it): planned steps run, step
     after step, with the gradients and the log of the model itself."""
-    torch.manual_seed(0)
-    model = LoggerOnRoot().double()
-    plain = twin(model)
-    x = torch.randn(512, 16, dtype=torch.float64)
-    planned = planned_at(model, x, 0.7)
-    assert planned.memory_plan.parts  # a plan, not the model as it was
+    model, plain, x, planned = planned_with_twin(LoggerOnRoot)
     for _ in range(2):
         for m in (planned, plain):
             m.zero_grad()
