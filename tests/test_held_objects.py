@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from test_held_state import Scale, Scaled, planned_at
+from test_held_state import Scale, Scaled, planned_at, planned_with_twin
 from torch import nn
 
 import revnets
@@ -269,12 +269,7 @@ def test_an_object_blocks_share_is_each_ones_and_a_count_the_graph_froze_is_refu
     every logger of the process, whose caches torch fills while tracing. Now the last block is
     kept whole; the others' graphs froze the count they read, so the step after it changed is
     refused by name, where they would have read the old count silently."""
-    torch.manual_seed(0)
-    model = SharesInALoop().double()
-    plain = twin(model)
-    x = torch.randn(512, 16, dtype=torch.float64)
-    planned = planned_at(model, x, 0.8)
-    assert planned.memory_plan.parts
+    model, plain, x, planned = planned_with_twin(SharesInALoop, keep=0.8)
     assert model.blocks[0].shared.ctx.calls == 0  # as planning found it
     for m in (planned, plain):
         m(x).square().sum().backward()

@@ -326,14 +326,14 @@ class SharedOnRoot(nn.Module):
         return self.head(self.blocks(x))
 
 
-def planned_with_twin(kind):
-    """A model of ``kind`` in float64, its unplanned twin, an input, and the model planned to
-    keep 70 % of its activations (a plan, not the model as it was)."""
+def planned_with_twin(kind, keep=0.7):
+    """A model of ``kind`` in float64, its unplanned twin, an input, and the model planned
+    within ``keep`` of its predicted peak (a plan, not the model as it was)."""
     torch.manual_seed(0)
     model = kind().double()
     plain = twin(model)
     x = torch.randn(512, 16, dtype=torch.float64)
-    planned = planned_at(model, x, 0.7)
+    planned = planned_at(model, x, keep)
     assert planned.memory_plan.parts
     return model, plain, x, planned
 
