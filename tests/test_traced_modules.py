@@ -5,10 +5,13 @@ the model as it was, and what the graph froze is refused by name once it changes
 compared with the same model trained without planning."""
 
 import copy
+import functools
 
+import numpy as np
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import revnets
@@ -406,6 +409,99 @@ def test_what_a_traced_graph_froze_of_lists_and_functions_is_refused_by_name_whe
     model.blocks[1].act = torch.tanh
     with pytest.raises(RuntimeError, match=r"blocks\.1\.act \(ListScaled\) is tanh, relu when"):
         train_step(planned, x)
+
+
+class ClassScaled(Residual):
+    scale = 1.0  # a constant of the class, which a schedule may change on the class
+
+    def forward(self, x):
+        return x + self.scale * self.b(torch.relu(self.a(x)))
+
+
+class ArrayScaled(Residual):
+    def __init__(self):
+        super().__init__()
+        self.w = np.ones(2)
+
+    def forward(self, x):
+        return x + float(self.w[0]) * self.b(torch.relu(self.a(x)))
+
+
+class PartialAct(Residual):
+    def __init__(self):
+        super().__init__()
+        self.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+
+    def forward(self, x):
+        return x + self.b(self.act(self.a(x)))
+
+
+class ReadByName(Residual):
+    def forward(self, x):  # ``temperature`` is set from outside the class
+        return x + getattr(self, "temperature") * self.b(torch.relu(self.a(x)))
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleDict({k: nn.Linear(32, 32) for k in "abc"})
+
+    def forward(self, x):
+        for key in self.branches:
+            x = torch.tanh(self.branches[key](x))
+        return x
+
+
+def reorder(branches):
+    branches["a"] = branches.pop("a")
+
+
+FROZEN_ELSEWHERE = {
+    "a constant of the class": (ClassScaled, lambda b: setattr(type(b), "scale", 3.0),
+                                r"blocks\.0\.scale \(ClassScaled\) is 3\.0, 1\.0 when"),
+    "a numpy array written": (ArrayScaled, lambda b: b.w.__setitem__(0, 3.0),
+                              r"blocks\.2\.w \(ArrayScaled\) is changed in place"),
+    "a partial's keywords": (PartialAct, lambda b: b.act.keywords.update(negative_slope=0.9),
+                             r"blocks\.2\.act \(PartialAct\) is changed in place"),
+    "an attribute read by getattr": (ReadByName, lambda b: setattr(b, "temperature", 3.0),
+                                     r"blocks\.2\.temperature \(ReadByName\) is 3\.0"),
+    "submodules reordered": (Branches, lambda b: reorder(b.branches),
+                             r"blocks\.2\.branches \(ModuleDict\) has its submodules in another"),
+}
+
+
+@pytest.mark.parametrize("change", FROZEN_ELSEWHERE)
+def test_what_a_traced_graph_froze_outside_the_module_dict_is_refused_by_name(change):
+    """A constant of the class, an array or a partial changed in place, a name read as a
+    string, an order of submodules a loop followed: each is frozen into the graph as it was
+    when planned. Changed since, the plan is refused by name, never run with the old one;
+    changed back, it runs."""
+    kind, modify, refusal = FROZEN_ELSEWHERE[change]
+    torch.manual_seed(0)
+    model, x = Stack(kind), torch.randn(1024, 32)
+    for block in model.blocks:
+        block.temperature = 1.0
+    planned = planned_stack(model, x, keep=0.8)
+    train_step(planned, x)
+    modify(model.blocks[2])
+    try:
+        with pytest.raises(RuntimeError, match=refusal):
+            train_step(planned, x)
+    finally:
+        ClassScaled.scale = 1.0
+
+
+def test_a_number_reassigned_its_own_value_is_no_change():
+    """numpy's scalars compare by value, as Python's do: a schedule writing the same rate
+    again is no change."""
+    torch.manual_seed(0)
+    model, x = Stack(ClassScaled), torch.randn(1024, 32)
+    for block in model.blocks:
+        block.scale = np.float64(1.0)
+    planned = planned_stack(model, x, keep=0.8)
+    model.blocks[2].scale = np.float64(1.0)
+    model.blocks[3].scale = 1.0
+    train_step(planned, x)
 
 
 class SharedAndDirect(nn.Module):

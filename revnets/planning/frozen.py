@@ -5,9 +5,11 @@ where it would not fire (NOTE [ Traced modules run as their graph ] in traced.py
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 from torch import Tensor, nn
 
 from revnets.planning.traced import _MODE
@@ -39,8 +41,8 @@ class Frozen:
                  entered: Container[int] = ()) -> None:
         traced = list(traced)
         self.values = [
-            (name, module, key, value) for name, module in traced
-            for key, value in _frozen_of(vars(module), _names_read(type(module)),
+            (name, module, key, _snapshot(value)) for name, module in traced
+            for key, value in _frozen_of(_attributes(module), _names_read(type(module)),
                                          id(module) in entered)
         ]
         self.held = []  # (path, holder, its frozen contents as found)
@@ -52,8 +54,9 @@ class Frozen:
                     self.held.append((path, holder, _contents(holder)))
                 if is_plain_object(holder):
                     own, slots = attributes_of(holder)
-                    self.held.append((path, holder,
-                                      dict(_frozen_of({**own, **slots}, read, wide))))
+                    self.held.append((path, holder, {
+                        key: _snapshot(value)
+                        for key, value in _frozen_of({**own, **slots}, read, wide)}))
         self.modules = [(name, module, key, child) for name, module in traced
                         for key, child in module._modules.items()]
         self.names = [(name, module, tuple(module._modules)) for name, module in traced]
@@ -61,7 +64,7 @@ class Frozen:
     def check(self) -> None:
         """Raise, naming it, if anything frozen changed."""
         for name, module, key, value in self.values:
-            _check(name, module, key, vars(module).get(key, _MISSING), value)
+            _check(name, module, key, _attribute(module, key), value)
         for name, holder, then in self.held:
             if isinstance(then, list):  # a container's elements
                 now = _contents(holder)
@@ -76,9 +79,10 @@ class Frozen:
             if module._modules.get(key) is not child:
                 _refuse(name, module, key, "is another module than when planned")
         for name, module, keys in self.names:  # a block appended: the graph would skip it
-            if len(module._modules) != len(keys):
+            if tuple(module._modules) != keys:
                 added = [key for key in module._modules if key not in keys]
-                _refuse(name, module, "", f"has submodules {added} added since planning")
+                _refuse(name, module, "", f"has submodules {added} added since planning"
+                        if added else "has its submodules in another order than when planned")
 
 
 def _frozen_of(attributes: dict, read: Container[str], wide: bool) -> Iterator[tuple[str, Any]]:
@@ -86,24 +90,88 @@ def _frozen_of(attributes: dict, read: Container[str], wide: bool) -> Iterator[t
     (flipped on purpose); numbers, flags and strings, or (``wide``) anything but tensors
     (followed) and modules (checked as submodules)."""
     return ((key, value) for key, value in attributes.items() if key in read and key != _MODE
-            and (isinstance(value, _SCALARS) if not wide
+            and (_is_scalar(value) if not wide
                  else not isinstance(value, (Tensor, nn.Module))))
 
 
+def _attributes(module: nn.Module) -> dict[str, Any]:
+    """What ``self.name`` finds on ``module`` besides its parameters, buffers and submodules:
+    its own attributes, else its classes' (a constant of the class, which code may change on
+    the class itself), methods aside."""
+    found = {key: value for base in reversed(_user_classes(type(module)))
+             for key, value in vars(base).items()
+             if not key.startswith("__") and not callable(value)
+             and not isinstance(value, (property, staticmethod, classmethod))}
+    found.update(vars(module))
+    return found
+
+
+def _attribute(module: nn.Module, key: str) -> Any:
+    """``module``'s attribute ``key`` as :func:`_attributes` finds it now."""
+    own = vars(module)
+    if key in own:
+        return own[key]
+    return next((vars(base)[key] for base in _user_classes(type(module)) if key in vars(base)),
+                _MISSING)
+
+
+@functools.cache
+def _user_classes(kind: type) -> tuple[type, ...]:
+    return tuple(base for base in kind.__mro__
+                 if base is not object and not base.__module__.startswith("torch."))
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, _SCALARS) or isinstance(value, np.generic)
+
+
+# Values compared by their contents, which change in place without a new object: a numpy
+# array (``self.w[0] = 3.0``), a partial's keywords.
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return _Snapshot(value, value.copy())
+    if isinstance(value, functools.partial):
+        return _Snapshot(value, (value.func, value.args, dict(value.keywords)))
+    return value
+
+
+class _Snapshot:
+    __slots__ = ("value", "contents")
+
+    def __init__(self, value: Any, contents: Any) -> None:
+        self.value, self.contents = value, contents
+
+    def same(self, now: Any) -> bool:
+        if now is not self.value:
+            return False
+        if isinstance(now, np.ndarray):
+            then = self.contents
+            return now.shape == then.shape and now.dtype == then.dtype and bool(
+                np.array_equal(now, then, equal_nan=now.dtype.kind in "fc"))
+        func, args, keywords = self.contents
+        return now.func is func and now.args == args and now.keywords == keywords
+
+
 def _same(now: Any, then: Any) -> bool:
-    return now is then or (type(now) in _SCALARS and type(then) in _SCALARS and now == then)
+    if isinstance(then, _Snapshot):
+        return then.same(now)
+    return now is then or (_is_scalar(now) and _is_scalar(then) and bool(now == then))
 
 
 def _check(name: str, holder: Any, key: str, now: Any, then: Any) -> None:
     if not _same(now, then):
-        _refuse(name, holder, key, f"is {_named(now)}, {_named(then)} when planned")
+        what = ("changed in place since planning" if isinstance(then, _Snapshot)
+                and now is then.value else f"{_named(now)}, {_named(then)} when planned")
+        _refuse(name, holder, key, f"is {what}")
 
 
 def _named(value: Any) -> str:
-    if type(value) in _SCALARS:
+    if _is_scalar(value):
         return repr(value)
     if value is _MISSING:
         return "gone"
+    if isinstance(value, _Snapshot):
+        return _named(value.value)
     return getattr(value, "__name__", None) or f"another {type(value).__name__}"
 
 
@@ -135,12 +203,17 @@ def _refuse(name: str, module: Any, key: str, what: str) -> None:
 @functools.cache
 def _names_read(kind: type) -> frozenset[str]:
     """Every attribute name the code of ``kind`` and its bases (torch's own excluded) reads:
-    methods, and the functions under properties, static and class methods."""
-    return names_run_by(
-        getattr(f, "fget", None) or getattr(f, "__func__", None) or f
-        for base in kind.__mro__ if base is not object and not base.__module__.startswith("torch.")
-        for f in vars(base).values()
-    )
+    methods, and the functions under properties, static and class methods; and the strings
+    in that code that could name one (``getattr(self, "scale")``)."""
+    functions = [getattr(f, "fget", None) or getattr(f, "__func__", None) or f
+                 for base in _user_classes(kind) for f in vars(base).values()]
+    codes = [f.__code__ for f in functions if isinstance(f, types.FunctionType)]
+    strings: set[str] = set()
+    while codes:
+        code = codes.pop()
+        strings.update(c for c in code.co_consts if isinstance(c, str) and c.isidentifier())
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names_run_by(functions) | strings
 
 
 def _global_hooks() -> bool:

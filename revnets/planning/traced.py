@@ -50,13 +50,15 @@ __all__ = [
 # State outside the model (module-level globals) is not followed. A hook registered on a traced
 # module after planning, on the model itself, or globally would not run either: a planned
 # training step refuses them by name, and so does it refuse what the graph froze that has
-# changed since (``Frozen``, frozen.py): what a traced module's code reads, by value where it is
-# a number, flag or string (a drop-path rate raised by a schedule), else by identity (a function
-# swapped), with what the lists, dicts and plain objects it reads hold (``self.scales[0] =
-# ...``), and a submodule replaced (a new head) or added (a block appended). A tensor it reads
-# directly (a parameter, a buffer, a plain attribute) is followed instead (NOTE [ A planned
-# model is the model ]). Code changing the grad mode or autocast keeps its module whole
-# (trace.py), since a graph records neither.
+# changed since (``Frozen``, frozen.py): what a traced module's code reads (its own attribute
+# or its class's; a name in a string too, ``getattr(self, "t")``), by value where it is a
+# number, flag or string (a drop-path rate raised by a schedule), by contents where it is a
+# numpy array or a partial, else by identity (a function swapped), with what the lists, dicts
+# and plain objects it reads hold (``self.scales[0] = ...``), and a submodule replaced (a new
+# head), added (a block appended) or reordered. A tensor it reads directly (a parameter, a
+# buffer, a plain attribute) is followed instead (NOTE [ A planned model is the model ]). Code
+# changing the grad mode or autocast keeps its module whole (trace.py), since a graph records
+# neither.
 # Planning's runs on the meta device run kept-whole modules too, and so do the real runs that
 # time the forward; both put back what they assign the same way (profile.on_meta,
 # step_times.chain_times).
