@@ -504,6 +504,36 @@ def test_a_number_reassigned_its_own_value_is_no_change():
     train_step(planned, x)
 
 
+class ReadsItsFlag(Residual):
+    """A buffer read for its value: a number and a branch the trace takes once."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gain", torch.tensor(1.0))
+        self.register_buffer("on", torch.tensor(True))
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.on:
+            h = torch.relu(h)
+        return x + float(self.gain) * self.b(h)
+
+
+@pytest.mark.parametrize("written", ["gain", "on"])
+def test_a_tensor_whose_value_the_trace_read_is_refused_by_name_once_written(written):
+    """torch.fx hands a traced forward its buffers as real tensors: ``float(self.gain)`` and
+    ``if self.on:`` read their values once, and the graph keeps a number and a branch. Written
+    since, the plan would run with the old ones."""
+    torch.manual_seed(0)
+    model, x = Stack(ReadsItsFlag), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.8)
+    train_step(planned, x)
+    getattr(model.blocks[2], written).fill_(False if written == "on" else 3.0)
+    with pytest.raises(RuntimeError, match=rf"blocks\.2\.{written} \(ReadsItsFlag\) is a "
+                                           r"tensor whose value the trace read"):
+        train_step(planned, x)
+
+
 class SharedAndDirect(nn.Module):
     """Parameters and a buffer read directly in the model's code, one parameter under two
     names (a tied head), another reassigned by hand before tracing."""

@@ -210,7 +210,7 @@ def _auto_checkpoint(
     planned, plan = planner.fit(budget)
     # Nothing checkpointed: the model itself, as predicted, runs the plan.
     result = model if planned is chain else PlannedModel(
-        model, planned, PlannedModel.traced_by(chain))
+        model, planned, PlannedModel.traced_by(chain), PlannedModel.values_read_by(chain))
     result.memory_plan = plan
     return result
 
@@ -286,7 +286,8 @@ class _Planner:
         model ]), or of the model itself."""
         self.predictions += 1
         if module is not self.model:
-            module = PlannedModel(self.model, module, PlannedModel.traced_by(self.chain))
+            module = PlannedModel(self.model, module, PlannedModel.traced_by(self.chain),
+                                  PlannedModel.values_read_by(self.chain))
         return self.predictor.predict(
             training_step, (module, self.example_input, self.loss_fn, self.optimizer), {}
         ).peak_bytes

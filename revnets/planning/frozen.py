@@ -38,8 +38,10 @@ class Frozen:
     kept-whole blocks call, reached through a plain list) may change its own lists each step."""
 
     def __init__(self, traced: Iterable[tuple[str, nn.Module]],
-                 entered: Container[int] = ()) -> None:
+                 entered: Container[int] = (),
+                 values_read: Iterable[tuple[Tensor, int]] = ()) -> None:
         traced = list(traced)
+        self.traced, self.values_read = traced, _Versions(values_read)
         self.values = [
             (name, module, key, _snapshot(value)) for name, module in traced
             for key, value in _frozen_of(_attributes(module), _names_read(type(module)),
@@ -63,6 +65,11 @@ class Frozen:
 
     def check(self) -> None:
         """Raise, naming it, if anything frozen changed."""
+        for tensor, version in self.values_read:
+            if tensor._version != version:
+                name, holder = _tensor_name(self.traced, tensor)
+                _refuse(name, holder, "", "is a tensor whose value the trace read (.item(), "
+                        "bool(), a constant made from it), written since planning")
         for name, module, key, value in self.values:
             _check(name, module, key, _attribute(module, key), value)
         for name, holder, then in self.held:
@@ -83,6 +90,23 @@ class Frozen:
                 added = [key for key in module._modules if key not in keys]
                 _refuse(name, module, "", f"has submodules {added} added since planning"
                         if added else "has its submodules in another order than when planned")
+
+
+class _Versions(list):
+    """Tensors and the versions they had: the same tensors in a copy of the planned model (a
+    prediction's fake copy, whose tensors start at version 0), which checks the model's own."""
+
+    def __deepcopy__(self, memo: dict) -> _Versions:
+        return self
+
+
+def _tensor_name(traced: list[tuple[str, nn.Module]], tensor: Tensor) -> tuple[str, Any]:
+    for name, module in traced:
+        for key, value in (*module._parameters.items(), *module._buffers.items(),
+                           *vars(module).items()):
+            if value is tensor:
+                return ".".join(filter(None, (name, key))), module
+    return f"a tensor of shape {tuple(tensor.shape)}", tensor
 
 
 def _frozen_of(attributes: dict, read: Container[str], wide: bool) -> Iterator[tuple[str, Any]]:

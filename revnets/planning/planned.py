@@ -89,7 +89,8 @@ class PlannedModel(ModelView):
     memory_plan: MemoryPlan
 
     def __init__(self, model: nn.Module, plan: nn.Sequential,
-                 traced: Sequence[str] = ("",)) -> None:
+                 traced: Sequence[str] = ("",),
+                 values_read: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
         super().__init__(model)
         self._plan = (plan,)  # unregistered: its modules are the model's
         # The modules the plan runs as their traced graph: those the trace went into
@@ -101,7 +102,7 @@ class PlannedModel(ModelView):
         called = {id(m) for m in plan.modules()}
         self._traced = tuple((n, m) for n, m in model.named_modules()
                              if id(m) in entered or id(m) not in called)
-        self._frozen = Frozen(self._traced, entered)
+        self._frozen = Frozen(self._traced, entered, values_read)
         # The model's tensors that steps read directly (parameters, buffers, plain attributes),
         # by owner and name. A constant torch.fx made of a tensor the forward makes (or
         # computed from others at trace time) is the steps' alone, kept as traced: eager runs
@@ -117,6 +118,12 @@ class PlannedModel(ModelView):
         """The modules a chain's trace went into (:func:`as_graph_chain`); of a plain
         ``nn.Sequential`` planned as itself, itself alone."""
         return chain.traced if len(chain) and isinstance(chain[0], GraphStep) else ("",)
+
+    @staticmethod
+    def values_read_by(chain: nn.Sequential) -> tuple[tuple[torch.Tensor, int], ...]:
+        """The tensors whose values a chain's trace read, with their versions then
+        (``revnets/planning/values_read.py``)."""
+        return getattr(chain, "values_read", ())
 
     @property
     def plan(self) -> nn.Sequential:

@@ -33,6 +33,7 @@ from revnets.planning.traced import (
     own_code,
     steering_defaults,
 )
+from revnets.planning.values_read import ValuesRead
 from revnets.replay.hooks import hooked
 from revnets.reversible import ReversibleSequence
 
@@ -66,6 +67,7 @@ class _Tracer(torch.fx.Tracer):
         self.changing: dict[str, str] = {}  # found when locating: module name, what it changed
         self.tracing: list[tuple[str, nn.Module]] = [("", nn.Module())]  # modules being traced
         self.entered: list[str] = []  # every module traced into, by name
+        self.values: ValuesRead | None = None  # recording the tensors whose values it reads
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
         if qualified_name in self.whole or hooked(m):
@@ -120,6 +122,8 @@ class _Tracer(torch.fx.Tracer):
 
     def create_arg(self, a: Any) -> Any:
         name = self._name_of(a)
+        if name is None and isinstance(a, torch.Tensor) and self.values is not None:
+            self.values.constant(a)
         return super().create_arg(a) if name is None else self.create_node("get_attr", name, (), {})
 
     def _name_of(self, value: Any) -> str | None:
@@ -213,7 +217,7 @@ class _KeepWhole(Exception):
 # it reads switched to eval under a training PlannedModel, never runs the training branch in
 # evaluation silently.
 def _trace(
-    model: nn.Module,
+    model: nn.Module, values: ValuesRead,
 ) -> tuple[torch.fx.Graph, set[str], bool | None, bool, tuple[str, ...]]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
     trace, that draws random numbers (:class:`Draws`), assigns attributes (NOTE [ Traced modules
@@ -223,7 +227,7 @@ def _trace(
     model (its graph reads them), the mode the model's own code was traced in where it depends
     on it, else None, whether that code reads other modules' modes too (NOTE [ A mode frozen
     in the model's own code ]), and the names of the modules the graph's trace went into, the
-    model's own ("") first."""
+    model's own ("") first. ``values`` records the tensors whose values the traces read."""
     whole: frozenset[str] = frozenset()
     locate = False  # check attributes after each module's trace, to find the one assigning
     draws, watched = Draws(model), False  # and the generators, to find the one drawing
@@ -233,8 +237,10 @@ def _trace(
             drawn = draws.states()
             tracer, flipped_tracer = (_Tracer(whole, attributes, locate,
                                               draws if watched else None) for _ in range(2))
+            tracer.values = values.clear()  # what this trace reads: earlier ones entered more
             try:
-                graph = tracer.trace(model)
+                with values:
+                    graph = tracer.trace(model)
                 drew = draws.drew_since(drawn)
                 if drew and not watched:
                     watched = True  # trace again, checking each module
@@ -329,7 +335,8 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     model's own ("") first: the modules a planned step runs as their graph, never calling them
     (NOTE [ Traced modules run as their graph ]).
     """
-    graph, stored, frozen_mode, reads_others, traced = _trace(model)
+    values = ValuesRead()
+    graph, stored, frozen_mode, reads_others, traced = _trace(model, values)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     # Optional arguments (attention masks and the like) keep their defaults, **kwargs none.
@@ -379,5 +386,5 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     if reads_others:  # NOTE [ A mode frozen in the model's own code ]
         steps[0].frozen_modes = tuple((m, m.training) for m in model.modules())
     chain = nn.Sequential(*steps)
-    chain.traced = traced
+    chain.traced, chain.values_read = traced, values.versions()
     return chain
