@@ -56,7 +56,9 @@ __all__ = [
 # numpy array or a partial, else by identity (a function swapped), with what the lists, dicts
 # and plain objects it reads hold (``self.scales[0] = ...``), and a submodule replaced (a new
 # head), added (a block appended) or reordered. A tensor it reads directly (a parameter, a
-# buffer, a plain attribute) is followed instead (NOTE [ A planned model is the model ]). Code
+# buffer, a plain attribute) is followed instead (NOTE [ A planned model is the model ]); one
+# whose value the trace read (``float(self.t)``, a branch on it: values_read.py) is refused
+# once written. Code
 # changing the grad mode or autocast keeps its module whole (trace.py), since a graph records
 # neither.
 # Planning's runs on the meta device run kept-whole modules too, and so do the real runs that
