@@ -29,13 +29,16 @@ _SCALARS = (int, float, bool, str, complex, type(None))
 
 class Frozen:
     """What a traced graph froze of the modules it runs as their graph (``traced``: names and
-    modules): what their classes' code reads, theirs and what the plain objects they hold hold
-    (``self.cfg.rate``: NOTE [ What a module holds ]), numbers, flags and strings by value; of
-    those whose forward the trace went into (``entered``, ids), anything else too, by identity
-    (a function), and what the lists and dicts they read hold (``self.scales[0]``); tensors
-    aside (followed: NOTE [ A planned model is the model ]); and their submodules, by identity
-    (NOTE [ Traced modules run as their graph ]). A module the trace did not enter (a helper
-    kept-whole blocks call, reached through a plain list) may change its own lists each step."""
+    modules): what their classes' code reads (their own attributes or their classes'), theirs
+    and what the plain objects they hold hold (``self.cfg.rate``: NOTE [ What a module holds ]),
+    numbers, flags and strings by value; of those whose forward the trace went into
+    (``entered``, ids), anything else too, by identity (a function; a numpy array or a partial
+    by its contents too), and what the lists and dicts they read hold (``self.scales[0]``);
+    tensors aside (followed: NOTE [ A planned model is the model ]), but for those whose values
+    the trace read (``values_read``, with their versions: values_read.py); and their
+    submodules, by identity and order (NOTE [ Traced modules run as their graph ]). A module
+    the trace did not enter (a helper kept-whole blocks call, reached through a plain list) may
+    change its own lists each step."""
 
     def __init__(self, traced: Iterable[tuple[str, nn.Module]],
                  entered: Container[int] = (),
