@@ -279,6 +279,8 @@ def test_batch_norm_is_sized_on_the_meta_device_without_its_python_decomposition
         if event == "call" and frame.f_code.co_name == "native_batch_norm_helper":
             decomposed.append(frame.f_code.co_filename)
 
+    # The decomposition the meta device would run (its name, which the watch looks for).
+    assert callable(torch._decomp.decompositions.native_batch_norm_helper)
     sys.setprofile(watch)
     try:
         on_meta = profile_chain([copy.deepcopy(layer).to("meta") for layer in layers],

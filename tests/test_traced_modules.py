@@ -474,8 +474,7 @@ FROZEN_ELSEWHERE = {
 def test_what_a_traced_graph_froze_outside_the_module_dict_is_refused_by_name(change):
     """A constant of the class, an array or a partial changed in place, a name read as a
     string, an order of submodules a loop followed: each is frozen into the graph as it was
-    when planned. Changed since, the plan is refused by name, never run with the old one;
-    changed back, it runs."""
+    when planned. Changed since, the plan is refused by name, never run with the old one."""
     kind, modify, refusal = FROZEN_ELSEWHERE[change]
     torch.manual_seed(0)
     model, x = Stack(kind), torch.randn(1024, 32)
@@ -491,17 +490,29 @@ def test_what_a_traced_graph_froze_outside_the_module_dict_is_refused_by_name(ch
         ClassScaled.scale = 1.0
 
 
+class NumpyScaled(Residual):
+    def __init__(self):
+        super().__init__()
+        self.scale = np.float64(1.0)  # a rate a schedule writes as numpy's scalar
+
+    def forward(self, x):
+        return x + float(self.scale) * self.b(torch.relu(self.a(x)))
+
+
 def test_a_number_reassigned_its_own_value_is_no_change():
     """numpy's scalars compare by value, as Python's do: a schedule writing the same rate
-    again is no change."""
+    again is no change; another rate is refused."""
     torch.manual_seed(0)
-    model, x = Stack(ClassScaled), torch.randn(1024, 32)
-    for block in model.blocks:
-        block.scale = np.float64(1.0)
+    model, x = Stack(NumpyScaled), torch.randn(1024, 32)
     planned = planned_stack(model, x, keep=0.8)
+    assert "blocks.2" in dict(planned._traced)  # traced into: its rate is frozen
     model.blocks[2].scale = np.float64(1.0)
     model.blocks[3].scale = 1.0
     train_step(planned, x)
+    model.blocks[2].scale = np.float64(3.0)
+    with pytest.raises(RuntimeError, match=r"blocks\.2\.scale \(NumpyScaled\) is "
+                                           r"(np\.float64\()?3\.0"):
+        train_step(planned, x)
 
 
 class ReadsItsFlag(Residual):
@@ -532,6 +543,32 @@ def test_a_tensor_whose_value_the_trace_read_is_refused_by_name_once_written(wri
     with pytest.raises(RuntimeError, match=rf"blocks\.2\.{written} \(ReadsItsFlag\) is a "
                                            r"tensor whose value the trace read"):
         train_step(planned, x)
+
+
+class SlicesItsTable(Residual):
+    """A buffer sliced while tracing: the graph keeps the view, which sees writes into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.ones(64))
+
+    def forward(self, x):
+        return x + self.table[:32] * self.b(torch.relu(self.a(x)))
+
+
+def test_a_buffer_the_graph_keeps_a_view_of_follows_its_writes():
+    """A view of a buffer is a constant that reads the buffer's memory: written in place, the
+    planned step computes what the model does, not refused."""
+    torch.manual_seed(0)
+    model, x = Stack(SlicesItsTable), torch.randn(1024, 32)
+    plain = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.8)
+    for m in (model, plain):
+        m.blocks[2].table.mul_(3.0)
+    train_step(planned, x)
+    train_step(plain, x)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 class SharedAndDirect(nn.Module):

@@ -11,7 +11,8 @@ again. So the trace runs under a dispatch mode that records, for every tensor an
 from real tensors, the tensors it came from; those a value was read of (``item``, ``bool``,
 ``equal``), and those a constant of the graph was made from, are the tensors read, with their
 versions then. A tensor the graph holds as itself (a plain attribute in an expression) is a
-constant that follows writes into it, and is not counted.
+constant that follows writes into it, and is not counted, nor is a tensor a constant is a view
+of.
 """
 
 from __future__ import annotations
@@ -63,12 +64,22 @@ class ValuesRead(TorchDispatchMode):
         return found if found is not None else {id(tensor): tensor}
 
     def constant(self, tensor: Tensor) -> None:
-        """``tensor`` became a constant of the graph: what it was made from was read."""
+        """``tensor`` became a constant of the graph: what it was made from was read, but a
+        tensor it is a view of (``self.table[:n]``), whose writes it follows."""
         found = self.came_from.get(tensor)
         if found is not None:
-            self.read.update(found)
+            storage = _storage(tensor)
+            self.read.update((key, t) for key, t in found.items()
+                             if storage is None or _storage(t) != storage)
 
     def versions(self) -> tuple[tuple[Tensor, int], ...]:
         """The tensors read, with their versions now (inference tensors have none, and cannot
         be written)."""
         return tuple((t, t._version) for t in self.read.values() if not t.is_inference())
+
+
+def _storage(tensor: Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without one
+        return None
