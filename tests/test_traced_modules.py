@@ -456,38 +456,104 @@ def reorder(branches):
     branches["a"] = branches.pop("a")
 
 
+class ReadsItsOwner(Residual):
+    def forward(self, x):  # ``owner``: the model, in a plain list the model fills
+        return x + self.owner[0].scale * self.b(torch.relu(self.a(x)))
+
+
+def owned_stack():
+    model = Stack(ReadsItsOwner)
+    model.scale = 1.0
+    for block in model.blocks:
+        block.owner = [model]
+    return model
+
+
+def temperature_of(module):
+    return module.temperature
+
+
+class ReadByAFunction(Residual):
+    def forward(self, x):  # ``temperature`` is set from outside the class
+        return x + temperature_of(self) * self.b(torch.relu(self.a(x)))
+
+
+class OptionalGain(Residual):
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        return x + (h * self.gain if hasattr(self, "gain") else h)
+
+
 FROZEN_ELSEWHERE = {
-    "a constant of the class": (ClassScaled, lambda b: setattr(type(b), "scale", 3.0),
+    "a constant of the class": (ClassScaled, lambda m: setattr(type(m.blocks[2]), "scale", 3.0),
                                 r"blocks\.0\.scale \(ClassScaled\) is 3\.0, 1\.0 when"),
-    "a numpy array written": (ArrayScaled, lambda b: b.w.__setitem__(0, 3.0),
+    "a numpy array written": (ArrayScaled, lambda m: m.blocks[2].w.__setitem__(0, 3.0),
                               r"blocks\.2\.w \(ArrayScaled\) is changed in place"),
-    "a partial's keywords": (PartialAct, lambda b: b.act.keywords.update(negative_slope=0.9),
+    "a partial's keywords": (PartialAct,
+                             lambda m: m.blocks[2].act.keywords.update(negative_slope=0.9),
                              r"blocks\.2\.act \(PartialAct\) is changed in place"),
-    "an attribute read by getattr": (ReadByName, lambda b: setattr(b, "temperature", 3.0),
-                                     r"blocks\.2\.temperature \(ReadByName\) is 3\.0"),
-    "submodules reordered": (Branches, lambda b: reorder(b.branches),
+    "an attribute read by getattr": (ReadByName, lambda m: setattr(m.blocks[2], "temperature", 3),
+                                     r"blocks\.2\.temperature \(ReadByName\) is 3"),
+    "submodules reordered": (Branches, lambda m: reorder(m.blocks[2].branches),
                              r"blocks\.2\.branches \(ModuleDict\) has its submodules in another"),
+    "the model's number, read by its blocks through a plain list": (
+        owned_stack, lambda m: setattr(m, "scale", 3.0), r"scale \(Stack\) is 3\.0, 1\.0 when"),
+    "an attribute read by a function outside the class": (
+        ReadByAFunction, lambda m: setattr(m.blocks[2], "temperature", 3.0),
+        r"blocks\.2\.temperature \(ReadByAFunction\) is 3\.0, 1\.0 when"),
+    "an attribute absent when planned": (
+        OptionalGain, lambda m: setattr(m.blocks[2], "gain", 3.0),
+        r"blocks\.2\.gain \(OptionalGain\) is 3\.0, absent when planned"),
 }
 
 
 @pytest.mark.parametrize("change", FROZEN_ELSEWHERE)
 def test_what_a_traced_graph_froze_outside_the_module_dict_is_refused_by_name(change):
     """A constant of the class, an array or a partial changed in place, a name read as a
-    string, an order of submodules a loop followed: each is frozen into the graph as it was
-    when planned. Changed since, the plan is refused by name, never run with the old one."""
-    kind, modify, refusal = FROZEN_ELSEWHERE[change]
+    string, an order of submodules a loop followed, another module's number, a number read by
+    a function, an attribute whose absence the code tested: each is frozen into the graph as it
+    was when planned. Changed since, the plan is refused by name, never run with the old one."""
+    build, modify, refusal = FROZEN_ELSEWHERE[change]
     torch.manual_seed(0)
-    model, x = Stack(kind), torch.randn(1024, 32)
+    model, x = (build() if build is owned_stack else Stack(build)), torch.randn(1024, 32)
     for block in model.blocks:
         block.temperature = 1.0
     planned = planned_stack(model, x, keep=0.8)
     train_step(planned, x)
-    modify(model.blocks[2])
+    modify(model)
     try:
         with pytest.raises(RuntimeError, match=refusal):
             train_step(planned, x)
     finally:
         ClassScaled.scale = 1.0
+
+
+class Labelled(Residual):
+    """A label only ``describe`` reads: the forward the trace ran never did."""
+
+    def __init__(self):
+        super().__init__()
+        self.label = "first"
+
+    def describe(self):
+        return f"{self.label}: {self.a}"
+
+
+def test_an_attribute_the_traced_code_never_read_may_change():
+    """What the trace did not run read nothing it froze: a label another method reads changes
+    and the planned model keeps training, with the gradients of the model itself."""
+    torch.manual_seed(0)
+    model, x = Stack(Labelled), torch.randn(1024, 32)
+    plain = copy.deepcopy(model)
+    planned = planned_stack(model, x, keep=0.8)
+    assert "blocks.2" in dict(planned._traced)  # traced into
+    for net in (model, plain):
+        net.blocks[2].label = "second"
+    for net in (planned, plain):
+        net.zero_grad()
+        train_step(net, x)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
 class NumpyScaled(Residual):

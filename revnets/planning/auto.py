@@ -210,7 +210,7 @@ def _auto_checkpoint(
     planned, plan = planner.fit(budget)
     # Nothing checkpointed: the model itself, as predicted, runs the plan.
     result = model if planned is chain else PlannedModel(
-        model, planned, PlannedModel.traced_by(chain), PlannedModel.values_read_by(chain))
+        model, planned, PlannedModel.traced_by(chain), PlannedModel.reads_of(chain))
     result.memory_plan = plan
     return result
 
@@ -287,7 +287,7 @@ class _Planner:
         self.predictions += 1
         if module is not self.model:
             module = PlannedModel(self.model, module, PlannedModel.traced_by(self.chain),
-                                  PlannedModel.values_read_by(self.chain))
+                                  PlannedModel.reads_of(self.chain))
         return self.predictor.predict(
             training_step, (module, self.example_input, self.loss_fn, self.optimizer), {}
         ).peak_bytes

@@ -1,67 +1,74 @@
-"""What a planned training step checks before it runs a traced graph: that what the graph froze
-of the modules it runs as their graph is as it was when planned, and that no hook is registered
-where it would not fire (NOTE [ Traced modules run as their graph ] in traced.py)."""
+"""What a planned training step checks before it runs a traced graph: that what its trace read
+is as it was when planned, and that no hook is registered where it would not fire (NOTE [ Traced
+modules run as their graph ] in traced.py)."""
 
 from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 from torch import Tensor, nn
 
+from revnets.planning.trace_reads import TraceReads
 from revnets.planning.traced import _MODE
 from revnets.replay.containers import MUTABLE
 from revnets.replay.held import attributes_of, is_plain_object, reached
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
-from revnets.replay.state import _own_attributes
 
 __all__ = ["Frozen", "refuse_hooks"]
 
-_MISSING = object()
+class _Absent:
+    """An attribute not there; the same in a copy of the planned model (a prediction's)."""
+
+    def __deepcopy__(self, memo: dict) -> _Absent:
+        return self
+
+
+_MISSING = _Absent()
 
 
 _SCALARS = (int, float, bool, str, complex, type(None))
 
 
 class Frozen:
-    """What a traced graph froze of the modules it runs as their graph (``traced``: names and
-    modules): what their classes' code reads (their own attributes or their classes'), theirs
-    and what the plain objects they hold hold (``self.cfg.rate``: NOTE [ What a module holds ]),
-    numbers, flags and strings by value; of those whose forward the trace went into
-    (``entered``, ids), anything else too, by identity (a function; a numpy array or a partial
-    by its contents too), and what the lists and dicts they read hold (``self.scales[0]``);
-    tensors aside (followed: NOTE [ A planned model is the model ]), but for those whose values
-    the trace read (``values_read``, with their versions: values_read.py); and their
-    submodules, by identity and order (NOTE [ Traced modules run as their graph ]). A module
-    the trace did not enter (a helper kept-whole blocks call, reached through a plain list) may
-    change its own lists each step."""
+    """What a traced graph froze (NOTE [ Traced modules run as their graph ]), found by what
+    its trace read (``reads``: trace_reads.py): every attribute its code looked up on any
+    module (numbers, flags and strings by value, a numpy array or a partial by its contents,
+    anything else by identity, one absent then by its absence), but tensors (followed: NOTE [
+    A planned model is the model ]) and modules; what the lists, dicts and plain objects among
+    them hold (``self.scales[0]``; ``self.cfg.rate``: NOTE [ What a module holds ]); the
+    tensors whose values it read, by version; and of the modules a planned step runs as their
+    graph (``traced``: names and modules), their classes' constants that their code names
+    (``type(self).rate``), and their submodules, by identity and order. ``model``: to name
+    what changed."""
 
-    def __init__(self, traced: Iterable[tuple[str, nn.Module]],
-                 entered: Container[int] = (),
-                 values_read: Iterable[tuple[Tensor, int]] = ()) -> None:
+    def __init__(self, model: nn.Module, traced: Iterable[tuple[str, nn.Module]],
+                 reads: TraceReads = TraceReads()) -> None:
         traced = list(traced)
-        self.traced, self.values_read = traced, _Versions(values_read)
-        self.values = [
-            (name, module, key, _snapshot(value)) for name, module in traced
-            for key, value in _frozen_of(_attributes(module), _names_read(type(module)),
-                                         id(module) in entered)
-        ]
-        self.held = []  # (path, holder, its frozen contents as found)
-        for name, module in traced:
-            read, wide = _names_read(type(module)), id(module) in entered
-            for where, holder in _held_read(module):
-                path = f"{name + '.' if name else ''}{where}"
-                if isinstance(holder, MUTABLE) and wide:
-                    self.held.append((path, holder, _contents(holder)))
-                if is_plain_object(holder):
-                    own, slots = attributes_of(holder)
-                    self.held.append((path, holder, {
-                        key: _snapshot(value)
-                        for key, value in _frozen_of({**own, **slots}, read, wide)}))
+        self.traced, self.values_read = traced, _Versions(reads.values)
+        named = {id(m): n for n, m in reversed(list(model.named_modules()))}
+        self.values, self.held = [], []  # held: (path, holder, its frozen contents as found)
+        seen: set[int] = set()
+        for module, keys in reads.attributes:
+            name = named.get(id(module), "<a module the model does not register>")
+            read = _read(module, keys)
+            self.values += [(name, module, key, _snapshot(value)) for key, value in read]
+            names = reads.names | _names_read(type(module))
+            for key, value in read:
+                for where, holder in reached(value, seen, f"{name + '.' if name else ''}{key}"):
+                    if isinstance(holder, MUTABLE):
+                        self.held.append((where, holder, _contents(holder)))
+                    elif is_plain_object(holder):
+                        own, slots = attributes_of(holder)
+                        self.held.append((where, holder, {
+                            k: _snapshot(v) for k, v in {**own, **slots}.items()
+                            if k in names and not isinstance(v, (Tensor, nn.Module))}))
+        self.values += [(name, module, key, _attribute(module, key)) for name, module in traced
+                        for key in _class_constants(module) if key in _names_read(type(module))]
         self.modules = [(name, module, key, child) for name, module in traced
                         for key, child in module._modules.items()]
         self.names = [(name, module, tuple(module._modules)) for name, module in traced]
@@ -112,29 +119,40 @@ def _tensor_name(traced: list[tuple[str, nn.Module]], tensor: Tensor) -> tuple[s
     return f"a tensor of shape {tuple(tensor.shape)}", tensor
 
 
-def _frozen_of(attributes: dict, read: Container[str], wide: bool) -> Iterator[tuple[str, Any]]:
-    """The attributes a graph may have frozen: those the code reads, but the training flag
-    (flipped on purpose); numbers, flags and strings, or (``wide``) anything but tensors
-    (followed) and modules (checked as submodules)."""
-    return ((key, value) for key, value in attributes.items() if key in read and key != _MODE
-            and (_is_scalar(value) if not wide
-                 else not isinstance(value, (Tensor, nn.Module))))
+# What a module's attribute lookup finds besides its own and its classes' attributes: torch's
+# (the Module machinery's state, the training flag, which is flipped on purpose).
+_MACHINERY_NAMES = frozenset(vars(nn.Module())) | {_MODE}
 
 
-def _attributes(module: nn.Module) -> dict[str, Any]:
-    """What ``self.name`` finds on ``module`` besides its parameters, buffers and submodules:
-    its own attributes, else its classes' (a constant of the class, which code may change on
-    the class itself), methods aside."""
-    found = {key: value for base in reversed(_user_classes(type(module)))
-             for key, value in vars(base).items()
-             if not key.startswith("__") and not callable(value)
-             and not isinstance(value, (property, staticmethod, classmethod))}
-    found.update(vars(module))
+def _read(module: nn.Module, keys: frozenset[str]) -> list[tuple[str, Any]]:
+    """The attributes ``keys`` of ``module`` a graph may have frozen (all of them where its
+    ``__dict__`` was read), as they are now: its own or its classes', or absent; not tensors,
+    modules, dunder names and torch's own."""
+    if "__dict__" in keys:
+        keys = keys | vars(module).keys()
+    registered = (module._parameters, module._buffers, module._modules)
+    found = []
+    for key in sorted(keys):
+        if key in _MACHINERY_NAMES or key.startswith("__") or any(key in r for r in registered):
+            continue
+        value = _attribute(module, key)
+        if (value is _MISSING and hasattr(type(module), key)) or isinstance(
+                value, (Tensor, nn.Module)):
+            continue
+        found.append((key, value))
     return found
 
 
+def _class_constants(module: nn.Module) -> list[str]:
+    """The numbers, flags and strings ``module`` finds as its user classes' attributes."""
+    return [key for key in {k for base in _user_classes(type(module)) for k in vars(base)}
+            if not key.startswith("__") and key not in vars(module)
+            and _is_scalar(_attribute(module, key))]
+
+
 def _attribute(module: nn.Module, key: str) -> Any:
-    """``module``'s attribute ``key`` as :func:`_attributes` finds it now."""
+    """``module``'s attribute ``key`` now: its own, else its user classes' (a constant, which
+    code may change on the class itself), else ``_MISSING``."""
     own = vars(module)
     if key in own:
         return own[key]
@@ -196,7 +214,7 @@ def _named(value: Any) -> str:
     if _is_scalar(value):
         return repr(value)
     if value is _MISSING:
-        return "gone"
+        return "absent"
     if isinstance(value, _Snapshot):
         return _named(value.value)
     return getattr(value, "__name__", None) or f"another {type(value).__name__}"
@@ -207,16 +225,6 @@ def _contents(container: Any) -> list:
     if isinstance(container, dict):
         return [x for item in dict.items(container) for x in item]
     return list(container)
-
-
-def _held_read(module: nn.Module) -> Iterator[tuple[str, Any]]:
-    """The containers and plain objects ``module`` holds under names its class's code reads,
-    with their paths."""
-    d, read, seen = vars(module), _names_read(type(module)), set()
-    for key in _own_attributes(tuple(d)):
-        if key in read:
-            yield from ((where, v) for where, v in reached(d[key], seen, key)
-                        if isinstance(v, MUTABLE) or is_plain_object(v))
 
 
 def _refuse(name: str, module: Any, key: str, what: str) -> None:

@@ -14,6 +14,7 @@ from revnets.plan import Checkpoint, MemoryPlan
 from revnets.planning.frozen import Frozen, refuse_hooks
 from revnets.planning.graph_step import GraphStep
 from revnets.planning.model_view import ModelView
+from revnets.planning.trace_reads import TraceReads
 
 __all__ = ["PlanChain", "PlannedModel"]
 
@@ -89,20 +90,19 @@ class PlannedModel(ModelView):
     memory_plan: MemoryPlan
 
     def __init__(self, model: nn.Module, plan: nn.Sequential,
-                 traced: Sequence[str] = ("",),
-                 values_read: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
+                 traced: Sequence[str] = ("",), reads: TraceReads = TraceReads()) -> None:
         super().__init__(model)
         self._plan = (plan,)  # unregistered: its modules are the model's
         # The modules the plan runs as their traced graph: those the trace went into
         # (``traced_by``), and any other its steps do not call (a ModuleList indexed, a block
         # run through another method, a module whose numbers its parent reads). A module the
         # steps call only through a plain list (a helper of kept-whole blocks) is among them
-        # too: the trace may have read it without calling it, so a change to it is refused.
+        # too: a hook registered on it would not fire where the trace went through it.
         entered = {id(model.get_submodule(name)) for name in traced}
         called = {id(m) for m in plan.modules()}
         self._traced = tuple((n, m) for n, m in model.named_modules()
                              if id(m) in entered or id(m) not in called)
-        self._frozen = Frozen(self._traced, entered, values_read)
+        self._frozen = Frozen(model, self._traced, reads)
         # The model's tensors that steps read directly (parameters, buffers, plain attributes),
         # by owner and name. A constant torch.fx made of a tensor the forward makes (or
         # computed from others at trace time) is the steps' alone, kept as traced: eager runs
@@ -120,10 +120,10 @@ class PlannedModel(ModelView):
         return chain.traced if len(chain) and isinstance(chain[0], GraphStep) else ("",)
 
     @staticmethod
-    def values_read_by(chain: nn.Sequential) -> tuple[tuple[torch.Tensor, int], ...]:
-        """The tensors whose values a chain's trace read, with their versions then
-        (``revnets/planning/values_read.py``)."""
-        return getattr(chain, "values_read", ())
+    def reads_of(chain: nn.Sequential) -> TraceReads:
+        """What a chain's trace read (``revnets/planning/trace_reads.py``); of a plain
+        ``nn.Sequential`` planned as itself, nothing."""
+        return getattr(chain, "trace_reads", TraceReads())
 
     @property
     def plan(self) -> nn.Sequential:

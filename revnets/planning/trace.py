@@ -22,6 +22,7 @@ from torch import nn
 from revnets.invertible import Invertible
 from revnets.planning.graph_step import GraphKey, GraphStep
 from revnets.planning.graph_values import substitute
+from revnets.planning.trace_reads import AttributesRead, TraceReads, ValuesRead
 from revnets.planning.traced import (
     Attributes,
     Draws,
@@ -33,7 +34,6 @@ from revnets.planning.traced import (
     own_code,
     steering_defaults,
 )
-from revnets.planning.values_read import ValuesRead
 from revnets.replay.hooks import hooked
 from revnets.reversible import ReversibleSequence
 
@@ -217,8 +217,8 @@ class _KeepWhole(Exception):
 # it reads switched to eval under a training PlannedModel, never runs the training branch in
 # evaluation silently.
 def _trace(
-    model: nn.Module, values: ValuesRead,
-) -> tuple[torch.fx.Graph, set[str], bool | None, bool, tuple[str, ...]]:
+    model: nn.Module,
+) -> tuple[torch.fx.Graph, set[str], bool | None, bool, tuple[str, ...], TraceReads]:
     """``model``'s graph, tracing into every module it can: a module whose code torch.fx cannot
     trace, that draws random numbers (:class:`Draws`), assigns attributes (NOTE [ Traced modules
     run as their graph ]) or whose traced code depends on ``training`` stays whole, called as a
@@ -226,8 +226,8 @@ def _trace(
     forward must trace. Returns the graph, the names of the constants the traces stored on the
     model (its graph reads them), the mode the model's own code was traced in where it depends
     on it, else None, whether that code reads other modules' modes too (NOTE [ A mode frozen
-    in the model's own code ]), and the names of the modules the graph's trace went into, the
-    model's own ("") first. ``values`` records the tensors whose values the traces read."""
+    in the model's own code ]), the names of the modules the graph's trace went into, the
+    model's own ("") first, and what that trace read (trace_reads.py)."""
     whole: frozenset[str] = frozenset()
     locate = False  # check attributes after each module's trace, to find the one assigning
     draws, watched = Draws(model), False  # and the generators, to find the one drawing
@@ -237,10 +237,12 @@ def _trace(
             drawn = draws.states()
             tracer, flipped_tracer = (_Tracer(whole, attributes, locate,
                                               draws if watched else None) for _ in range(2))
-            tracer.values = values.clear()  # what this trace reads: earlier ones entered more
+            # What this trace reads: earlier ones entered more.
+            tracer.values, attributes_read = ValuesRead(), AttributesRead()
             try:
-                with values:
+                with tracer.values, attributes_read:
                     graph = tracer.trace(model)
+                read = attributes_read.reads(tracer.values)
                 drew = draws.drew_since(drawn)
                 if drew and not watched:
                     watched = True  # trace again, checking each module
@@ -280,7 +282,7 @@ def _trace(
                        code_by_module(graph, model, attributes.tracer_names)
                        ^ code_by_module(flipped, model, attributes.tracer_names)}
             if not depends:
-                return graph, attributes.tracer_names, None, False, _entered(tracer)
+                return graph, attributes.tracer_names, None, False, _entered(tracer), read
             if depends == {""}:
                 # Only the mode, if the same mode traced again gives the same code (NOTE).
                 again = _Tracer(whole, attributes, locate, None).trace(model)
@@ -299,7 +301,8 @@ def _trace(
                         model.training = not model.training
                     reads_others = own_code(others, model, attributes.tracer_names) != \
                         own_code(graph, model, attributes.tracer_names)
-                    return graph, attributes.tracer_names, True, reads_others, _entered(tracer)
+                    return (graph, attributes.tracer_names, True, reads_others, _entered(tracer),
+                            read)
                 raise NotAChainError(
                     f"as_graph_chain: the forward of {type(model).__name__} depends on "
                     "self.training, which a trace freezes, and the model is in eval mode: "
@@ -333,10 +336,9 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     its mode, the chain runs in training mode only (NOTE [ A mode frozen in the model's own
     code ]). The chain's ``traced`` names the modules whose forward the trace went into, the
     model's own ("") first: the modules a planned step runs as their graph, never calling them
-    (NOTE [ Traced modules run as their graph ]).
+    (NOTE [ Traced modules run as their graph ]); its ``trace_reads`` what that trace read.
     """
-    values = ValuesRead()
-    graph, stored, frozen_mode, reads_others, traced = _trace(model, values)
+    graph, stored, frozen_mode, reads_others, traced, read = _trace(model)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     # Optional arguments (attention masks and the like) keep their defaults, **kwargs none.
@@ -386,5 +388,5 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
     if reads_others:  # NOTE [ A mode frozen in the model's own code ]
         steps[0].frozen_modes = tuple((m, m.training) for m in model.modules())
     chain = nn.Sequential(*steps)
-    chain.traced, chain.values_read = traced, values.versions()
+    chain.traced, chain.trace_reads = traced, read
     return chain

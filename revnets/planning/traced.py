@@ -50,14 +50,17 @@ __all__ = [
 # State outside the model (module-level globals) is not followed. A hook registered on a traced
 # module after planning, on the model itself, or globally would not run either: a planned
 # training step refuses them by name, and so does it refuse what the graph froze that has
-# changed since (``Frozen``, frozen.py): what a traced module's code reads (its own attribute
-# or its class's; a name in a string too, ``getattr(self, "t")``), by value where it is a
-# number, flag or string (a drop-path rate raised by a schedule), by contents where it is a
-# numpy array or a partial, else by identity (a function swapped), with what the lists, dicts
-# and plain objects it reads hold (``self.scales[0] = ...``), and a submodule replaced (a new
-# head), added (a block appended) or reordered. A tensor it reads directly (a parameter, a
-# buffer, a plain attribute) is followed instead (NOTE [ A planned model is the model ]); one
-# whose value the trace read (``float(self.t)``, a branch on it: values_read.py) is refused
+# changed since (``Frozen``, frozen.py): every attribute the traced code looked up on any
+# module, wherever that code is (a module's own forward, a child reading its parent through a
+# plain list, a function outside any class, ``getattr`` with a name made at run time; absent
+# then too: trace_reads.py), by value where it is a number, flag or string (a drop-path rate
+# raised by a schedule), by contents where it is a numpy array or a partial, else by identity
+# (a function swapped), with what the lists, dicts and plain objects among them hold
+# (``self.scales[0] = ...``), a constant of a traced module's class, and a submodule replaced
+# (a new head), added (a block appended) or reordered. Code the trace never ran (a helper only
+# kept-whole blocks call) read nothing. A tensor it reads directly (a parameter, a buffer, a
+# plain attribute) is followed instead (NOTE [ A planned model is the model ]); one whose
+# value the trace read (``float(self.t)``, a branch on it: trace_reads.py) is refused
 # once written. Code
 # changing the grad mode or autocast keeps its module whole (trace.py), since a graph records
 # neither.
