@@ -189,3 +189,46 @@ def test_apply_reaches_the_model_itself():
 
     plan.apply(init)
     assert torch.equal(model.gain, torch.full((32,), 3.0))
+
+
+class Wrapper(nn.Module):
+    """A model with attributes named as the view's own: a LightningModule's ``self.model``, a
+    ``plan`` and a ``memory`` of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Gated()
+        self.plan, self.memory = "warmup then cosine", 3
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_the_models_attributes_named_as_the_views_own_are_the_models():
+    """Code written for the model reads what it reads there (``planned.model.layers``), and the
+    view's own are reached by name whatever the model holds."""
+    torch.manual_seed(0)
+    model, x = Wrapper().double(), torch.randn(512, 32, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    planned = plan_at(model, x, 0.5)
+    assert isinstance(planned, PlannedModel)
+    assert planned.model is model.model and planned.model.layers is model.model.layers
+    assert (planned.plan, planned.memory) == ("warmup then cosine", 3)
+    assert PlannedModel.model_of(planned) is model
+    assert any(isinstance(m, revnets.Checkpointed)
+               for m in PlannedModel.plan_of(planned).modules())
+    assert planned.memory_plan.parts
+    train_step(planned, x)
+    train_step(plain, x)
+    assert max_grad_error(model, plain) < 1e-12
+
+
+def test_a_whole_module_plan_keeps_the_models_attributes_named_as_its_own():
+    torch.manual_seed(0)
+    model, x = Untraceable().double(), torch.randn(256, 32, dtype=torch.float64)
+    model.names, model.memory = ["the model's"], "its own"
+    with pytest.warns(UserWarning, match="cannot be traced"):
+        planned = plan_at(model, x, 0.8)
+    assert isinstance(planned, CheckpointedModules)
+    assert (planned.names, planned.memory) == (["the model's"], "its own")
+    assert model.names == ["the model's"]

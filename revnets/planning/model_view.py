@@ -22,7 +22,11 @@ except its forward.
 # as the model reads it. The planner's exact predictions are of this module too, so a plan's
 # peak counts every tensor the model holds, those the plan never reads included (timm's
 # EVA-02 rope buffers, which a trace folds into constants: predicted from the chain alone,
-# they were measured on top of the plan).
+# they were measured on top of the plan). The view's own names (``model``, a planned model's
+# ``plan`` and ``memory``) are the model's where it has an attribute of that name (a
+# LightningModule's ``self.model``, the zoo's ``memory``): code written for the model reads
+# what it reads there. ``ModelView.model_of`` and ``PlannedModel.plan_of`` reach the view's
+# always, and ``memory_plan`` is the view's.
 """
 
 from __future__ import annotations
@@ -57,7 +61,22 @@ class ModelView(nn.Module):
 
     @property
     def model(self) -> nn.Module:
-        return self._model[0]
+        """The model this view wraps, or its own ``model`` where it has one (NOTE [ A planned
+        model is the model ]): ``ModelView.model_of`` is always the model wrapped."""
+        return self.models_own("model", self._model[0])
+
+    @staticmethod
+    def model_of(view: ModelView) -> nn.Module:
+        """The model ``view`` wraps, whatever attributes that model has."""
+        return view._model[0]
+
+    def models_own(self, name: str, own: Any) -> Any:
+        """The model's attribute ``name`` where it has one, else the view's ``own``."""
+        model = self._model[0]
+        if name in vars(model) or name in model._modules or name in model._parameters or (
+                name in model._buffers or hasattr(type(model), name)):
+            return getattr(model, name)
+        return own
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -67,33 +86,34 @@ class ModelView(nn.Module):
             # alone), nor _model before it is set (unpickling).
             if name.startswith("__") or name == "_model":
                 raise
-            return getattr(self.model, name)
+            return getattr(self._model[0], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # An attribute the model has and this module does not is the model's to change (a
         # temperature, a constant its forward reads): set here, the model would never see it.
-        if name not in self.__dict__ and "_model" in self.__dict__ and (
-                name in vars(self.model) or hasattr(type(self.model), name)) and not hasattr(
+        model = self.__dict__.get("_model", (None,))[0]
+        if name not in self.__dict__ and model is not None and (
+                name in vars(model) or hasattr(type(model), name)) and not hasattr(
                 type(self), name):
-            setattr(self.model, name, value)
+            setattr(model, name, value)
         else:
             super().__setattr__(name, value)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> ModelView:
-        self.model.apply(fn)  # the model among the modules fn sees (an init keyed on its type)
+        self._model[0].apply(fn)  # the model among the modules fn sees (an init keyed on its type)
         return self
 
     def train(self, mode: bool = True) -> ModelView:
         self.training = mode
-        self.model.train(mode)
+        self._model[0].train(mode)
         return self
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> ModelView:
-        self.model._apply(fn, recurse)
+        self._model[0]._apply(fn, recurse)
         return self
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        self.model._save_to_state_dict(destination, prefix, keep_vars)
+        self._model[0]._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self.model._load_from_state_dict(*args, **kwargs)
+        self._model[0]._load_from_state_dict(*args, **kwargs)

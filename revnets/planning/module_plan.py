@@ -278,17 +278,24 @@ class CheckpointedModules(ModelView):
 
     def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
         super().__init__(model)
-        self.names = tuple(names)
+        self._names = tuple(names)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The modules checkpointed, or the model's own ``names`` where it has one."""
+        return self.models_own("names", self._names)
 
     @property
     def memory(self) -> MemoryPlan:
-        return self.memory_plan
+        """``memory_plan``, or the model's own ``memory`` where it has one (the zoo's)."""
+        return self.models_own("memory", self.memory_plan)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._model[0]
         if not torch.is_grad_enabled():
-            return self.model(*args, **kwargs)
-        with _checkpointed(self.model, self.names):
-            return self.model(*args, **kwargs)
+            return model(*args, **kwargs)
+        with _checkpointed(model, self._names):
+            return model(*args, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -127,15 +127,23 @@ class PlannedModel(ModelView):
 
     @property
     def plan(self) -> nn.Sequential:
-        return self._plan[0]
+        """The chain training steps run, or the model's own ``plan`` where it has one (NOTE
+        [ A planned model is the model ]): ``PlannedModel.plan_of`` is always the chain."""
+        return self.models_own("plan", self._plan[0])
+
+    @staticmethod
+    def plan_of(view: PlannedModel) -> nn.Sequential:
+        """The chain ``view``'s training steps run, whatever attributes its model has."""
+        return view._plan[0]
 
     @property
     def memory(self) -> MemoryPlan:
-        return self.memory_plan
+        """``memory_plan``, or the model's own ``memory`` where it has one (the zoo's)."""
+        return self.models_own("memory", self.memory_plan)
 
     def train(self, mode: bool = True) -> PlannedModel:
         super().train(mode)
-        self.plan.train(mode)
+        self._plan[0].train(mode)
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> PlannedModel:
@@ -163,20 +171,21 @@ class PlannedModel(ModelView):
     def _input_of(self, args: tuple, kwargs: dict) -> Any:
         """The input of a training step's call: its chain runs every optional argument at the
         default it was traced with, so one passed as another value is refused by name."""
-        signature = inspect.signature(self.model.forward)
+        model = self._model[0]
+        signature = inspect.signature(model.forward)
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise TypeError(f"{type(self.model).__name__}: {error}") from error
+            raise TypeError(f"{type(model).__name__}: {error}") from error
         if not bound.arguments:
-            raise TypeError(f"{type(self.model).__name__}: no input given")
+            raise TypeError(f"{type(model).__name__}: no input given")
         (_, value), *rest = bound.arguments.items()
         defaults = {name: p.default for name, p in signature.parameters.items()}
         other = [name for name, given in rest if given is not defaults[name] and not (
             type(given) in (bool, int, float, str) and given == defaults[name])]
         if other:
             raise TypeError(
-                f"a planned training step of {type(self.model).__name__} runs {other} at the "
+                f"a planned training step of {type(model).__name__} runs {other} at the "
                 f"defaults its chain was traced with; train with those, or plan a model that "
                 f"takes them as they are given"
             )
@@ -187,5 +196,5 @@ class PlannedModel(ModelView):
             refuse_hooks(self._traced)
             self._frozen.check()
             self._follow()
-            return self.plan(self._input_of(args, kwargs))
-        return self.model(*args, **kwargs)
+            return self._plan[0](self._input_of(args, kwargs))
+        return self._model[0](*args, **kwargs)
