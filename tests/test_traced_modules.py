@@ -484,6 +484,77 @@ class OptionalGain(Residual):
         return x + (h * self.gain if hasattr(self, "gain") else h)
 
 
+class Config:
+    """A plain object whose number is read through a property."""
+
+    def __init__(self):
+        self._rate = 0.5
+
+    @property
+    def rate(self):
+        return self._rate
+
+    @rate.setter
+    def rate(self, value):
+        self._rate = value
+
+
+class ConfigRate(Residual):
+    def __init__(self):
+        super().__init__()
+        self.cfg = Config()
+
+    def forward(self, x):
+        return x + self.cfg.rate * self.b(torch.relu(self.a(x)))
+
+
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, h):
+        return h * self.k
+
+
+class HelperScaled(Residual):
+    def __init__(self):
+        super().__init__()
+        self.scale = Scaler(0.5)
+
+    def forward(self, x):
+        return x + self.scale(self.b(torch.relu(self.a(x))))
+
+
+class ClosureScaled(Residual):
+    def __init__(self):
+        super().__init__()
+        scales = self.scales = [1.0]  # the lambda reads the list, the forward does not
+        self.act = lambda h: torch.relu(h) * scales[0]
+
+    def forward(self, x):
+        return x + self.b(self.act(self.a(x)))
+
+
+class ClassListScaled(Residual):
+    SCALES = [1.0]
+
+    def forward(self, x):
+        return x + type(self).SCALES[0] * self.b(torch.relu(self.a(x)))
+
+
+class ItemScaled(Residual):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("temp", torch.tensor(0.5))
+
+    def forward(self, x):
+        return x + self.temp.item() * self.b(torch.relu(self.a(x)))
+
+
+def doubled(h):
+    return 2 * h
+
+
 FROZEN_ELSEWHERE = {
     "a constant of the class": (ClassScaled, lambda m: setattr(type(m.blocks[2]), "scale", 3.0),
                                 r"blocks\.0\.scale \(ClassScaled\) is 3\.0, 1\.0 when"),
@@ -504,6 +575,27 @@ FROZEN_ELSEWHERE = {
     "an attribute absent when planned": (
         OptionalGain, lambda m: setattr(m.blocks[2], "gain", 3.0),
         r"blocks\.2\.gain \(OptionalGain\) is 3\.0, absent when planned"),
+    "a config's number read through its property": (
+        ConfigRate, lambda m: setattr(m.blocks[2].cfg, "rate", 3.0),
+        r"blocks\.2\.cfg\._rate \(Config\) is 3\.0, 0\.5 when planned"),
+    "a number a callable helper reads": (
+        HelperScaled, lambda m: setattr(m.blocks[2].scale, "k", 3.0),
+        r"blocks\.2\.scale\.k \(Scaler\) is 3\.0, 0\.5 when planned"),
+    "a list a lambda closes over": (
+        ClosureScaled, lambda m: m.blocks[2].scales.__setitem__(0, 3.0),
+        r"blocks\.2\.act \(ClosureScaled\) is changed in place"),
+    "a class's list read through its class": (
+        ClassListScaled, lambda m: type(m.blocks[2]).SCALES.__setitem__(0, 3.0),
+        r"blocks\.0\.SCALES \(list\) was changed in place"),
+    "a buffer whose value was read, replaced": (
+        ItemScaled, lambda m: setattr(m.blocks[2], "temp", torch.tensor(3.0)),
+        r"blocks\.2\.temp \(ItemScaled\) is a tensor whose value the trace read"),
+    "the forward replaced": (
+        Residual, lambda m: setattr(m.blocks[2], "forward", doubled),
+        r"blocks\.2 \(Residual\) runs other code than when planned"),
+    "the class replaced": (
+        Residual, lambda m: setattr(m.blocks[2], "__class__", ClassScaled),
+        r"blocks\.2 \(ClassScaled\) runs other code than when planned"),
 }
 
 
@@ -511,8 +603,10 @@ FROZEN_ELSEWHERE = {
 def test_what_a_traced_graph_froze_outside_the_module_dict_is_refused_by_name(change):
     """A constant of the class, an array or a partial changed in place, a name read as a
     string, an order of submodules a loop followed, another module's number, a number read by
-    a function, an attribute whose absence the code tested: each is frozen into the graph as it
-    was when planned. Changed since, the plan is refused by name, never run with the old one."""
+    a function, an attribute whose absence the code tested, a config's field read by its own
+    code, what a lambda closes over, a buffer's value read and the buffer replaced, the code
+    itself: each is frozen into the graph as it was when planned. Changed since, the plan is
+    refused by name, never run with the old one."""
     build, modify, refusal = FROZEN_ELSEWHERE[change]
     torch.manual_seed(0)
     model, x = (build() if build is owned_stack else Stack(build)), torch.randn(1024, 32)
@@ -525,7 +619,7 @@ def test_what_a_traced_graph_froze_outside_the_module_dict_is_refused_by_name(ch
         with pytest.raises(RuntimeError, match=refusal):
             train_step(planned, x)
     finally:
-        ClassScaled.scale = 1.0
+        ClassScaled.scale, ClassListScaled.SCALES[0] = 1.0, 1.0
 
 
 class Labelled(Residual):
@@ -554,6 +648,78 @@ def test_an_attribute_the_traced_code_never_read_may_change():
         train_step(net, x)
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_copy_or_a_cast_of_a_planned_model_checks_its_own_values_read():
+    """The value the trace read is checked under its name in whichever model holds it: a
+    cast that keeps it (float64) trains on; a copy of the planned model (an EMA) is refused
+    when its own buffer is written, not when the original's is."""
+    torch.manual_seed(0)
+    model, x = Stack(ItemScaled), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.8)
+    train_step(planned, x)
+    copied = copy.deepcopy(planned)
+    model.blocks[2].temp.fill_(3.0)
+    train_step(copied, x)  # the original's write is not the copy's
+    with pytest.raises(RuntimeError, match=r"blocks\.2\.temp \(ItemScaled\) is a tensor whose"):
+        train_step(planned, x)
+    copied.model.blocks[2].temp.fill_(3.0)
+    with pytest.raises(RuntimeError, match=r"blocks\.2\.temp \(ItemScaled\) is a tensor whose"):
+        train_step(copied, x)
+    copied.model.blocks[2].temp.fill_(0.5)  # its value as planned again
+    copied.double()
+    train_step(copied, x.double())
+
+
+class Settings:
+    def __init__(self):
+        self.rate, self.calls = 0.5, 0
+
+
+class CountsCalls(nn.Module):
+    def __init__(self, settings):
+        super().__init__()
+        self.settings = settings
+
+    def forward(self, x):
+        self.settings.calls += 1
+        return x
+
+
+class SharesSettings(Residual):
+    """Reads a rate of the settings a kept-whole child counts its calls in."""
+
+    def __init__(self):
+        super().__init__()
+        self.settings = Settings()
+        self.count = CountsCalls(self.settings)
+
+    def forward(self, x):
+        return x + self.settings.rate * self.b(torch.relu(self.count(self.a(x))))
+
+    def report(self):  # names the count, which the forward never reads
+        return f"{self.settings.calls} calls"
+
+
+def test_a_field_of_a_config_the_trace_never_read_may_change():
+    """The traced code read the settings' rate; their call count, which a kept-whole child
+    raises each step and only another method reads, was never read: step after step the
+    planned model trains with the model's gradients and counts."""
+    torch.manual_seed(0)
+    model, x = Stack(SharesSettings), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.8)  # measuring the budget counted a call
+    plain = copy.deepcopy(model)
+    assert "blocks.2" in dict(planned._traced)
+    for _ in range(3):
+        for net in (planned, plain):
+            net.zero_grad()
+            train_step(net, x)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert model.blocks[2].settings.calls == plain.blocks[2].settings.calls
+    model.blocks[2].settings.rate = 3.0
+    with pytest.raises(RuntimeError, match=r"blocks\.2\.settings\.rate \(Settings\) is 3\.0"):
+        train_step(planned, x)
 
 
 class NumpyScaled(Residual):

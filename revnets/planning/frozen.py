@@ -4,20 +4,24 @@ modules run as their graph ] in traced.py)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from revnets.planning.trace_reads import TraceReads
-from revnets.planning.traced import _MODE
+from revnets.planning.traced import _MODE, _copy_of, _version
 from revnets.replay.containers import MUTABLE
-from revnets.replay.held import attributes_of, is_plain_object, reached
+from revnets.replay.held import attributes_of, reached
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
+from revnets.replay.state import _own_attributes
 
 __all__ = ["Frozen", "refuse_hooks"]
 
@@ -36,62 +40,76 @@ _SCALARS = (int, float, bool, str, complex, type(None))
 
 class Frozen:
     """What a traced graph froze (NOTE [ Traced modules run as their graph ]), found by what
-    its trace read (``reads``: trace_reads.py): every attribute its code looked up on any
-    module (numbers, flags and strings by value, a numpy array or a partial by its contents,
-    anything else by identity, one absent then by its absence), but tensors (followed: NOTE [
-    A planned model is the model ]) and modules; what the lists, dicts and plain objects among
-    them hold (``self.scales[0]``; ``self.cfg.rate``: NOTE [ What a module holds ]); the
-    tensors whose values it read, by version; and of the modules a planned step runs as their
-    graph (``traced``: names and modules), their classes' constants that their code names
-    (``type(self).rate``), and their submodules, by identity and order. ``model``: to name
-    what changed."""
+    its trace read (``reads``: trace_reads.py): every attribute its code looked up on a module
+    or a plain object (numbers, flags and strings by value, a numpy array or a partial by its
+    contents, anything else by identity, one absent then by its absence), modules aside; what
+    the lists and dicts among them hold, and the plain objects whose lookups could not be
+    recorded (NOTE [ What a module holds ]); the tensors whose values it read, by value, under
+    the name it read them by (a tensor put there since, a cast, a copy of the model); and of
+    the modules a planned step runs as their graph (``traced``: names and modules), their
+    class and forward, their classes' constants that their code names (``type(self).rate``),
+    and their submodules, by identity and order. ``model``: to name what changed."""
 
     def __init__(self, model: nn.Module, traced: Iterable[tuple[str, nn.Module]],
                  reads: TraceReads = TraceReads()) -> None:
         traced = list(traced)
-        self.traced, self.values_read = traced, _Versions(reads.values)
-        named = {id(m): n for n, m in reversed(list(model.named_modules()))}
+        paths = _paths(model)
         self.values, self.held = [], []  # held: (path, holder, its frozen contents as found)
         seen: set[int] = set()
-        for module, keys in reads.attributes:
-            name = named.get(id(module), "<a module the model does not register>")
-            read = _read(module, keys)
-            self.values += [(name, module, key, _snapshot(value)) for key, value in read]
-            names = reads.names | _names_read(type(module))
-            for key, value in read:
-                for where, holder in reached(value, seen, f"{name + '.' if name else ''}{key}"):
-                    if isinstance(holder, MUTABLE):
-                        self.held.append((where, holder, _contents(holder)))
-                    elif is_plain_object(holder):
-                        own, slots = attributes_of(holder)
-                        self.held.append((where, holder, {
-                            k: _snapshot(v) for k, v in {**own, **slots}.items()
-                            if k in names and not isinstance(v, (Tensor, nn.Module))}))
-        self.values += [(name, module, key, _attribute(module, key)) for name, module in traced
-                        for key in _class_constants(module) if key in _names_read(type(module))]
+        tensors = {id(t): t for t in reads.values}
+        self.tensors: list[list] = []  # [path, holder, key or None, tensor, version, copy]
+        for holder, keys in reads.attributes:
+            path = paths.get(id(holder), f"<a {type(holder).__name__} the model does not hold>")
+            for key in keys:
+                if isinstance(now := _attribute(holder, key), Tensor) and id(now) in tensors:
+                    self.tensors.append([path, holder, key, *_version_copy(tensors.pop(id(now)))])
+            self._freeze(path, holder, _read(holder, keys), seen, reads.unwatched)
+        self.tensors += [[f"a tensor of shape {tuple(t.shape)}", None, None, *_version_copy(t)]
+                         for t in tensors.values()]
+        # A class's attributes are not the model's: a copy of the model (a prediction's) shares
+        # them, and what they were when planned.
+        values, held, self.values, self.held = self.values, self.held, _Shared(), _Shared()
+        for name, module in traced:
+            self._freeze(name, module, [(key, _attribute(module, key))
+                                        for key in _class_constants(module)], seen, ())
+        self.values, self.held, self.of_classes = values, held, (self.values, self.held)
+        self.code = [(name, module, type(module), vars(module).get("forward"),
+                      type(module).forward) for name, module in traced]
         self.modules = [(name, module, key, child) for name, module in traced
                         for key, child in module._modules.items()]
         self.names = [(name, module, tuple(module._modules)) for name, module in traced]
 
+    def _freeze(self, path: str, holder: Any, read: list[tuple[str, Any]], seen: set[int],
+                unwatched: Container[type]) -> None:
+        self.values += [(path, holder, key, _snapshot(value)) for key, value in read]
+        for key, value in read:
+            for where, v in reached(value, seen, f"{path + '.' if path else ''}{key}"):
+                if isinstance(v, MUTABLE):
+                    self.held.append((where, v, [_snapshot(x) for x in _contents(v)]))
+                elif type(v) in unwatched:  # its lookups not recorded: all of it
+                    self.held.append((where, v, {k: _snapshot(x) for k, x in _read(
+                        v, frozenset({"__dict__"}))}))
+
     def check(self) -> None:
         """Raise, naming it, if anything frozen changed."""
-        for tensor, version in self.values_read:
-            if tensor._version != version:
-                name, holder = _tensor_name(self.traced, tensor)
-                _refuse(name, holder, "", "is a tensor whose value the trace read (.item(), "
-                        "bool(), a constant made from it), written since planning")
-        for name, module, key, value in self.values:
-            _check(name, module, key, _attribute(module, key), value)
-        for name, holder, then in self.held:
+        for entry in self.tensors:
+            _check_tensor(entry)
+        for name, module, kind, forward, code in self.code:
+            if type(module) is not kind or vars(module).get("forward") is not forward or (
+                    kind.forward is not code):
+                _refuse(name, module, "", "runs other code than when planned (its class or "
+                        "forward replaced)")
+        classes_values, classes_held = self.of_classes
+        for name, holder, key, value in (*self.values, *classes_values):
+            _check(name, holder, key, _attribute(holder, key), value)
+        for name, holder, then in (*self.held, *classes_held):
             if isinstance(then, list):  # a container's elements
                 now = _contents(holder)
                 if len(now) != len(then) or not all(map(_same, now, then)):
                     _refuse(name, holder, "", "was changed in place since planning")
                 continue
-            own, slots = attributes_of(holder)
-            now = {**own, **slots}
             for key, value in then.items():
-                _check(name, holder, key, now.get(key, _MISSING), value)
+                _check(name, holder, key, _attribute(holder, key), value)
         for name, module, key, child in self.modules:
             if module._modules.get(key) is not child:
                 _refuse(name, module, key, "is another module than when planned")
@@ -102,21 +120,50 @@ class Frozen:
                         if added else "has its submodules in another order than when planned")
 
 
-class _Versions(list):
-    """Tensors and the versions they had: the same tensors in a copy of the planned model (a
-    prediction's fake copy, whose tensors start at version 0), which checks the model's own."""
+class _Shared(list):
+    """Entries a copy of the planned model shares with it."""
 
-    def __deepcopy__(self, memo: dict) -> _Versions:
+    def __deepcopy__(self, memo: dict) -> _Shared:
         return self
 
 
-def _tensor_name(traced: list[tuple[str, nn.Module]], tensor: Tensor) -> tuple[str, Any]:
-    for name, module in traced:
-        for key, value in (*module._parameters.items(), *module._buffers.items(),
-                           *vars(module).items()):
-            if value is tensor:
-                return ".".join(filter(None, (name, key))), module
-    return f"a tensor of shape {tuple(tensor.shape)}", tensor
+def _paths(model: nn.Module) -> dict[int, str]:
+    """Where each module of ``model`` and each container and plain object they hold is, by
+    id (the first path found)."""
+    paths: dict[int, str] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        paths.setdefault(id(module), name)
+        own = vars(module)
+        for key in _own_attributes(tuple(own)):
+            for where, v in reached(own[key], seen, f"{name + '.' if name else ''}{key}"):
+                if not isinstance(v, nn.Module):
+                    paths.setdefault(id(v), where)
+    return paths
+
+
+def _version_copy(tensor: Tensor) -> list:
+    return [tensor, _version(tensor), _copy_of(tensor)]
+
+
+def _check_tensor(entry: list) -> None:
+    """Refuse if the tensor whose value the trace read, as named then (``key`` of ``holder``;
+    None: that tensor), holds another value now; one holding the same (the model cast without
+    loss, a copy of the planned model) is followed from then on."""
+    path, holder, key, then, version, copy = entry
+    now = then if key is None else _attribute(holder, key)
+    if now is then and _version(now) == version:
+        return
+    if not isinstance(now, Tensor):
+        _refuse(path, holder, key or "", f"is {_named(now)}, a tensor whose value the trace "
+                "read when planned")
+    if isinstance(now, FakeTensor) or now.device.type == "meta":  # a prediction's copy
+        return
+    if copy is None or now.shape != copy.shape or not torch.equal(
+            now.detach().to(copy.device, copy.dtype), copy):
+        _refuse(path, holder if key else now, key or "", "is a tensor whose value the trace "
+                "read (.item(), bool(), a constant made from it), changed since planning")
+    entry[3], entry[4] = now, _version(now)
 
 
 # What a module's attribute lookup finds besides its own and its classes' attributes: torch's
@@ -124,19 +171,22 @@ def _tensor_name(traced: list[tuple[str, nn.Module]], tensor: Tensor) -> tuple[s
 _MACHINERY_NAMES = frozenset(vars(nn.Module())) | {_MODE}
 
 
-def _read(module: nn.Module, keys: frozenset[str]) -> list[tuple[str, Any]]:
-    """The attributes ``keys`` of ``module`` a graph may have frozen (all of them where its
-    ``__dict__`` was read), as they are now: its own or its classes', or absent; not tensors,
-    modules, dunder names and torch's own."""
+def _read(holder: Any, keys: frozenset[str]) -> list[tuple[str, Any]]:
+    """The attributes ``keys`` of a module or plain object a graph may have frozen (all of
+    them where its ``__dict__`` was read), as they are now: its own or its classes', or
+    absent; not tensors (their values: ``Frozen.tensors``), modules, dunder names, and of a
+    module, its registered ones and torch's own."""
+    module = isinstance(holder, nn.Module)
     if "__dict__" in keys:
-        keys = keys | vars(module).keys()
-    registered = (module._parameters, module._buffers, module._modules)
+        keys = keys | _own(holder).keys()
     found = []
     for key in sorted(keys):
-        if key in _MACHINERY_NAMES or key.startswith("__") or any(key in r for r in registered):
+        if key.startswith("__") or module and (key in _MACHINERY_NAMES or any(
+                key in table for table in (holder._parameters, holder._buffers,
+                                           holder._modules))):
             continue
-        value = _attribute(module, key)
-        if (value is _MISSING and hasattr(type(module), key)) or isinstance(
+        value = _attribute(holder, key)
+        if (value is _MISSING and hasattr(type(holder), key)) or isinstance(
                 value, (Tensor, nn.Module)):
             continue
         found.append((key, value))
@@ -144,19 +194,33 @@ def _read(module: nn.Module, keys: frozenset[str]) -> list[tuple[str, Any]]:
 
 
 def _class_constants(module: nn.Module) -> list[str]:
-    """The numbers, flags and strings ``module`` finds as its user classes' attributes."""
+    """What ``module`` finds as its user classes' attributes that their code names (``type(
+    self).rate``), methods and descriptors aside."""
+    names = _names_read(type(module))
     return [key for key in {k for base in _user_classes(type(module)) for k in vars(base)}
-            if not key.startswith("__") and key not in vars(module)
-            and _is_scalar(_attribute(module, key))]
+            if key in names and not key.startswith("__") and key not in vars(module)
+            and not callable(value := _attribute(module, key))
+            and not isinstance(value, (property, staticmethod, classmethod))]
 
 
-def _attribute(module: nn.Module, key: str) -> Any:
-    """``module``'s attribute ``key`` now: its own, else its user classes' (a constant, which
-    code may change on the class itself), else ``_MISSING``."""
-    own = vars(module)
+def _own(holder: Any) -> dict[str, Any]:
+    if isinstance(holder, nn.Module):
+        return vars(holder)
+    own, slots = attributes_of(holder)
+    return {**own, **slots}
+
+
+def _attribute(holder: Any, key: str) -> Any:
+    """``holder``'s attribute ``key`` now: a module's registered one, its own, else its user
+    classes' (a constant, which code may change on the class itself), else ``_MISSING``."""
+    if isinstance(holder, nn.Module):
+        for table in (holder._parameters, holder._buffers):
+            if key in table:
+                return table[key]
+    own = _own(holder)
     if key in own:
         return own[key]
-    return next((vars(base)[key] for base in _user_classes(type(module)) if key in vars(base)),
+    return next((vars(base)[key] for base in _user_classes(type(holder)) if key in vars(base)),
                 _MISSING)
 
 
@@ -171,13 +235,40 @@ def _is_scalar(value: Any) -> bool:
 
 
 # Values compared by their contents, which change in place without a new object: a numpy
-# array (``self.w[0] = 3.0``), a partial's keywords.
+# array (``self.w[0] = 3.0``), a partial's keywords, what a function closes over (a lambda
+# reading a list) and its defaults.
 def _snapshot(value: Any) -> Any:
+    contents = _state(value)
+    return value if contents is None else _Snapshot(value, contents)
+
+
+def _state(value: Any) -> Any:
     if isinstance(value, np.ndarray):
-        return _Snapshot(value, value.copy())
+        return value.copy()
     if isinstance(value, functools.partial):
-        return _Snapshot(value, (value.func, value.args, dict(value.keywords)))
-    return value
+        return value.func, value.args, dict(value.keywords)
+    if isinstance(value, types.FunctionType):
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                held = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                held = _MISSING
+            cells.append((held, _contents(held) if isinstance(held, MUTABLE) else _state(held)))
+        return value.__defaults__, dict(value.__kwdefaults__ or {}), cells
+    return None
+
+
+def _equal(now: Any, then: Any) -> bool:
+    if isinstance(then, np.ndarray):
+        return isinstance(now, np.ndarray) and now.shape == then.shape and (
+            now.dtype == then.dtype) and bool(np.array_equal(
+                now, then, equal_nan=now.dtype.kind in "fc"))
+    if type(then) in (tuple, list) and type(now) is type(then):
+        return len(now) == len(then) and all(map(_equal, now, then))
+    if type(then) is dict and type(now) is dict:
+        return now.keys() == then.keys() and all(_equal(now[k], then[k]) for k in then)
+    return now is then or (_is_scalar(now) and _is_scalar(then) and bool(now == then))
 
 
 class _Snapshot:
@@ -187,14 +278,14 @@ class _Snapshot:
         self.value, self.contents = value, contents
 
     def same(self, now: Any) -> bool:
-        if now is not self.value:
-            return False
-        if isinstance(now, np.ndarray):
-            then = self.contents
-            return now.shape == then.shape and now.dtype == then.dtype and bool(
-                np.array_equal(now, then, equal_nan=now.dtype.kind in "fc"))
-        func, args, keywords = self.contents
-        return now.func is func and now.args == args and now.keywords == keywords
+        return now is self.value and _equal(_state(now), self.contents)
+
+    def __deepcopy__(self, memo: dict) -> _Snapshot:
+        # A copy of the model shares its functions (deepcopy does not copy one), and what
+        # they close over.
+        if isinstance(self.value, types.FunctionType):
+            return self
+        return _Snapshot(copy.deepcopy(self.value, memo), copy.deepcopy(self.contents, memo))
 
 
 def _same(now: Any, then: Any) -> bool:

@@ -238,7 +238,8 @@ def _trace(
             tracer, flipped_tracer = (_Tracer(whole, attributes, locate,
                                               draws if watched else None) for _ in range(2))
             # What this trace reads: earlier ones entered more.
-            tracer.values, attributes_read = ValuesRead(), AttributesRead()
+            tracer.values = ValuesRead()
+            attributes_read = AttributesRead(attributes.plain_classes())
             try:
                 with tracer.values, attributes_read:
                     graph = tracer.trace(model)

@@ -17,11 +17,13 @@ of.
 Attributes are read by the code a trace runs wherever it is: a module's own forward
 (``self.scale``), a child reading its parent through a plain reference
 (``self.owner[0].scale``), a function outside any class (``scale_of(self)``), ``getattr`` with
-a name made at run time. So the trace runs with modules' attribute lookup recording, for each
-module, the names looked up on it by code other than torch.fx's, the Module machinery's and the
-planner's own (:class:`AttributesRead`), and the code that looked them up. What code the trace
-never ran (a method forward does not call, a branch not taken, a helper only kept-whole blocks
-call) read nothing.
+a name made at run time, a config's property or method (``self.cfg.rate``). So the trace runs
+with attribute lookup on modules, and on the classes of the plain objects the model holds,
+recording, for each object, the names looked up on it by code other than torch.fx's, the Module
+machinery's and the planner's own (:class:`AttributesRead`). What code the trace never ran (a
+method forward does not call, a branch not taken, a helper only kept-whole blocks call) read
+nothing. A lookup that bypasses the class's (``object.__getattribute__(self, "x")``) is not
+seen.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +83,9 @@ class ValuesRead(TorchDispatchMode):
             self.read.update((key, t) for key, t in found.items()
                              if storage is None or _storage(t) != storage)
 
-    def versions(self) -> tuple[tuple[Tensor, int], ...]:
-        """The tensors read, with their versions now (inference tensors have none, and cannot
-        be written)."""
-        return tuple((t, t._version) for t in self.read.values() if not t.is_inference())
+    def read_tensors(self) -> tuple[Tensor, ...]:
+        """The tensors whose values were read."""
+        return tuple(self.read.values())
 
 
 def _storage(tensor: Tensor) -> int | None:
@@ -94,52 +96,67 @@ def _storage(tensor: Tensor) -> int | None:
 
 
 class AttributesRead:
-    """While active (around a trace), the attributes of modules that code other than torch's
-    and the planner's machinery looked up (``self.scale``, ``getattr(m, name)``, ``hasattr``,
-    ``vars(m)`` as ``__dict__``), by module, and that code's names. Module attribute lookup
-    goes through a recording ``__getattribute__`` meanwhile (one Python call a lookup), put
-    back on exit, as torch.fx puts back the ``__call__`` and ``__getattr__`` it patches."""
+    """While active (around a trace), the attributes looked up on modules and on the plain
+    objects of ``classes`` (a config, a helper: NOTE [ What a module holds ]) by code other
+    than torch's and the planner's machinery (``self.scale``, ``getattr(m, name)``,
+    ``hasattr``, a property's code, ``vars(cfg)`` as ``__dict__``), by object. Attribute
+    lookup on those classes goes through a recording ``__getattribute__`` meanwhile (one
+    Python call a lookup), put back on exit, as torch.fx puts back the ``__call__`` and
+    ``__getattr__`` it patches. A class that cannot take one (a C type: SimpleNamespace) is
+    ``unwatched``: what its objects hold counts as read."""
 
-    def __init__(self) -> None:
-        self.read: dict[int, tuple[nn.Module, set[str]]] = {}
-        self.codes: set[types.CodeType] = set()
+    def __init__(self, classes: Iterable[type] = ()) -> None:
+        self.classes = list(dict.fromkeys((nn.Module, *classes)))
+        self.read: dict[int, tuple[Any, set[str]]] = {}
+        self.unwatched: set[type] = set()
+        self._put_back: list[tuple[type, Any]] = []
 
     def __enter__(self) -> AttributesRead:
-        read, codes, machinery = self.read, self.codes, _MACHINERY
-        generic, frame = object.__getattribute__, sys._getframe
-        self._before = vars(nn.Module).get("__getattribute__")
+        # Each class's own lookup, found before any is replaced: a subclass's calls its base's.
+        lookups = [(kind, getattr(kind, "__getattribute__")) for kind in self.classes]
+        for kind, lookup in lookups:
+            before = vars(kind).get("__getattribute__", _NONE)
+            try:
+                type.__setattr__(kind, "__getattribute__", self._recording(lookup))
+            except TypeError:
+                self.unwatched.add(kind)
+                continue
+            self._put_back.append((kind, before))
+        return self
 
-        def __getattribute__(module: nn.Module, name: str) -> Any:
+    def __exit__(self, *exc: object) -> None:
+        while self._put_back:
+            kind, before = self._put_back.pop()
+            if before is _NONE:
+                type.__delattr__(kind, "__getattribute__")
+            else:
+                type.__setattr__(kind, "__getattribute__", before)
+
+    def _recording(self, lookup: Any) -> Any:
+        read, machinery, frame = self.read, _MACHINERY, sys._getframe
+
+        def __getattribute__(holder: Any, name: str) -> Any:
             code = frame(1).f_code
             skip = machinery.get(code)
             if skip is None:
                 skip = machinery[code] = code.co_filename.startswith(_MACHINERY_FILES)
             if not skip:
-                found = read.get(id(module))
+                found = read.get(id(holder))
                 if found is None:
-                    found = read[id(module)] = (module, set())
+                    found = read[id(holder)] = (holder, set())
                 found[1].add(name)
-                codes.add(code)
-            return generic(module, name)
+            return lookup(holder, name)
 
-        nn.Module.__getattribute__ = __getattribute__
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._before is None:
-            del nn.Module.__getattribute__
-        else:
-            nn.Module.__getattribute__ = self._before
+        return __getattribute__
 
     def reads(self, values: ValuesRead) -> TraceReads:
-        names: set[str] = set()
-        for code in self.codes:
-            names.update(code.co_names)
-            names.update(c for c in code.co_consts if isinstance(c, str) and c.isidentifier())
         return TraceReads(
-            values.versions(),
-            tuple((module, frozenset(keys)) for module, keys in self.read.values()),
-            frozenset(names))
+            values.read_tensors(),
+            tuple((holder, frozenset(keys)) for holder, keys in self.read.values()),
+            frozenset(self.unwatched))
+
+
+_NONE = object()
 
 
 def _folder(module: types.ModuleType) -> str:
@@ -158,11 +175,10 @@ _MACHINERY: dict[types.CodeType, bool] = {}
 
 @dataclass(frozen=True)
 class TraceReads:
-    """What a trace read: the tensors whose values it read, with their versions then
-    (``values``); each module whose attributes its code looked up, with their names
-    (``attributes``); and the names that code mentions (``names``: a plain object's attribute
-    it may have read, ``self.cfg.rate``)."""
+    """What a trace read: the tensors whose values it read (``values``); each module and plain
+    object whose attributes its code looked up, with their names (``attributes``); and the
+    classes of plain objects whose lookups could not be recorded (``unwatched``)."""
 
-    values: tuple[tuple[Tensor, int], ...] = ()
-    attributes: tuple[tuple[nn.Module, frozenset[str]], ...] = ()
-    names: frozenset[str] = field(default_factory=frozenset)
+    values: tuple[Tensor, ...] = ()
+    attributes: tuple[tuple[Any, frozenset[str]], ...] = ()
+    unwatched: frozenset[type] = field(default_factory=frozenset)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from revnets.replay.held import (
     generators_held,
+    is_plain_object,
     reached,
     state_copies,
 )
@@ -50,18 +51,20 @@ __all__ = [
 # State outside the model (module-level globals) is not followed. A hook registered on a traced
 # module after planning, on the model itself, or globally would not run either: a planned
 # training step refuses them by name, and so does it refuse what the graph froze that has
-# changed since (``Frozen``, frozen.py): every attribute the traced code looked up on any
-# module, wherever that code is (a module's own forward, a child reading its parent through a
-# plain list, a function outside any class, ``getattr`` with a name made at run time; absent
-# then too: trace_reads.py), by value where it is a number, flag or string (a drop-path rate
-# raised by a schedule), by contents where it is a numpy array or a partial, else by identity
-# (a function swapped), with what the lists, dicts and plain objects among them hold
-# (``self.scales[0] = ...``), a constant of a traced module's class, and a submodule replaced
-# (a new head), added (a block appended) or reordered. Code the trace never ran (a helper only
-# kept-whole blocks call) read nothing. A tensor it reads directly (a parameter, a buffer, a
-# plain attribute) is followed instead (NOTE [ A planned model is the model ]); one whose
-# value the trace read (``float(self.t)``, a branch on it: trace_reads.py) is refused
-# once written. Code
+# changed since (``Frozen``, frozen.py): every attribute the traced code looked up on a
+# module or on a plain object the model holds, wherever that code is (a module's own forward,
+# a child reading its parent through a plain list, a function outside any class, a config's
+# property or method, ``getattr`` with a name made at run time; absent then too:
+# trace_reads.py), by value where it is a number, flag or string (a drop-path rate raised by
+# a schedule), by contents where it is a numpy array, a partial or a function (what it closes
+# over), else by identity, with what the lists and dicts among them hold (``self.scales[0] =
+# ...``), a constant of a traced module's class, a traced module's class and forward, and a
+# submodule replaced (a new head), added (a block appended) or reordered. Code the trace never
+# ran (a helper only kept-whole blocks call) read nothing. A tensor it reads directly (a
+# parameter, a buffer, a plain attribute) is followed instead (NOTE [ A planned model is the
+# model ]); one whose value the trace read (``float(self.t)``, a branch on it:
+# trace_reads.py) is checked by value under the name it was read by, refused once another
+# value is there (written, replaced, cast with loss). Code
 # changing the grad mode or autocast keeps its module whole (trace.py), since a graph records
 # neither.
 # Planning's runs on the meta device run kept-whole modules too, and so do the real runs that
@@ -132,6 +135,11 @@ class Attributes:
         for module in modules:
             saved, tensors = self.owned.get(id(module), ((), ()))
             yield module, [self.saved[i] for i in saved], [self.tensors[i] for i in tensors]
+
+    def plain_classes(self) -> set[type]:
+        """The classes of the plain objects the modules reach (a config, a helper)."""
+        return {type(holder) for module, holder, _ in self.saved
+                if holder is not module and is_plain_object(holder)}
 
     def changed(self, modules: Iterable[nn.Module] | None = None) -> str | None:
         """``"Module.attribute"`` (or ``"Module (state it holds)"``) of the first change since
