@@ -29,7 +29,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from revnets.replay.held import generators_held
+from revnets.replay.held import generators_held, reached
+from revnets.replay.state import _own_attributes
 
 
 def is_cpu_scalar(tensor: Tensor) -> bool:
@@ -52,6 +53,18 @@ def tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -
     if is_cpu_scalar(tensor):
         return scalar_to_fake(tensor, mode)
     return mode.from_tensor(tensor, static_shapes=True)
+
+
+def scalars_held(module: nn.Module) -> list[Tensor]:
+    """The CPU scalars ``module`` and its submodules hold (buffers, plain attributes, in
+    lists, dicts and plain objects: NOTE [ What a module holds ]), whose values code reads
+    (``float(self.scales[0])``) and a fake copy keeps (``scalar_to_fake``)."""
+    found, seen = [t for t in module.buffers() if is_cpu_scalar(t)], set()
+    for m in module.modules():
+        own = vars(m)
+        found += [v for key in _own_attributes(tuple(own)) for _, v in reached(own[key], seen)
+                  if isinstance(v, Tensor) and is_cpu_scalar(v)]
+    return found
 
 
 def generators_shared(module: nn.Module, memo: dict[int, Any]) -> None:

@@ -44,6 +44,7 @@ from revnets.fake_copies import (
     optimizer_to_fake,
     real_modules_kept,
     scalar_to_fake,
+    scalars_held,
     scaler_to_fake,
     scheduler_to_fake,
     stand_ins_of,
@@ -169,10 +170,11 @@ class Predictor:
             return memo[id(obj)]
         mode = self.mode
         if isinstance(obj, nn.Module):
-            # Scalar buffers (batch norm's num_batches_tracked) keep their values, made anew for
-            # every prediction: code reads them (momentum=None), and the run changes them.
-            memo.update((id(b), scalar_to_fake(b, mode)) for b in obj.buffers()
-                        if is_cpu_scalar(b) and id(b) not in memo)
+            # Scalars it holds (batch norm's num_batches_tracked, a number in a list) keep their
+            # values, made anew for every prediction: code reads them (momentum=None), and the
+            # run changes them.
+            memo.update((id(b), scalar_to_fake(b, mode)) for b in scalars_held(obj)
+                        if id(b) not in memo)
             generators_shared(obj, memo)
             empty_containers_copied(obj, memo)
             with FakeCopyMode(mode):

@@ -6,16 +6,19 @@ compared with the same model trained without planning."""
 
 import copy
 import functools
+import threading
 
 import numpy as np
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 import revnets
 from revnets.planning import as_graph_chain
+from revnets.planning.trace_reads import AttributesRead
 
 from conftest import activation_budget, train_step
 
@@ -555,6 +558,56 @@ def doubled(h):
     return 2 * h
 
 
+class Rates:
+    SCALES = [1.0]  # a list of the config's class, read through its instance
+
+
+class RatesOfItsClass(Residual):
+    def __init__(self):
+        super().__init__()
+        self.cfg = Rates()
+
+    def forward(self, x):
+        return x + self.cfg.SCALES[0] * self.b(torch.relu(self.a(x)))
+
+
+class HydraConfigured(Residual):
+    """A Hydra user's block: its rate read from the run's DictConfig."""
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = OmegaConf.create({"model": {"rate": 0.5}})
+
+    def forward(self, x):
+        return x + self.cfg.model.rate * self.b(torch.relu(self.a(x)))
+
+
+class Settings:
+    def __init__(self):
+        self.rate, self.calls = 0.5, 0
+
+
+def block_reading(settings):
+    class Made(Residual):  # a class a factory makes, its forward closing over the settings
+        def forward(self, x):
+            return x + settings.rate * self.b(torch.relu(self.a(x)))
+
+    return Made
+
+
+CLOSED_OVER = Settings()
+ClosesOverSettings = block_reading(CLOSED_OVER)
+
+
+class ListedTensor(Residual):
+    def __init__(self):
+        super().__init__()
+        self.gains = [torch.tensor(0.5)]  # a tensor held in a list, its value read
+
+    def forward(self, x):
+        return x + float(self.gains[0]) * self.b(torch.relu(self.a(x)))
+
+
 FROZEN_ELSEWHERE = {
     "a constant of the class": (ClassScaled, lambda m: setattr(type(m.blocks[2]), "scale", 3.0),
                                 r"blocks\.0\.scale \(ClassScaled\) is 3\.0, 1\.0 when"),
@@ -593,6 +646,18 @@ FROZEN_ELSEWHERE = {
     "the forward replaced": (
         Residual, lambda m: setattr(m.blocks[2], "forward", doubled),
         r"blocks\.2 \(Residual\) runs other code than when planned"),
+    "a list of a config's class": (
+        RatesOfItsClass, lambda m: Rates.SCALES.__setitem__(0, 3.0),
+        r"blocks\.0\.cfg\.SCALES \(list\) was changed in place"),
+    "a Hydra config's number": (
+        HydraConfigured, lambda m: setattr(m.blocks[2].cfg.model, "rate", 3.0),
+        r"blocks\.2\.cfg\._content\['model'\]\._content\['rate'\]\._val \(AnyNode\) is 3\.0"),
+    "a number of settings the forward closes over": (
+        ClosesOverSettings, lambda m: setattr(CLOSED_OVER, "rate", 3.0),
+        r"<a Settings the model does not hold>\.rate \(Settings\) is 3\.0, 0\.5 when"),
+    "a tensor held in a list, its value read": (
+        ListedTensor, lambda m: m.blocks[2].gains[0].fill_(3.0),
+        r"a tensor of shape \(\) \(Tensor\) is a tensor whose value the trace read"),
     "the class replaced": (
         Residual, lambda m: setattr(m.blocks[2], "__class__", ClassScaled),
         r"blocks\.2 \(ClassScaled\) runs other code than when planned"),
@@ -619,7 +684,50 @@ def test_what_a_traced_graph_froze_outside_the_module_dict_is_refused_by_name(ch
         with pytest.raises(RuntimeError, match=refusal):
             train_step(planned, x)
     finally:
-        ClassScaled.scale, ClassListScaled.SCALES[0] = 1.0, 1.0
+        ClassScaled.scale, ClassListScaled.SCALES[0], Rates.SCALES[0] = 1.0, 1.0, 1.0
+        CLOSED_OVER.rate = 0.5
+
+
+class ScaledByAListedTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.gains = nn.Linear(32, 32), [torch.tensor(0.5)]
+
+    def forward(self, x):
+        return x + self.a(x) * float(self.gains[0])
+
+
+def test_a_number_held_in_a_list_as_a_tensor_keeps_its_value_in_predictions():
+    """Predictions run the model on fake tensors, which have no values: a CPU scalar held in a
+    list keeps its own, as a scalar buffer does, so the model plans (a prediction read its
+    value and failed before) and trains with the model's gradients; written, it is refused."""
+    torch.manual_seed(0)
+    model, x = Stack(ScaledByAListedTensor), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.7)
+    plain = copy.deepcopy(model)
+    for net in (planned, plain):
+        train_step(net, x)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    model.blocks[2].gains[0].fill_(3.0)
+    with pytest.raises(RuntimeError, match=r"a tensor of shape \(\) \(Tensor\) is a tensor whose"):
+        train_step(planned, x)
+
+
+def test_lookups_by_another_thread_while_tracing_are_not_the_traces():
+    """A monitor thread reading a module's counter during planning read nothing the graph
+    froze: only the tracing thread's lookups are recorded."""
+    module = nn.Linear(2, 2)
+    module.seen, module.rate = 0, 0.5
+    with AttributesRead() as recording:
+        monitor = threading.Thread(target=lambda: module.seen)
+        monitor.start()
+        monitor.join()
+        assert module.rate == 0.5
+    read = {name for holder, names in recording.read.values() if holder is module
+            for name in names}
+    assert "rate" in read and "seen" not in read
+    assert "__getattribute__" not in vars(nn.Module)
 
 
 class Labelled(Residual):
@@ -669,11 +777,6 @@ def test_a_copy_or_a_cast_of_a_planned_model_checks_its_own_values_read():
     copied.model.blocks[2].temp.fill_(0.5)  # its value as planned again
     copied.double()
     train_step(copied, x.double())
-
-
-class Settings:
-    def __init__(self):
-        self.rate, self.calls = 0.5, 0
 
 
 class CountsCalls(nn.Module):

@@ -5,6 +5,7 @@ modules run as their graph ] in traced.py)."""
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import types
 from collections.abc import Container, Iterable
@@ -41,90 +42,143 @@ _SCALARS = (int, float, bool, str, complex, type(None))
 class Frozen:
     """What a traced graph froze (NOTE [ Traced modules run as their graph ]), found by what
     its trace read (``reads``: trace_reads.py): every attribute its code looked up on a module
-    or a plain object (numbers, flags and strings by value, a numpy array or a partial by its
-    contents, anything else by identity, one absent then by its absence), modules aside; what
-    the lists and dicts among them hold, and the plain objects whose lookups could not be
-    recorded (NOTE [ What a module holds ]); the tensors whose values it read, by value, under
-    the name it read them by (a tensor put there since, a cast, a copy of the model); and of
+    or a plain object (numbers, flags and strings by value, a numpy array, a partial or a
+    function by its contents, anything else by identity, one absent then by its absence),
+    modules aside; what the lists and dicts among them hold, and the plain objects whose
+    lookups could not be recorded (NOTE [ What a module holds ]); the tensors whose values it
+    read, by value, under the name it read them by (a tensor put there since, a cast); and of
     the modules a planned step runs as their graph (``traced``: names and modules), their
-    class and forward, their classes' constants that their code names (``type(self).rate``),
-    and their submodules, by identity and order. ``model``: to name what changed."""
+    class and forward (what it closes over too), their classes' constants that their code
+    names (``type(self).rate``), and their submodules, by identity and order. ``model``: to
+    name what changed. A copy of the planned model (a prediction's, an EMA) checks its own
+    state against that state as copied, where the model was as planned then."""
 
     def __init__(self, model: nn.Module, traced: Iterable[tuple[str, nn.Module]],
                  reads: TraceReads = TraceReads()) -> None:
-        traced = list(traced)
+        self.traced = list(traced)
         paths = _paths(model)
-        self.values, self.held = [], []  # held: (path, holder, its frozen contents as found)
+        self.values: list[tuple[str, Any, str]] = []  # path, holder, key
+        self.held: list[tuple[str, Any, tuple[str, ...] | None]] = []  # path, holder, keys
+        self.tensors: list[tuple[str, Any, str | None, Tensor | None]] = []
         seen: set[int] = set()
-        tensors = {id(t): t for t in reads.values}
-        self.tensors: list[list] = []  # [path, holder, key or None, tensor, version, copy]
+        values_read = {id(t): t for t in reads.values}
         for holder, keys in reads.attributes:
             path = paths.get(id(holder), f"<a {type(holder).__name__} the model does not hold>")
             for key in keys:
-                if isinstance(now := _attribute(holder, key), Tensor) and id(now) in tensors:
-                    self.tensors.append([path, holder, key, *_version_copy(tensors.pop(id(now)))])
-            self._freeze(path, holder, _read(holder, keys), seen, reads.unwatched)
-        self.tensors += [[f"a tensor of shape {tuple(t.shape)}", None, None, *_version_copy(t)]
-                         for t in tensors.values()]
-        # A class's attributes are not the model's: a copy of the model (a prediction's) shares
-        # them, and what they were when planned.
-        values, held, self.values, self.held = self.values, self.held, _Shared(), _Shared()
-        for name, module in traced:
-            self._freeze(name, module, [(key, _attribute(module, key))
-                                        for key in _class_constants(module)], seen, ())
-        self.values, self.held, self.of_classes = values, held, (self.values, self.held)
-        self.code = [(name, module, type(module), vars(module).get("forward"),
-                      type(module).forward) for name, module in traced]
-        self.modules = [(name, module, key, child) for name, module in traced
-                        for key, child in module._modules.items()]
-        self.names = [(name, module, tuple(module._modules)) for name, module in traced]
+                if isinstance(now := _attribute(holder, key), Tensor) and id(now) in values_read:
+                    del values_read[id(now)]
+                    self.tensors.append((path, holder, key, None))
+            self._watch(path, holder, _read(holder, keys), seen, reads.unwatched)
+        self.tensors += [(f"a tensor of shape {tuple(t.shape)}", None, None, t)
+                         for t in values_read.values()]
+        for name, module in self.traced:
+            self._watch(name, module, [(key, _attribute(module, key))
+                                       for key in _class_constants(module)], seen, ())
+        self.then = self._state()
 
-    def _freeze(self, path: str, holder: Any, read: list[tuple[str, Any]], seen: set[int],
-                unwatched: Container[type]) -> None:
-        self.values += [(path, holder, key, _snapshot(value)) for key, value in read]
+    def _watch(self, path: str, holder: Any, read: list[tuple[str, Any]], seen: set[int],
+               unwatched: Container[type]) -> None:
+        self.values += [(path, holder, key) for key, _ in read]
         for key, value in read:
             for where, v in reached(value, seen, f"{path + '.' if path else ''}{key}"):
                 if isinstance(v, MUTABLE):
-                    self.held.append((where, v, [_snapshot(x) for x in _contents(v)]))
+                    self.held.append((where, v, None))
                 elif type(v) in unwatched:  # its lookups not recorded: all of it
-                    self.held.append((where, v, {k: _snapshot(x) for k, x in _read(
-                        v, frozenset({"__dict__"}))}))
+                    self.held.append((where, v, tuple(k for k, _ in _read(
+                        v, frozenset({"__dict__"})))))
+
+    def _state(self) -> tuple[list, ...]:
+        """What is watched, as it is now."""
+        return (
+            [_snapshot(_attribute(holder, key)) for _, holder, key in self.values],
+            [[_snapshot(x) for x in _contents(holder)] if keys is None else
+             [_snapshot(_attribute(holder, key)) for key in keys]
+             for _, holder, keys in self.held],
+            [_tensor_state(_tensor(holder, key, tensor)) for _, holder, key, tensor
+             in self.tensors],
+            [(type(m), vars(m).get("forward"), _snapshot(type(m).forward), tuple(
+                m._modules.items())) for _, m in self.traced])
 
     def check(self) -> None:
         """Raise, naming it, if anything frozen changed."""
-        for entry in self.tensors:
-            _check_tensor(entry)
-        for name, module, kind, forward, code in self.code:
+        values, held, tensors, code = self.then
+        for (path, holder, key, tensor), then in zip(self.tensors, tensors):
+            _check_tensor(path, holder, key, _tensor(holder, key, tensor), then)
+        for (name, module), (kind, forward, function, children) in zip(self.traced, code):
             if type(module) is not kind or vars(module).get("forward") is not forward or (
-                    kind.forward is not code):
+                    not _same(kind.forward, function)):
                 _refuse(name, module, "", "runs other code than when planned (its class or "
-                        "forward replaced)")
-        classes_values, classes_held = self.of_classes
-        for name, holder, key, value in (*self.values, *classes_values):
-            _check(name, holder, key, _attribute(holder, key), value)
-        for name, holder, then in (*self.held, *classes_held):
-            if isinstance(then, list):  # a container's elements
-                now = _contents(holder)
-                if len(now) != len(then) or not all(map(_same, now, then)):
-                    _refuse(name, holder, "", "was changed in place since planning")
+                        "forward replaced, or what its forward closes over changed)")
+            if tuple(module._modules.items()) != children:
+                _refuse_submodules(name, module, children)
+        for (path, holder, key), then in zip(self.values, values):
+            _check(path, holder, key, _attribute(holder, key), then)
+        for (path, holder, keys), then in zip(self.held, held):
+            if keys is not None:
+                for key, value in zip(keys, then):
+                    _check(path, holder, key, _attribute(holder, key), value)
                 continue
-            for key, value in then.items():
-                _check(name, holder, key, _attribute(holder, key), value)
-        for name, module, key, child in self.modules:
-            if module._modules.get(key) is not child:
-                _refuse(name, module, key, "is another module than when planned")
-        for name, module, keys in self.names:  # a block appended: the graph would skip it
-            if tuple(module._modules) != keys:
-                added = [key for key in module._modules if key not in keys]
-                _refuse(name, module, "", f"has submodules {added} added since planning"
-                        if added else "has its submodules in another order than when planned")
+            now = _contents(holder)
+            if len(now) != len(then) or not all(map(_same, now, then)):
+                _refuse(path, holder, "", "was changed in place since planning")
+
+    def __deepcopy__(self, memo: dict) -> Frozen:
+        new = Frozen.__new__(Frozen)
+        new.traced = [(name, copy.deepcopy(m, memo)) for name, m in self.traced]
+        new.values, new.held, new.tensors = (
+            [(path, copy.deepcopy(holder, memo), *rest) for path, holder, *rest in entries]
+            for entries in (self.values, self.held, self.tensors))
+        new.tensors = [(path, holder, key, copy.deepcopy(tensor, memo))
+                       for path, holder, key, tensor in new.tensors]
+        try:
+            self.check()
+        except RuntimeError:  # a stale model's copy is refused as the model is
+            new.then = copy.deepcopy(self.then, memo)
+        else:  # the copy's own state is as planned (holders whose copies are not memo's)
+            new.then = new._state()
+        return new
 
 
-class _Shared(list):
-    """Entries a copy of the planned model shares with it."""
+def _refuse_submodules(name: str, module: nn.Module, children: tuple) -> None:
+    then = dict(children)
+    for key, child in module._modules.items():
+        if key in then and then[key] is not child:
+            _refuse(name, module, key, "is another module than when planned")
+    added = [key for key in module._modules if key not in then]
+    _refuse(name, module, "", f"has submodules {added} added since planning" if added
+            else "has its submodules in another order than when planned" if len(
+                module._modules) == len(then) else "has submodules removed since planning")
 
-    def __deepcopy__(self, memo: dict) -> _Shared:
-        return self
+
+def _tensor(holder: Any, key: str | None, tensor: Tensor | None) -> Any:
+    return tensor if key is None else _attribute(holder, key)
+
+
+def _tensor_state(tensor: Any) -> list:
+    """A tensor whose value a trace read: itself, its version, a copy of its value (none of
+    a fake one: a prediction's copy, nothing to compare)."""
+    fake = isinstance(tensor, FakeTensor) or not isinstance(tensor, Tensor) or (
+        tensor.device.type == "meta")
+    return [tensor, None if fake else _version(tensor), None if fake else _copy_of(tensor)]
+
+
+def _check_tensor(path: str, holder: Any, key: str | None, now: Any, then: list) -> None:
+    """Refuse if the tensor whose value the trace read, as named then (``key`` of ``holder``;
+    None: that tensor), holds another value now; one holding the same (the model cast without
+    loss) is followed from then on."""
+    tensor, version, value = then
+    if now is tensor and (version is None or _version(now) == version):
+        return
+    if not isinstance(now, Tensor):
+        _refuse(path, holder, key or "", f"is {_named(now)}, a tensor whose value the trace "
+                "read when planned")
+    if isinstance(now, FakeTensor) or now.device.type == "meta":
+        return
+    if value is None or now.shape != value.shape or not torch.equal(
+            now.detach().to(value.device, value.dtype), value):
+        _refuse(path, holder if key else now, key or "", "is a tensor whose value the trace "
+                "read (.item(), bool(), a constant made from it), changed since planning")
+    then[:] = [now, _version(now), value]
 
 
 def _paths(model: nn.Module) -> dict[int, str]:
@@ -140,30 +194,6 @@ def _paths(model: nn.Module) -> dict[int, str]:
                 if not isinstance(v, nn.Module):
                     paths.setdefault(id(v), where)
     return paths
-
-
-def _version_copy(tensor: Tensor) -> list:
-    return [tensor, _version(tensor), _copy_of(tensor)]
-
-
-def _check_tensor(entry: list) -> None:
-    """Refuse if the tensor whose value the trace read, as named then (``key`` of ``holder``;
-    None: that tensor), holds another value now; one holding the same (the model cast without
-    loss, a copy of the planned model) is followed from then on."""
-    path, holder, key, then, version, copy = entry
-    now = then if key is None else _attribute(holder, key)
-    if now is then and _version(now) == version:
-        return
-    if not isinstance(now, Tensor):
-        _refuse(path, holder, key or "", f"is {_named(now)}, a tensor whose value the trace "
-                "read when planned")
-    if isinstance(now, FakeTensor) or now.device.type == "meta":  # a prediction's copy
-        return
-    if copy is None or now.shape != copy.shape or not torch.equal(
-            now.detach().to(copy.device, copy.dtype), copy):
-        _refuse(path, holder if key else now, key or "", "is a tensor whose value the trace "
-                "read (.item(), bool(), a constant made from it), changed since planning")
-    entry[3], entry[4] = now, _version(now)
 
 
 # What a module's attribute lookup finds besides its own and its classes' attributes: torch's
@@ -280,13 +310,6 @@ class _Snapshot:
     def same(self, now: Any) -> bool:
         return now is self.value and _equal(_state(now), self.contents)
 
-    def __deepcopy__(self, memo: dict) -> _Snapshot:
-        # A copy of the model shares its functions (deepcopy does not copy one), and what
-        # they close over.
-        if isinstance(self.value, types.FunctionType):
-            return self
-        return _Snapshot(copy.deepcopy(self.value, memo), copy.deepcopy(self.contents, memo))
-
 
 def _same(now: Any, then: Any) -> bool:
     if isinstance(then, _Snapshot):
@@ -308,6 +331,8 @@ def _named(value: Any) -> str:
         return "absent"
     if isinstance(value, _Snapshot):
         return _named(value.value)
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
     return getattr(value, "__name__", None) or f"another {type(value).__name__}"
 
 

@@ -22,7 +22,12 @@ from torch import nn
 from revnets.invertible import Invertible
 from revnets.planning.graph_step import GraphKey, GraphStep
 from revnets.planning.graph_values import substitute
-from revnets.planning.trace_reads import AttributesRead, TraceReads, ValuesRead
+from revnets.planning.trace_reads import (
+    AttributesRead,
+    TraceReads,
+    ValuesRead,
+    classes_closed_over,
+)
 from revnets.planning.traced import (
     Attributes,
     Draws,
@@ -239,7 +244,8 @@ def _trace(
                                               draws if watched else None) for _ in range(2))
             # What this trace reads: earlier ones entered more.
             tracer.values = ValuesRead()
-            attributes_read = AttributesRead(attributes.plain_classes())
+            attributes_read = AttributesRead(
+                attributes.plain_classes() | classes_closed_over(model.modules()))
             try:
                 with tracer.values, attributes_read:
                     graph = tracer.trace(model)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["AttributesRead", "TraceReads", "ValuesRead"]
+from revnets.replay.held import is_plain_object
+
+__all__ = ["AttributesRead", "TraceReads", "ValuesRead", "classes_closed_over"]
 
 _VALUE_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
                 torch.ops.aten.equal.default}
@@ -134,13 +137,14 @@ class AttributesRead:
 
     def _recording(self, lookup: Any) -> Any:
         read, machinery, frame = self.read, _MACHINERY, sys._getframe
+        thread, tracing = threading.get_ident, threading.get_ident()  # not another thread's
 
         def __getattribute__(holder: Any, name: str) -> Any:
             code = frame(1).f_code
             skip = machinery.get(code)
             if skip is None:
                 skip = machinery[code] = code.co_filename.startswith(_MACHINERY_FILES)
-            if not skip:
+            if not skip and thread() == tracing:
                 found = read.get(id(holder))
                 if found is None:
                     found = read[id(holder)] = (holder, set())
@@ -157,6 +161,22 @@ class AttributesRead:
 
 
 _NONE = object()
+
+
+def classes_closed_over(modules: Iterable[nn.Module]) -> set[type]:
+    """The classes of the plain objects the forwards of ``modules`` close over (a config a
+    class made by a factory reads), whose lookups a trace records too."""
+    found: set[type] = set()
+    for module in modules:
+        for forward in {type(module).forward, vars(module).get("forward")}:
+            for cell in getattr(forward, "__closure__", None) or ():
+                try:
+                    held = cell.cell_contents
+                except ValueError:  # a cell not yet filled
+                    continue
+                if is_plain_object(held):
+                    found.add(type(held))
+    return found
 
 
 def _folder(module: types.ModuleType) -> str:

@@ -48,7 +48,9 @@ __all__ = [
 #     place too: torch.fx runs what a forward does to a buffer, which is not a value of the
 #     graph; kept whole, the update is replayed once per step like any module state);
 #   - it draws from Python's random module, or its code depends on ``training`` (trace.py).
-# State outside the model (module-level globals) is not followed. A hook registered on a traced
+# State outside the model is not followed, but for the plain objects a forward closes over (a
+# config a class made by a factory reads) and tensors whose values the trace read; module-level
+# globals are not. A hook registered on a traced
 # module after planning, on the model itself, or globally would not run either: a planned
 # training step refuses them by name, and so does it refuse what the graph froze that has
 # changed since (``Frozen``, frozen.py): every attribute the traced code looked up on a
