@@ -9,8 +9,8 @@ a tensor the forward computes from one (a table of sines made from a buffer). Fo
 tensor by name (NOTE [ A planned model is the model ]) cannot help: the graph never reads it
 again. So the trace runs under a dispatch mode that records, for every tensor an operator makes
 from real tensors, the tensors it came from; those a value was read of (``item``, ``bool``,
-``equal``), and those a constant of the graph was made from, are the tensors read, with their
-versions then. A tensor the graph holds as itself (a plain attribute in an expression) is a
+``equal``), and those a constant of the graph was made from, are the tensors read (checked by
+value under the name they were read by: frozen.py). A tensor the graph holds as itself (a plain attribute in an expression) is a
 constant that follows writes into it, and is not counted, nor is a tensor a constant is a view
 of.
 
@@ -154,6 +154,8 @@ class AttributesRead:
         return __getattribute__
 
     def reads(self, values: ValuesRead) -> TraceReads:
+        """What the trace read: these lookups, and the tensors whose values ``values`` saw
+        read."""
         return TraceReads(
             values.read_tensors(),
             tuple((holder, frozenset(keys)) for holder, keys in self.read.values()),
