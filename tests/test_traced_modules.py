@@ -4,6 +4,7 @@ does besides computing (hooks, state they hold, grad mode) keeps them whole, the
 the model as it was, and what the graph froze is refused by name once it changes. Each case is
 compared with the same model trained without planning."""
 
+import collections
 import copy
 import functools
 import threading
@@ -728,6 +729,31 @@ def test_lookups_by_another_thread_while_tracing_are_not_the_traces():
             for name in names}
     assert "rate" in read and "seen" not in read
     assert "__getattribute__" not in vars(nn.Module)
+
+
+Rate = collections.namedtuple("Rate", "rate")
+
+
+class RateTuple(Residual):
+    def __init__(self):
+        super().__init__()
+        self.cfg = Rate(0.5)
+
+    def forward(self, x):
+        return x + self.cfg.rate * self.b(torch.relu(self.a(x)))
+
+
+def test_a_tuple_made_again_with_the_same_values_is_no_change():
+    """Settings kept as a namedtuple are compared by what they hold: made again with the same
+    rate, the plan trains on; with another, it is refused."""
+    torch.manual_seed(0)
+    model, x = Stack(RateTuple), torch.randn(1024, 32)
+    planned = planned_stack(model, x, keep=0.8)
+    model.blocks[2].cfg = Rate(0.5)
+    train_step(planned, x)
+    model.blocks[2].cfg = Rate(3.0)
+    with pytest.raises(RuntimeError, match=r"blocks\.2\.cfg \(RateTuple\) is another Rate"):
+        train_step(planned, x)
 
 
 class Labelled(Residual):

@@ -314,6 +314,9 @@ class _Snapshot:
 def _same(now: Any, then: Any) -> bool:
     if isinstance(then, _Snapshot):
         return then.same(now)
+    if isinstance(then, tuple) and type(now) is type(then) and now is not then:
+        # an equal tuple put there (a namedtuple of settings made again)
+        return len(now) == len(then) and all(map(_same, now, then))
     return now is then or (_is_scalar(now) and _is_scalar(then) and bool(now == then))
 
 
