@@ -10,9 +10,9 @@ tensor by name (NOTE [ A planned model is the model ]) cannot help: the graph ne
 again. So the trace runs under a dispatch mode that records, for every tensor an operator makes
 from real tensors, the tensors it came from; those a value was read of (``item``, ``bool``,
 ``equal``), and those a constant of the graph was made from, are the tensors read (checked by
-value under the name they were read by: frozen.py). A tensor the graph holds as itself (a plain attribute in an expression) is a
-constant that follows writes into it, and is not counted, nor is a tensor a constant is a view
-of.
+value under the name they were read by: frozen.py). A tensor the graph holds as itself (a plain
+attribute in an expression) is a constant that follows writes into it, and is not counted, nor
+is a tensor a constant is a view of.
 
 Attributes are read by the code a trace runs wherever it is: a module's own forward
 (``self.scale``), a child reading its parent through a plain reference
