@@ -26,6 +26,7 @@ from revnets.replay.state import _own_attributes
 
 __all__ = ["Frozen", "refuse_hooks"]
 
+
 class _Absent:
     """An attribute not there; the same in a copy of the planned model (a prediction's)."""
 
@@ -254,10 +255,18 @@ def _attribute(holder: Any, key: str) -> Any:
                 _MISSING)
 
 
-@functools.cache
 def _user_classes(kind: type) -> tuple[type, ...]:
-    return tuple(base for base in kind.__mro__
-                 if base is not object and not base.__module__.startswith("torch."))
+    # A dict, not functools.cache: torch.compile traces a planned step's checks, and only
+    # warns of a cache wrapper it looks through.
+    found = _USER_CLASSES.get(kind)
+    if found is None:
+        found = _USER_CLASSES[kind] = tuple(
+            base for base in kind.__mro__
+            if base is not object and not base.__module__.startswith("torch."))
+    return found
+
+
+_USER_CLASSES: dict[type, tuple[type, ...]] = {}
 
 
 def _is_scalar(value: Any) -> bool:
