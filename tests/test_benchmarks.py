@@ -62,7 +62,8 @@ def test_exact_accuracy_quick_run():
     assert "'model': 'revnet exact', 'precision': 'bf16'" in out
 
 
-@pytest.mark.parametrize("times", [[], ["--measured"]], ids=["sizes", "measured"])
+@pytest.mark.parametrize("times", [[], pytest.param(["--measured"], marks=pytest.mark.slow)],
+                         ids=["sizes", "measured"])
 def test_budget_sweep_finds_no_smaller_budget_with_a_higher_peak(tmp_path, times):
     done = subprocess.run(
         [sys.executable, "budget_sweep.py", "--only", "conv_chain", "--steps", "4", *times,
@@ -108,6 +109,7 @@ def test_planner_zoo_covers_every_torchvision_classification_model(tmp_path, mon
     assert len(rows) == 1 and "WRONG" not in rows[0] and "| True |" in rows[0]
 
 
+@pytest.mark.slow
 def test_planner_zoo_timm_set_builds_each_model_at_its_size_and_plans_an_untraceable_one(tmp_path):
     """One model built for 64x64 (a ViT) and one whose own forward torch.fx cannot trace:
     planned as whole modules, its row says so."""

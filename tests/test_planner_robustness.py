@@ -637,7 +637,8 @@ def adam_step(model, optimizer, x):
     optimizer.step()
 
 
-@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+@pytest.mark.parametrize(
+    "kind", [torch.optim.Adam, pytest.param(torch.optim.AdamW, marks=pytest.mark.slow)])
 def test_with_adam_a_smaller_budget_never_gets_a_higher_peak(kind):
     """The budget includes the optimizer's step and state. Below the one-level floors, rotor
     was once given the budget less the error the floor showed, capped by what its model leaves

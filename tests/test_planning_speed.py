@@ -126,6 +126,7 @@ def test_a_smaller_budget_than_one_a_cheaper_plan_fits_finds_that_plan():
     assert list(peaks.values()) == sorted(peaks.values())
 
 
+@pytest.mark.slow
 def test_below_the_one_level_floor_a_smaller_budget_never_gives_a_higher_measured_peak():
     # Budgets between the most frugal nested schedule's peak and the one-level floor of a tanh
     # chain, in pairs a few kB apart where the larger one used to get the most frugal schedule
