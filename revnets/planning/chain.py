@@ -203,6 +203,11 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     best = _best_last_segment(None, kept[:1], spent[:1], last_limit[0], int(tails[0]), 0)
     step = 0  # the next step to fold into the points' tops
     for k in range(1, n) if cuts is None else cuts:
+        # One level deep every segment but the last is recomputed, so every point at cut k
+        # has spent the forward up to k: once that costs more than the best plan found,
+        # nothing after beats it (a tie in time is still visited: it may end lower).
+        if not mixed and best is not None and times[k] > best[0] * (1 + 1e-9):
+            break
         while step < k:  # steps between events (first saves of live values) fold at once
             while values < len(chain.value_first) and chain.value_first[values] == step:
                 live[chain.value_seen[values]:step + 1] += chain.value_bytes[values]
@@ -318,11 +323,17 @@ def _undominated(kept: np.ndarray, spent: np.ndarray, front_kept: np.ndarray,
 def _pareto_front(kept: np.ndarray, spent: np.ndarray) -> np.ndarray:
     """Indices of the points no other beats in both bytes and time, by bytes; among equal points
     the first (they arrive in the order of the points they extend)."""
-    order = np.lexsort((spent, kept))  # stable: equal points keep their order
+    # One stable sort by bytes (two keys sorted twice as long): a point of equal bytes that
+    # passes the running minimum before a faster one of the same bytes is dropped after.
+    order = np.argsort(kept, kind="stable")
     ordered = spent[order]
     keep = np.ones(len(order), dtype=bool)
     keep[1:] = ordered[1:] < np.minimum.accumulate(ordered)[:-1]
-    return order[keep]
+    front = order[keep]
+    same = kept[front]
+    last = np.ones(len(front), dtype=bool)
+    last[:-1] = same[:-1] != same[1:]
+    return front[last]
 
 
 def _best_last_segment(
