@@ -97,24 +97,29 @@ class Attributes:
         records: dict[int, list[int]] = {}  # id(object): its entries (a tensor's as ~index)
         # Then the modules they hold unregistered (a helper in a plain list), with theirs.
         todo = list(modules)
+        queued: set[int] = set()  # modules whose own modules are in todo
         for module in todo:
             if id(module) not in self.owned:
-                self.owned[id(module)] = self._follow(module, records, todo)
+                self.owned[id(module)] = self._follow(module, records, todo, queued)
 
     def _follow(self, module: nn.Module, records: dict[int, list[int]],
-                held: list[nn.Module]) -> tuple[list[int], list[int]]:
+                held: list[nn.Module], queued: set[int]) -> tuple[list[int], list[int]]:
         registered = {id(t) for t in module._parameters.values() if t is not None}
         own = vars(module)
         entries = [len(self.saved)]
         self.saved.append((module, module, dict(own)))
         seen: set[int] = set()
-        for value in list(own.values()):
+        structure = getattr(type(module), "structure", ())  # GraphStep's
+        for key, value in list(own.items()):
+            if key in structure:
+                continue
             for _, v in reached(value, seen):
                 if isinstance(v, nn.Module):
-                    if value is not module._modules and v is not module:
+                    if value is not module._modules and v is not module and id(v) not in queued:
                         inside = list(v.modules())
                         if not any(m is module for m in inside):  # not a parent held back
                             held += inside
+                            queued.add(id(v))  # every step of a chain holds the model
                     continue
                 found = records.get(id(v))
                 if found is None:
