@@ -77,6 +77,13 @@ __all__ = [
 _MODE = "training"
 
 
+def _structure_of(module: nn.Module) -> frozenset[str]:
+    """What of ``module`` the planner built and no run changes: a graph step's structure."""
+    from revnets.planning.graph_step import GraphStep  # which imports this module
+
+    return GraphStep.structure if isinstance(module, GraphStep) else frozenset()
+
+
 class Attributes:
     """The state ``modules`` hold (NOTE [ Traced modules run as their graph ]), to find and undo
     what a trace changed: each module's ``__dict__`` (hooks, parameters and submodules are dicts
@@ -109,7 +116,7 @@ class Attributes:
         entries = [len(self.saved)]
         self.saved.append((module, module, dict(own)))
         seen: set[int] = set()
-        structure = getattr(type(module), "structure", ())  # GraphStep's
+        structure = _structure_of(module)
         for key, value in list(own.items()):
             if key in structure:
                 continue
