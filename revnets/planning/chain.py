@@ -202,11 +202,13 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     tails = chain.last_backpropagated
     best = _best_last_segment(None, kept[:1], spent[:1], last_limit[0], int(tails[0]), 0)
     step = 0  # the next step to fold into the points' tops
+    stops = not mixed and bool(np.all(np.diff(times) >= 0))
     for k in range(1, n) if cuts is None else cuts:
         # One level deep every segment but the last is recomputed, so every point at cut k
         # has spent the forward up to k: once that costs more than the best plan found,
-        # nothing after beats it (a tie in time is still visited: it may end lower).
-        if not mixed and best is not None and times[k] > best[0] * (1 + 1e-9):
+        # nothing after beats it where no step costs less than nothing (a tie in time is
+        # still visited: it may end lower).
+        if stops and best is not None and times[k] > best[0] * (1 + 1e-9):
             break
         while step < k:  # steps between events (first saves of live values) fold at once
             while values < len(chain.value_first) and chain.value_first[values] == step:
