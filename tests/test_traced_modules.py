@@ -995,6 +995,39 @@ def test_a_forward_moving_its_submodules_is_refused_by_name_as_assigning_attribu
         as_graph_chain(Renaming())
 
 
+class CallCounter:
+    """A callable object with state, which torch.fx keeps a leaf call (``torch.fx.wrap``)."""
+
+    def __init__(self):
+        self.__name__ = "counted_double"
+        self.calls, self.seen = 0, []
+
+    def __call__(self, x):
+        self.calls += 1
+        self.seen.append(tuple(x.shape))
+        return 2 * x
+
+
+counted_double = CallCounter()
+torch.fx.wrap("counted_double")
+
+
+class CallingCounted(Residual):
+    def forward(self, x):
+        return x + self.b(counted_double(torch.relu(self.a(x))))
+
+
+def test_timing_the_forward_leaves_a_wrapped_callable_object_as_it_was():
+    """A traced step's target may be the user's callable object with state: timing runs put it
+    back as they put back what modules hold (found by a review)."""
+    torch.manual_seed(0)
+    model, x = Stack(CallingCounted), torch.randn(64, 32)
+    assert any(s.target is counted_double for s in as_graph_chain(model))
+    counted_double.calls, counted_double.seen = 0, []
+    revnets.forward_times(model, x)
+    assert counted_double.calls == 0 and counted_double.seen == []
+
+
 class CountingStructured(Counting):
     """Names its own attributes as the planner's graph steps name what no run changes."""
 

@@ -26,13 +26,13 @@ class GraphStep(nn.Module):
     in place (None if it overwrites nothing): no checkpoint may be cut between the two.
     """
 
-    # What the planner built and running never changes (names, the node's target, lookups it
-    # caches, the hook tables of a module no code registers hooks on), holding none of the
-    # model's state: a snapshot of what a run may change (traced.Attributes) leaves it out, a
-    # dozen containers a step (MaxViT-T's chain: 1,587 steps). Its arguments (constants the
-    # graph reads: the model's plain objects too), parameters, buffers, module and root are the
-    # model's, and are in.
-    structure = frozenset({"graph", "op", "target", "label", "reads", "inputs", "outputs",
+    # What the planner built and running never changes (names, lookups it caches, the hook
+    # tables of a module no code registers hooks on), holding none of the model's state: a
+    # snapshot of what a run may change (traced.Attributes) leaves it out, a dozen containers a
+    # step (MaxViT-T's chain: 1,587 steps). Its target (a callable object of the user's: a
+    # counter ``torch.fx.wrap`` keeps a leaf), arguments (constants the graph reads: the model's
+    # plain objects too), parameters, buffers, module and root are the model's, and are in.
+    structure = frozenset({"graph", "op", "label", "reads", "inputs", "outputs",
                            "state_names", "mutates_from", "mutated", "inplace",
                            "writes_in_place", "_call_kind", "frozen_mode", "_known_arguments",
                            "_non_persistent_buffers_set",
