@@ -1034,14 +1034,14 @@ class CountingStructured(Counting):
     structure = frozenset({"calls", "seen", "last"})
 
 
-@pytest.mark.parametrize("block", [Counting, CountingStructured])
-def test_timing_the_forward_leaves_what_kept_whole_modules_hold_as_it_was(block):
+@pytest.mark.parametrize("kind", [Counting, CountingStructured])
+def test_timing_the_forward_leaves_what_kept_whole_modules_hold_as_it_was(kind):
     """Forward times are measured by running the chain for real: a kept-whole block's counter,
     cached features and list moved on with every timing run (found by a review). What the
     snapshot leaves out of a graph step is the step's alone, whatever a user's class calls its
     attributes."""
     torch.manual_seed(0)
-    model, x = Stack(block), torch.randn(1024, 32)
+    model, x = Stack(kind), torch.randn(1024, 32)
     budget = activation_budget(model, x, 0.95)  # a step of the model itself
     for block in model.blocks:
         block.calls, block.seen = 0, []
