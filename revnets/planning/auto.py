@@ -33,6 +33,7 @@ from revnets.planning.chain import (
     candidate_plans,
     modelled_peaks,
     selective_plans,
+    selective_when_free,
 )
 from revnets.planning.describe import (
     checkpoint_decision,
@@ -363,8 +364,6 @@ class _Planner:
         planned = self._apply(option.segments)
         return self.peak(self.model if planned is self.chain else planned)
 
-    # A reconstructing sequence keeps neither its input nor its internals: checkpointing it would
-    # keep its input and run it once more. So every plan cuts around it and runs it as is.
     def _candidates(
         self, profiles: list[LayerProfile], reconstructed: frozenset[int], budget: int
     ) -> list[tuple[Segments, bool]]:
@@ -393,8 +392,9 @@ class _Planner:
 
     # A reconstructing sequence keeps neither its input nor its internals: checkpointing it would
     # keep its input and run it once more. So every plan cuts around it and runs it as is.
-    @staticmethod
-    def _cut_around(plan: Sequence[Segment], reconstructed: frozenset[int]) -> Segments:
+    # Compiled, checkpoints of steps that keep no product are selective (NOTE [ Selective
+    # segments under compile ] in planned.py).
+    def _cut_around(self, plan: Sequence[Segment], reconstructed: frozenset[int]) -> Segments:
         segments: list[Segment] = []
         for start, stop, recompute in plan:
             cuts = sorted({start, stop, *(c for i in reconstructed if start <= i < stop
@@ -402,7 +402,8 @@ class _Planner:
             for a, b in zip(cuts, cuts[1:]):
                 alone = b - a == 1 and a in reconstructed
                 segments.append((a, b, False if alone else recompute))
-        return tuple(segments)
+        return selective_when_free(segments, self.profiles[Store]) if self.compiled \
+            else tuple(segments)
 
     @staticmethod
     def _recompute(plan: Segments, profiles: list[LayerProfile]) -> float:

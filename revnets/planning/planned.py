@@ -29,7 +29,11 @@ __all__ = ["PlanChain", "PlannedModel"]
 # therefore run as one checkpoint: it keeps the same products and no inputs between them. On
 # ResNet-50 at a 70 % keep (benchmarks/frontier.py, docs/results.md) that took the plan's
 # compiled step from above compile's own curve to below it. Eager steps, and so every
-# prediction, are unchanged.
+# prediction, are unchanged. A plain checkpoint among them keeps the values at its cuts again,
+# and where its steps keep no product (a norm, an addition, an activation) it keeps and
+# recomputes what a selective one does: plans for a compiled model make it selective
+# (chain.selective_when_free), which took ResNet-50's plan at a 70 % keep from 227.7 to 222.7
+# MiB compiled, below compile's own 0.7 budget (224.3 MiB).
 
 
 class PlanChain(nn.Sequential):
