@@ -33,7 +33,7 @@ __all__ = ["PlanChain", "PlannedModel"]
 # and where its steps keep no product (a norm, an addition, an activation) it keeps and
 # recomputes what a selective one does: plans for a compiled model make it selective
 # (chain.selective_when_free), which took ResNet-50's plan at a 70 % keep from 227.7 to 222.7
-# MiB compiled, below compile's own 0.7 budget (224.3 MiB).
+# MiB compiled, below compile's own 0.7 budget (224.3 MiB; benchmarks/frontier.py).
 
 
 class PlanChain(nn.Sequential):
