@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -110,8 +111,8 @@ def checkpoint(
     module's weights were swapped or modified in place after the forward
     (``torch.func.functional_call``, an optimizer step).
     """
-    # Compiled, the graph recomputes and no replay runs (checkpoint_forward): no owner to find,
-    # and dynamo cannot look into a bound method for one.
+    # Compiled, the graph recomputes and no replay runs: dynamo cannot look into a bound method
+    # for its owner, found only where the region runs eagerly (NOTE [ Compiled checkpoints ]).
     owner = module if torch.compiler.is_compiling() else _owner_of(module)
     return checkpoint_forward(owner, module, args, kwargs, preserve_rng_state, selective,
                               watched=module is not owner)
@@ -144,12 +145,12 @@ def checkpoint_forward(
     ``watched``: ``forward`` is other code of the module's (a method), whose run is watched
     rather than known from the module's layers (NOTE [ Known layers ])."""
     if torch.compiler.is_compiling():
-        # Dynamo turns the region into part of the graph, whose compiled backward recomputes
-        # from the graph rather than by rerunning Python: statistics are not updated twice and
-        # the weights are the graph's own. It also accepts no custom context_fn.
+        # NOTE [ Compiled checkpoints ]: the region's code runs in the graph, or eagerly.
         return torch.utils.checkpoint.checkpoint(
-            forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-            **({"context_fn": _compiled_selective_contexts} if selective else {}), **kwargs,
+            _compiled_region, module, forward, watched, *args, use_reentrant=False,
+            preserve_rng_state=preserve_rng_state,
+            context_fn=functools.partial(_region_contexts, preserve_rng_state, selective),
+            **kwargs,
         )
     # The first tensor's device, also inside the tuple a traced graph's steps hand on; None
     # where an input is not a plain value (NOTE [ Known calls ]): the run is then watched.
@@ -197,8 +198,78 @@ def _selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def _compiled_selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
-    return create_selective_checkpoint_contexts(_compiled_selective_policy)
+# NOTE [ Compiled checkpoints ]
+# Under torch.compile, dynamo traces a checkpoint's region into the graph (a higher-order op) and
+# the compiled backward recomputes from that graph, not by rerunning Python: module state is
+# updated once by construction and no replay runs. AOTAutograd asks context_fn for its contexts
+# while it traces: they are selective checkpointing's, with a selective checkpoint's policy, or
+# recomputing everything, as torch runs a plain checkpoint under compile. Where the region
+# breaks dynamo's graph (a print, ``.item()``, control flow on a value), dynamo runs the same
+# call to torch's checkpoint eagerly, and its recomputation reruns Python. context_fn is then
+# called outside any trace and its contexts hand the two runs to a replay (_Replay, NOTE
+# [ Replay ]) as an eager checkpoint does, so BatchNorm statistics are updated once there too.
+# The replay needs the module, which context_fn cannot hold (dynamo takes a partial only as a
+# constant): the module travels as the region's argument, and the region finds its run's
+# contexts on a per-thread stack.
+def _compiled_region(module: Any, forward: Callable[..., Any], watched: bool, /,
+                     *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return forward(*args, **kwargs)
+    return _EagerRegion.innermost().run(module, forward, watched, args, kwargs)
+
+
+def _region_contexts(
+    preserve_rng_state: bool, selective: bool
+) -> tuple[contextlib.AbstractContextManager, ...]:
+    if torch._guards.TracingContext.try_get() is not None:
+        return create_selective_checkpoint_contexts(
+            _compiled_selective_policy if selective else _recompute_all)
+    region = _EagerRegion(preserve_rng_state, selective)
+    return region.entered(recomputing=False), region.entered(recomputing=True)
+
+
+def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _EagerRegion:
+    """A compiled checkpoint's region that dynamo ran eagerly, and its replay (NOTE [ Compiled
+    checkpoints ])."""
+
+    _open = threading.local()
+
+    def __init__(self, preserve_rng_state: bool, selective: bool) -> None:
+        self.preserve_rng_state = preserve_rng_state
+        self.selective = selective
+        self.recomputing = False
+        self.contexts: tuple[contextlib.AbstractContextManager, ...] = ()
+
+    @contextlib.contextmanager
+    def entered(self, recomputing: bool) -> Iterator[None]:
+        stack = self._open.__dict__.setdefault("stack", [])
+        stack.append(self)
+        self.recomputing = recomputing
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    @classmethod
+    def innermost(cls) -> _EagerRegion:
+        stack = cls._open.__dict__.get("stack")
+        if not stack:
+            raise RuntimeError("revnets.checkpoint: a compiled region ran outside its checkpoint")
+        return stack[-1]
+
+    def run(self, module: Any, forward: Callable[..., Any], watched: bool, args: tuple,
+            kwargs: dict) -> Any:
+        if not self.recomputing:
+            owner = module if isinstance(module, nn.Module) else _owner_of(module)
+            device = None if watched else plain_device((args, kwargs))
+            self.contexts = _Replay(owner, self.preserve_rng_state, device,
+                                    self.selective).contexts()
+        with self.contexts[self.recomputing]:
+            return forward(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from revnets.checkpoint import Checkpointed, checkpoint
+from revnets.checkpoint import Checkpointed, checkpoint_forward
 from revnets.plan import Checkpoint, MemoryPlan
 from revnets.planning.frozen import Frozen, refuse_hooks
 from revnets.planning.graph_step import GraphStep
@@ -49,23 +49,24 @@ class PlanChain(nn.Sequential):
                                      step.preserve_rng_state == run[0].preserve_rng_state):
                 run.append(step)
                 continue
-            x = _run_as_one(run, x)
+            x = self._run_as_one(run, x)
             run = [step] if _selective(step) else []
             if not run:
                 x = step(x)
-        return _run_as_one(run, x)
+        return self._run_as_one(run, x)
+
+    def _run_as_one(self, run: list[Checkpointed], x: Any) -> Any:
+        if len(run) < 2:
+            return run[0](x) if run else x
+        # The chain is the owner a replay follows where dynamo runs the region eagerly (NOTE
+        # [ Compiled checkpoints ]); its steps' code is watched there.
+        return checkpoint_forward(self, _InOrder(tuple(step.module for step in run)), (x,), {},
+                                  run[0].preserve_rng_state, selective=True, watched=True)
 
 
 def _selective(step: nn.Module) -> bool:
     return (isinstance(step, Checkpointed) and isinstance(step.memory, Checkpoint)
             and step.memory.selective)
-
-
-def _run_as_one(run: list[Checkpointed], x: Any) -> Any:
-    if len(run) < 2:
-        return run[0](x) if run else x
-    return checkpoint(_InOrder(tuple(step.module for step in run)), x,
-                      preserve_rng_state=run[0].preserve_rng_state, selective=True)
 
 
 class _InOrder:
