@@ -93,7 +93,7 @@ def _compiled_selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> 
 
 
 def checkpoint(
-    module: nn.Module | Callable[..., Any], *args: Any, preserve_rng_state: bool = True,
+    module: nn.Module | Callable[..., Any], /, *args: Any, preserve_rng_state: bool = True,
     selective: bool = False, **kwargs: Any,
 ) -> Any:
     """``module(*args, **kwargs)``, storing only the inputs (and with ``selective``, the outputs
@@ -144,26 +144,38 @@ def checkpoint_forward(
     run once around it (NOTE [ Plans of whole modules ] in ``planning/module_plan.py``).
     ``watched``: ``forward`` is other code of the module's (a method), whose run is watched
     rather than known from the module's layers (NOTE [ Known layers ])."""
+    # Keyword arguments travel by position: torch's checkpoint takes some names as its own
+    # options (debug, early_stop, determinism_check, ...), which a module may take too.
+    names, values = tuple(kwargs), (*args, *kwargs.values())
     if torch.compiler.is_compiling():
         # NOTE [ Compiled checkpoints ]: the region's code runs in the graph, or eagerly.
         return torch.utils.checkpoint.checkpoint(
-            _compiled_region, module, forward, watched, *args, use_reentrant=False,
+            _compiled_region, module, forward, watched, names, *values, use_reentrant=False,
             preserve_rng_state=preserve_rng_state,
             context_fn=functools.partial(_region_contexts, preserve_rng_state, selective),
-            **kwargs,
         )
+    return torch.utils.checkpoint.checkpoint(
+        _called, forward, names, *values, use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=_Replay(module, preserve_rng_state, _device(watched, args, kwargs),
+                           selective).contexts,
+    )
+
+
+def _called(forward: Callable[..., Any], names: tuple[str, ...], /, *values: Any) -> Any:
+    args, kwargs = _arguments(names, values)
+    return forward(*args, **kwargs)
+
+
+def _arguments(names: tuple[str, ...], values: tuple) -> tuple[tuple, dict[str, Any]]:
+    cut = len(values) - len(names)
+    return values[:cut], dict(zip(names, values[cut:]))
+
+
+def _device(watched: bool, args: tuple, kwargs: dict) -> torch.device | None:
     # The first tensor's device, also inside the tuple a traced graph's steps hand on; None
     # where an input is not a plain value (NOTE [ Known calls ]): the run is then watched.
-    device = None if watched else plain_device((args, kwargs))
-    replay = _Replay(module, preserve_rng_state, device, selective)
-    return torch.utils.checkpoint.checkpoint(
-        forward,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=replay.contexts,
-        **kwargs,
-    )
+    return None if watched else plain_device((args, kwargs))
 
 
 class _Replay:
@@ -178,11 +190,13 @@ class _Replay:
         self.selective = selective
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
-        # The first context wraps the original forward, the second the recomputation.
+        # The first context wraps the original forward, the second each recomputation (one per
+        # backward through it: retain_graph).
         if not self.selective:
-            return self.recording, self._recomputation()
+            return self.recording, _EachTime(self._recomputation)
         keeping, kept = _selective_contexts()
-        return _nested(self.recording, keeping), _nested(self._recomputation(), kept)
+        return (_nested(self.recording, keeping),
+                _EachTime(lambda: _nested(self._recomputation(), kept)))
 
     @contextlib.contextmanager
     def _recomputation(self) -> Iterator[None]:
@@ -210,12 +224,15 @@ def _selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
 # [ Replay ]) as an eager checkpoint does, so BatchNorm statistics are updated once there too.
 # The replay needs the module, which context_fn cannot hold (dynamo takes a partial only as a
 # constant): the module travels as the region's argument, and the region finds its run's
-# contexts on a per-thread stack.
-def _compiled_region(module: Any, forward: Callable[..., Any], watched: bool, /,
-                     *args: Any, **kwargs: Any) -> Any:
-    if torch.compiler.is_compiling():
-        return forward(*args, **kwargs)
-    return _EagerRegion.innermost().run(module, forward, watched, args, kwargs)
+# contexts on a per-thread stack (none without grad: torch's checkpoint then enters none). A
+# backend that runs dynamo's graph untraced (backend="eager") calls context_fn outside a trace
+# too, but runs the graph, not the region: torch recomputes it without its random state there
+# (tag_activation_checkpoint), so that is refused by name.
+def _compiled_region(module: Any, forward: Callable[..., Any], watched: bool,
+                     names: tuple[str, ...], /, *values: Any) -> Any:
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():  # no contexts entered
+        return _called(forward, names, *values)
+    return _EagerRegion.innermost().run(module, forward, watched, *_arguments(names, values))
 
 
 def _region_contexts(
@@ -225,7 +242,8 @@ def _region_contexts(
         return create_selective_checkpoint_contexts(
             _compiled_selective_policy if selective else _recompute_all)
     region = _EagerRegion(preserve_rng_state, selective)
-    return region.entered(recomputing=False), region.entered(recomputing=True)
+    return (_EachTime(functools.partial(region.entered, recomputing=False)),
+            _EachTime(functools.partial(region.entered, recomputing=True)))
 
 
 def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -253,6 +271,14 @@ class _EagerRegion:
             yield
         finally:
             stack.pop()
+        if not self.contexts:
+            raise RuntimeError(
+                "revnets.checkpoint: torch.compile ran a checkpoint's captured graph as it is, "
+                "without tracing it (backend='eager', or a backend that runs dynamo's graph "
+                "unchanged). Torch's checkpoint then recomputes that graph without its random "
+                "state (other dropout masks: wrong gradients) and with its module state updated "
+                "again. Compile with backend='aot_eager' or 'inductor' (the default)"
+            )
 
     @classmethod
     def innermost(cls) -> _EagerRegion:
@@ -265,11 +291,26 @@ class _EagerRegion:
             kwargs: dict) -> Any:
         if not self.recomputing:
             owner = module if isinstance(module, nn.Module) else _owner_of(module)
-            device = None if watched else plain_device((args, kwargs))
-            self.contexts = _Replay(owner, self.preserve_rng_state, device,
-                                    self.selective).contexts()
+            self.contexts = _Replay(owner, self.preserve_rng_state,
+                                    _device(watched, args, kwargs), self.selective).contexts()
         with self.contexts[self.recomputing]:
             return forward(*args, **kwargs)
+
+
+class _EachTime(contextlib.AbstractContextManager):
+    """A context manager made anew by ``make`` at each entry: torch's checkpoint enters its
+    recomputation context once per backward through it."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.make = make
+        self.entered: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> Any:
+        self.entered.append(self.make())
+        return self.entered[-1].__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.entered.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -334,10 +375,9 @@ class Checkpointed(nn.Module):
             isinstance(self.memory, Checkpoint) and self.training and torch.is_grad_enabled()
         ):
             return self.module(*args, **kwargs)
-        return checkpoint(
-            self.module, *args, preserve_rng_state=self.preserve_rng_state,
-            selective=self.memory.selective, **kwargs,
-        )
+        # Every keyword is the module's (selective, preserve_rng_state too).
+        return checkpoint_forward(self.module, self.module, args, kwargs,
+                                  self.preserve_rng_state, self.memory.selective)
 
     def extra_repr(self) -> str:
         return f"memory={self.memory}"

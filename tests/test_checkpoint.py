@@ -107,6 +107,61 @@ def test_compiled_checkpoint_of_a_method_matches_plain():
     assert max_grad_error(model, plain) <= 1e-10
 
 
+@pytest.mark.parametrize("selective", [False, True])
+def test_a_second_backward_through_a_checkpoint_is_the_plain_one(selective):
+    """backward(retain_graph=True) then backward again recomputes twice, as the plain graph
+    backpropagates twice: gradients accumulate to twice one step's, statistics updated once.
+    The second recomputation crashed (an AttributeError from a context manager used twice).
+    Selective checkpointing keeps its products for one backward: torch refuses the second."""
+    model = revnets.Checkpointed(unit_chain(2, dropout=0.3),
+                                 revnets.Checkpoint(selective=selective)).double()
+    plain = twin(model)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    for m in (model, plain):
+        torch.manual_seed(0)
+        loss = m(x).square().sum()
+        loss.backward(retain_graph=True)
+        if selective and m is model:
+            with pytest.raises(RuntimeError, match="backward an extra time"):
+                loss.backward()
+            return
+        loss.backward()
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+class _TakesCheckpointOptions(nn.Module):
+    """A forward whose keywords torch.utils.checkpoint takes as its own options."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, module=1.0, debug=1.0, early_stop=1.0, determinism_check=1.0,
+                preserve_rng_state=1.0, selective=1.0):
+        return self.linear(x) * module * debug * early_stop * determinism_check * \
+            preserve_rng_state * selective
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_keywords_named_like_checkpoint_options_reach_the_module(compiled):
+    """torch's checkpoint took them as its options: the module got its defaults, silently (and
+    ``module=`` was a TypeError). Checkpointed passes every keyword on; revnets.checkpoint all
+    but its own two."""
+    layer = _TakesCheckpointOptions()
+    keywords = dict(module=2.0, debug=3.0, early_stop=5.0, determinism_check=7.0)
+    x = torch.randn(3, 4)
+    expected = layer(x, **keywords, preserve_rng_state=11.0, selective=13.0)
+    wrapped = revnets.Checkpointed(layer)
+    if compiled:
+        wrapped = torch.compile(wrapped, backend="aot_eager")
+    out = wrapped(x, **keywords, preserve_rng_state=11.0, selective=13.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(revnets.checkpoint(layer, x, **keywords),
+                               layer(x, **keywords), rtol=0, atol=0)
+
+
 def test_checkpoint_refuses_a_function_that_names_no_module():
     """A plain function names no module whose state its recomputation replays (it crashed
     with an AttributeError inside the replay): refused, naming what to pass instead."""

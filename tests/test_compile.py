@@ -550,3 +550,36 @@ def test_a_graph_break_inside_a_compiled_checkpoint_replays_as_eager(region, fre
     assert_same_gradients(model, reference, rtol=1e-12)
     for (name, buffer), expected in zip(model.named_buffers(), reference.buffers()):
         torch.testing.assert_close(buffer, expected, rtol=1e-12, atol=0, msg=name)
+
+
+def test_a_breaking_compiled_checkpoint_backpropagates_twice_and_runs_without_grad(
+        fresh_dynamo):
+    """Where dynamo runs the region eagerly: a second backward (retain_graph) recomputes it
+    again, as the plain graph backpropagates twice (it crashed: a context manager used twice);
+    without grad torch's checkpoint enters no context and the region runs as it is (it raised
+    that the region ran outside its checkpoint)."""
+    torch.manual_seed(0)
+    model = _CheckpointsAMethod().double()
+    reference = copy.deepcopy(model)
+    reference.checkpointed = False
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    compiled = torch.compile(model, backend="aot_eager")
+    for run in (compiled, reference):
+        torch.manual_seed(1)
+        loss = run(x).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert_same_gradients(model, reference, rtol=1e-12)
+    for (name, buffer), expected in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=1e-12, atol=0, msg=name)
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), reference(x), rtol=1e-12, atol=0)
+
+
+def test_a_checkpoint_compiled_with_the_eager_backend_is_refused(fresh_dynamo):
+    """backend="eager" runs dynamo's graph untraced: torch's checkpoint then recomputes it
+    without its random state (other dropout masks: the gradients were silently wrong)."""
+    model = revnets.Checkpointed(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)))
+    with pytest.raises(RuntimeError, match=r"backend='eager'.*backend='aot_eager' or 'inductor'"):
+        torch.compile(model, backend="eager")(torch.randn(3, 4))
