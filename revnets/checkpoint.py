@@ -227,7 +227,8 @@ def _selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
 # contexts on a per-thread stack (none without grad: torch's checkpoint then enters none). A
 # backend that runs dynamo's graph untraced (backend="eager") calls context_fn outside a trace
 # too, but runs the graph, not the region: torch recomputes it without its random state there
-# (tag_activation_checkpoint), so that is refused by name.
+# (tag_activation_checkpoint), so its recomputation is refused by name (a forward alone, as
+# torch._dynamo.explain runs, is right).
 def _compiled_region(module: Any, forward: Callable[..., Any], watched: bool,
                      names: tuple[str, ...], /, *values: Any) -> Any:
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():  # no contexts entered
@@ -264,6 +265,14 @@ class _EagerRegion:
 
     @contextlib.contextmanager
     def entered(self, recomputing: bool) -> Iterator[None]:
+        if recomputing and not self.contexts:
+            raise RuntimeError(
+                "revnets.checkpoint: torch.compile ran a checkpoint's captured graph as it is, "
+                "without tracing it (backend='eager', or a backend that runs dynamo's graph "
+                "unchanged). Torch's checkpoint recomputes that graph without its random state "
+                "(other dropout masks: wrong gradients) and updates its module state again. "
+                "Compile with backend='aot_eager' or 'inductor' (the default) to train"
+            )
         stack = self._open.__dict__.setdefault("stack", [])
         stack.append(self)
         self.recomputing = recomputing
@@ -271,14 +280,6 @@ class _EagerRegion:
             yield
         finally:
             stack.pop()
-        if not self.contexts:
-            raise RuntimeError(
-                "revnets.checkpoint: torch.compile ran a checkpoint's captured graph as it is, "
-                "without tracing it (backend='eager', or a backend that runs dynamo's graph "
-                "unchanged). Torch's checkpoint then recomputes that graph without its random "
-                "state (other dropout masks: wrong gradients) and with its module state updated "
-                "again. Compile with backend='aot_eager' or 'inductor' (the default)"
-            )
 
     @classmethod
     def innermost(cls) -> _EagerRegion:

@@ -577,9 +577,13 @@ def test_a_breaking_compiled_checkpoint_backpropagates_twice_and_runs_without_gr
         torch.testing.assert_close(compiled(x), reference(x), rtol=1e-12, atol=0)
 
 
-def test_a_checkpoint_compiled_with_the_eager_backend_is_refused(fresh_dynamo):
+def test_a_checkpoint_compiled_with_the_eager_backend_is_refused_in_backward(fresh_dynamo):
     """backend="eager" runs dynamo's graph untraced: torch's checkpoint then recomputes it
-    without its random state (other dropout masks: the gradients were silently wrong)."""
+    without its random state (other dropout masks: the gradients were silently wrong). Its
+    forward is right, and torch._dynamo.explain, which runs one that way, still works."""
     model = revnets.Checkpointed(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)))
+    x = torch.randn(3, 4)
+    assert torch._dynamo.explain(model)(x).graph_count == 1
+    out = torch.compile(model, backend="eager")(x)
     with pytest.raises(RuntimeError, match=r"backend='eager'.*backend='aot_eager' or 'inductor'"):
-        torch.compile(model, backend="eager")(torch.randn(3, 4))
+        out.sum().backward()
