@@ -113,7 +113,7 @@ def checkpoint(
     """
     # Compiled, the graph recomputes and no replay runs: dynamo cannot look into a bound method
     # for its owner, found only where the region runs eagerly (NOTE [ Compiled checkpoints ]).
-    owner = module if torch.compiler.is_compiling() else _owner_of(module)
+    owner = module if torch.compiler.is_dynamo_compiling() else _owner_of(module)
     return checkpoint_forward(owner, module, args, kwargs, preserve_rng_state, selective,
                               watched=module is not owner)
 
@@ -147,7 +147,7 @@ def checkpoint_forward(
     # Keyword arguments travel by position: torch's checkpoint takes some names as its own
     # options (debug, early_stop, determinism_check, ...), which a module may take too.
     names, values = tuple(kwargs), (*args, *kwargs.values())
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # NOTE [ Compiled checkpoints ]: the region's code runs in the graph, or eagerly.
         return torch.utils.checkpoint.checkpoint(
             _compiled_region, module, forward, watched, names, *values, use_reentrant=False,
@@ -213,6 +213,7 @@ def _selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
 
 
 # NOTE [ Compiled checkpoints ]
+# (Compiled: in code dynamo traces, NOTE [ Code dynamo traces ] in compiling.py.)
 # Under torch.compile, dynamo traces a checkpoint's region into the graph (a higher-order op) and
 # the compiled backward recomputes from that graph, not by rerunning Python: module state is
 # updated once by construction and no replay runs. AOTAutograd asks context_fn for its contexts
@@ -231,7 +232,7 @@ def _selective_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
 # torch._dynamo.explain runs, is right).
 def _compiled_region(module: Any, forward: Callable[..., Any], watched: bool,
                      names: tuple[str, ...], /, *values: Any) -> Any:
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():  # no contexts entered
+    if torch.compiler.is_dynamo_compiling() or not torch.is_grad_enabled():  # no contexts entered
         return _called(forward, names, *values)
     return _EagerRegion.innermost().run(module, forward, watched, *_arguments(names, values))
 

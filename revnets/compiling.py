@@ -34,6 +34,15 @@ __all__ = ["compile_model", "compile_options"]
 # 64x64, batch 4, docs/compile.md; whether the layout is why was not measured).
 _LAYOUT_KEPT = {"layout_optimization": False}
 
+# NOTE [ Code dynamo traces ]
+# revnets' code takes another path where dynamo traces it (a checkpoint's region handed to the
+# graph, a selective run as one, checks that do not trace left out): it asks
+# ``torch.compiler.is_dynamo_compiling()``, true only in the code dynamo is tracing, never
+# ``torch.compiler.is_compiling()``, a flag of the whole process that stays true while any
+# thread compiles anything. An eager checkpoint running beside another thread's compilation
+# took the compiled path on that flag: its recomputation updated the batch statistics again,
+# with other dropout masks (found by review on 2026-11-29; tests/test_checkpoint.py).
+
 
 def compile_options(module: Callable[..., Any]) -> dict[str, Any]:
     """The inductor options revnets adds when compiling ``module`` (NOTE [ Layout under

@@ -162,6 +162,25 @@ def test_keywords_named_like_checkpoint_options_reach_the_module(compiled):
                                layer(x, **keywords), rtol=0, atol=0)
 
 
+def test_eager_checkpoints_stay_eager_while_another_thread_compiles(monkeypatch):
+    """torch.compiler.is_compiling() is one flag for the whole process, true while any thread
+    compiles: an eager checkpoint that read it took the compiled path, updating the batch
+    statistics again in its recomputation with other dropout masks (NOTE [ Code dynamo
+    traces ]). The flag set for the whole step, as another thread's compilation may hold it:
+    gradients, statistics and draws are the plain model's."""
+    model = revnets.Checkpointed(unit_chain(2, dropout=0.3)).double()
+    plain = twin(model)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling()
+    train(model, x, steps=2)
+    monkeypatch.undo()
+    train(plain, x, steps=2)
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.equal(a, b), name
+
+
 def test_checkpoint_refuses_a_function_that_names_no_module():
     """A plain function names no module whose state its recomputation replays (it crashed
     with an AttributeError inside the replay): refused, naming what to pass instead."""

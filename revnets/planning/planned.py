@@ -41,7 +41,7 @@ class PlanChain(nn.Sequential):
     consecutive selective checkpoints run as one (NOTE [ Selective segments under compile ])."""
 
     def forward(self, x: Any) -> Any:
-        if not (torch.compiler.is_compiling() and self.training and torch.is_grad_enabled()):
+        if not (torch.compiler.is_dynamo_compiling() and self.training and torch.is_grad_enabled()):
             return super().forward(x)
         run: list[Checkpointed] = []
         for step in self:

@@ -232,6 +232,6 @@ def _version(half: Tensor) -> int | None:
     engine runs eagerly (``torch.compiler.disable``), its checks included; stored and
     checkpointed blocks are ordinary autograd. Only a compiled ``block.inverse`` goes unchecked.
     """
-    if torch.compiler.is_compiling() or half.is_inference():
+    if torch.compiler.is_dynamo_compiling() or half.is_inference():
         return None
     return half._version

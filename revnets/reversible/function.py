@@ -84,7 +84,7 @@ def _record(
 
 
 def saved_tensor_hooks_active() -> bool:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return False  # the compiled graph saves what it needs itself
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 

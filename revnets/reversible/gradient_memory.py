@@ -98,7 +98,7 @@ def unshared(grad: Tensor, references: int, enabled: bool = True) -> bool:
     """Whether the gradient handed to the sequence's backward is held by nothing else (NOTE
     [ Gradient memory ], rule 1). ``references``: its Python reference count on entering
     backward."""
-    if not enabled or torch.compiler.is_compiling():
+    if not enabled or torch.compiler.is_dynamo_compiling():
         return False
     if grad._base is not None or not grad.is_contiguous():
         return False

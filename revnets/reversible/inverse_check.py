@@ -48,7 +48,7 @@ def check_inverse_once(
     the first time for ``owner``; ``met``: the other values the forward met (or their largest
     magnitudes, 0-dim), read after ``inverse_of_forward`` ran, whose magnitude round-off scales
     with (NOTE [ A user's inverse is checked once ])."""
-    if getattr(owner, _FLAG, False) or torch.compiler.is_compiling():
+    if getattr(owner, _FLAG, False) or torch.compiler.is_dynamo_compiling():
         return
     with torch.no_grad(), forked_rng(x.device):
         back = inverse_of_forward()

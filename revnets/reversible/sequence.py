@@ -219,7 +219,7 @@ class ReversibleSequence(nn.Module):
         # Decided here, where dynamo traces: the engine itself runs eagerly either way.
         option = self.compile_transforms
         if option is None:
-            option = torch.compiler.is_compiling() and x.device.type == "cpu"
+            option = torch.compiler.is_dynamo_compiling() and x.device.type == "cpu"
         backend = compiled.DEFAULT_BACKEND if option is True else option or None
         return _reversible(self, x, plans, context, params, backend)
 
