@@ -2,7 +2,10 @@ import pytest
 import torch
 from torch import nn
 
+import revnets
 from revnets.replay import Recording, state_tensors
+
+from conftest import max_grad_error, twin
 
 
 def test_state_tensors_walk_like_named_parameters_and_buffers():
@@ -139,3 +142,74 @@ def test_a_device_draws_from_its_own_default_generator(monkeypatch):
     assert replay._default_generator(torch.device("xpu")) is generators[0]
     single = replay._default_generator(torch.device("mps"))
     assert torch.equal(single.get_state(), torch.zeros(4, dtype=torch.uint8))
+
+
+class _UpdatedStatistics(nn.Module):
+    """Running statistics a kernel updates in place without its schema saying so, as
+    batch_norm_update_stats does."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+
+    def forward(self, x):
+        torch.batch_norm_update_stats(x.detach(), self.running_mean, self.running_var, 0.1)
+        return x - x.mean((0, 2, 3), keepdim=True)
+
+
+class _GatheredNorm(nn.BatchNorm2d):
+    """A BatchNorm updating its running statistics as nn.SyncBatchNorm does, through
+    batch_norm_gather_stats_with_counts (one process)."""
+
+    def forward(self, x):
+        mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+        self.num_batches_tracked.add_(1)
+        counts = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype)
+        torch.batch_norm_gather_stats_with_counts(
+            x.detach(), mean.detach()[None], (var.detach() + self.eps).rsqrt()[None],
+            self.running_mean, self.running_var, self.momentum, self.eps, counts)
+        scale = self.weight * (var + self.eps).rsqrt()
+        return (x - mean[:, None, None]) * scale[:, None, None] + self.bias[:, None, None]
+
+
+def _gather_on_cpu(x, mean, invstd, running_mean, running_var, momentum, eps, counts):
+    """The one-process case of CUDA's kernel, for the CPU, which has none."""
+    mean, var = mean[0], invstd[0].pow(-2) - eps
+    n = counts.sum()
+    running_mean.mul_(1 - momentum).add_(momentum * mean)
+    running_var.mul_(1 - momentum).add_(momentum * var * n / (n - 1))
+    return mean, invstd[0]
+
+
+@pytest.fixture
+def gather_stats_on_cpu():
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("batch_norm_gather_stats_with_counts", _gather_on_cpu, "CPU")
+    yield
+    library._destroy()
+
+
+@pytest.mark.parametrize("norm", [_UpdatedStatistics, _GatheredNorm])
+@pytest.mark.parametrize("wrapper", ["checkpointed", "reversible"])
+def test_statistics_kernels_that_hide_their_writes_update_once(norm, wrapper,
+                                                               gather_stats_on_cpu):
+    """batch_norm_update_stats and SyncBatchNorm's gathering kernel write the running
+    statistics without declaring it in their schemas: the first was replayed onto them (updated
+    twice, silently), the second refused as code reading a BatchNorm's statistics. Compared with
+    the same model storing everything: gradients and every buffer."""
+    torch.manual_seed(0)
+
+    def unit():
+        return nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, bias=False), norm(2), nn.ReLU())
+
+    model = (revnets.Checkpointed(unit()) if wrapper == "checkpointed" else
+             revnets.ReversibleSequence([revnets.ReversibleBlock(unit(), unit())])).double()
+    plain = twin(model)
+    x = torch.randn(2, 4 if wrapper == "reversible" else 2, 5, 5, dtype=torch.float64)
+    for m in (model, plain):
+        for _ in range(2):
+            m(x).square().sum().backward()
+    assert max_grad_error(model, plain) <= 1e-10
+    for (name, a), (_, b) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.equal(a, b), name

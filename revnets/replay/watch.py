@@ -34,14 +34,18 @@ DEVICE_QUERY = torch.ops.prim.device.default
 
 _aten = torch.ops.aten
 # Kernels whose schemas do not declare what they write: batch norm's running statistics (the
-# arguments written, from the arguments), updated in training only.
+# arguments written, from the arguments), updated in training only; SyncBatchNorm's gathering
+# of statistics across processes and batch_norm_update_stats update them always (a None is
+# not written).
 _UNDECLARED_WRITES = {
-    op: lambda args: (3, 4) if len(args) > 5 and args[5] else ()
-    for op in (
-        _aten.native_batch_norm.default,
-        _aten.cudnn_batch_norm.default,
-        _aten.miopen_batch_norm.default,
-    )
+    **{op: lambda args: (3, 4) if len(args) > 5 and args[5] else ()
+       for op in (
+           _aten.native_batch_norm.default,
+           _aten.cudnn_batch_norm.default,
+           _aten.miopen_batch_norm.default,
+       )},
+    _aten.batch_norm_gather_stats_with_counts.default: lambda args: (3, 4),
+    _aten.batch_norm_update_stats.default: lambda args: (1, 2),
 }
 
 
@@ -52,6 +56,11 @@ _READS_STATISTICS = {
     _aten.cudnn_batch_norm.default,
     _aten.miopen_batch_norm.default,
     _aten._native_batch_norm_legit.default,
+}
+# Operators that read them only to update them (what they return does not depend on them).
+_UPDATES_STATISTICS = {
+    _aten.batch_norm_gather_stats_with_counts.default,
+    _aten.batch_norm_update_stats.default,
 }
 
 
@@ -73,7 +82,8 @@ def _facts(func: Any) -> tuple[bool, tuple[tuple[int, str], ...] | None, bool | 
     return (
         torch.Tag.nondeterministic_seeded in func.tags,
         written if writes else None,
-        _training_flag(schema) if func in _READS_STATISTICS else not is_view,
+        _training_flag(schema) if func in _READS_STATISTICS
+        else func not in _UPDATES_STATISTICS and not is_view,
     )
 
 
