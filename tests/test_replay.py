@@ -165,18 +165,30 @@ class _GatheredNorm(nn.BatchNorm2d):
     def forward(self, x):
         mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
         self.num_batches_tracked.add_(1)
-        counts = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype)
-        torch.batch_norm_gather_stats_with_counts(
-            x.detach(), mean.detach()[None], (var.detach() + self.eps).rsqrt()[None],
-            self.running_mean, self.running_var, self.momentum, self.eps, counts)
+        self.gather(x.detach(), mean.detach()[None], (var.detach() + self.eps).rsqrt()[None],
+                    x.numel() // x.shape[1])
         scale = self.weight * (var + self.eps).rsqrt()
         return (x - mean[:, None, None]) * scale[:, None, None] + self.bias[:, None, None]
+
+
+    def gather(self, x, mean, invstd, count):
+        counts = torch.full((1,), count, dtype=x.dtype)
+        torch.batch_norm_gather_stats_with_counts(x, mean, invstd, self.running_mean,
+                                                  self.running_var, self.momentum, self.eps, counts)
+
+
+class _GatheredNormOlderKernel(_GatheredNorm):
+    """The same through batch_norm_gather_stats, which takes one count for all processes."""
+
+    def gather(self, x, mean, invstd, count):
+        torch.batch_norm_gather_stats(x, mean, invstd, self.running_mean, self.running_var,
+                                      self.momentum, self.eps, count)
 
 
 def _gather_on_cpu(x, mean, invstd, running_mean, running_var, momentum, eps, counts):
     """The one-process case of CUDA's kernel, for the CPU, which has none."""
     mean, var = mean[0], invstd[0].pow(-2) - eps
-    n = counts.sum()
+    n = counts.sum() if isinstance(counts, torch.Tensor) else counts
     running_mean.mul_(1 - momentum).add_(momentum * mean)
     running_var.mul_(1 - momentum).add_(momentum * var * n / (n - 1))
     return mean, invstd[0]
@@ -186,11 +198,12 @@ def _gather_on_cpu(x, mean, invstd, running_mean, running_var, momentum, eps, co
 def gather_stats_on_cpu():
     library = torch.library.Library("aten", "IMPL")
     library.impl("batch_norm_gather_stats_with_counts", _gather_on_cpu, "CPU")
+    library.impl("batch_norm_gather_stats", _gather_on_cpu, "CPU")
     yield
     library._destroy()
 
 
-@pytest.mark.parametrize("norm", [_UpdatedStatistics, _GatheredNorm])
+@pytest.mark.parametrize("norm", [_UpdatedStatistics, _GatheredNorm, _GatheredNormOlderKernel])
 @pytest.mark.parametrize("wrapper", ["checkpointed", "reversible"])
 def test_statistics_kernels_that_hide_their_writes_update_once(norm, wrapper,
                                                                gather_stats_on_cpu):

@@ -35,8 +35,8 @@ DEVICE_QUERY = torch.ops.prim.device.default
 _aten = torch.ops.aten
 # Kernels whose schemas do not declare what they write: batch norm's running statistics (the
 # arguments written, from the arguments), updated in training only; SyncBatchNorm's gathering
-# of statistics across processes and batch_norm_update_stats update them always (a None is
-# not written).
+# of statistics across processes (with counts; without, as older code gathers them) and
+# batch_norm_update_stats update them always (a None is not written).
 _UNDECLARED_WRITES = {
     **{op: lambda args: (3, 4) if len(args) > 5 and args[5] else ()
        for op in (
@@ -44,7 +44,8 @@ _UNDECLARED_WRITES = {
            _aten.cudnn_batch_norm.default,
            _aten.miopen_batch_norm.default,
        )},
-    _aten.batch_norm_gather_stats_with_counts.default: lambda args: (3, 4),
+    **{op: lambda args: (3, 4) for op in (_aten.batch_norm_gather_stats_with_counts.default,
+                                          _aten.batch_norm_gather_stats.default)},
     _aten.batch_norm_update_stats.default: lambda args: (1, 2),
 }
 
@@ -60,6 +61,7 @@ _READS_STATISTICS = {
 # Operators that read them only to update them (what they return does not depend on them).
 _UPDATES_STATISTICS = {
     _aten.batch_norm_gather_stats_with_counts.default,
+    _aten.batch_norm_gather_stats.default,
     _aten.batch_norm_update_stats.default,
 }
 
