@@ -101,7 +101,9 @@ def checkpoint(
     internals are recomputed in backward.
 
     ``module`` is an ``nn.Module``, or a method of one (``checkpoint(self._stage, x)``), whose
-    module's state the replay follows; a plain function names no module and is refused.
+    module's state the replay follows; a plain function names no module and is refused. Every
+    keyword but ``preserve_rng_state`` and ``selective`` is ``module``'s, those torch's
+    checkpoint takes as options too (``debug``, ``early_stop``).
 
     Non-reentrant :func:`torch.utils.checkpoint.checkpoint` whose recomputation is a replay
     (NOTE [ Replay ] in :mod:`revnets.replay`): it draws from every generator as the forward did
