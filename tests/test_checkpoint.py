@@ -181,6 +181,25 @@ def test_eager_checkpoints_stay_eager_while_another_thread_compiles(monkeypatch)
         assert torch.equal(a, b), name
 
 
+def test_a_checkpointed_lazy_module_initialises_in_its_first_step():
+    """A lazy module's parameters exist from its first forward on: recording them before it
+    read an uninitialised parameter, which torch refuses (a ValueError). Compared with the
+    same module storing everything, the same seed at the first forward: gradients, buffers."""
+    x = torch.randn(2, 2, 5, 5)
+    models = []
+    for memory in (revnets.Checkpoint(), revnets.Store()):
+        torch.manual_seed(0)
+        model = revnets.Checkpointed(nn.Sequential(
+            nn.Conv2d(2, 2, 3, padding=1, bias=False), nn.LazyBatchNorm2d(), nn.ReLU(),
+            nn.Dropout(0.3), nn.LazyLinear(3)), memory)
+        train(model, x)
+        models.append(model)
+    lazy, plain = models
+    assert max_grad_error(lazy, plain) <= 1e-6
+    for (name, a), (_, b) in zip(lazy.named_buffers(), plain.named_buffers()):
+        assert torch.equal(a, b), name
+
+
 def test_checkpoint_refuses_a_function_that_names_no_module():
     """A plain function names no module whose state its recomputation replays (it crashed
     with an AttributeError inside the replay): refused, naming what to pass instead."""

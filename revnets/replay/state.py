@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._pytree import tree_leaves
 
 from revnets.replay.containers import ContainerCopy
@@ -200,8 +201,11 @@ def _table(module: nn.Module, table: str) -> dict:
 
 
 def _version(t: Tensor) -> int | None:
-    # Inference tensors keep no version counter.
-    return None if t.is_inference() else t._version
+    # Inference tensors keep no version counter; a lazy module's parameter before its first
+    # forward has none to read (it becomes a parameter in that forward).
+    if isinstance(t, UninitializedTensorMixin) or t.is_inference():
+        return None
+    return t._version
 
 
 def submodules(root: nn.Module) -> list[nn.Module]:
@@ -464,7 +468,8 @@ class _HeldWalk:
 def _storage_key(t: Tensor) -> int | None:
     try:
         return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # storage-less tensors (sparse, nested)
+    # storage-less tensors (sparse, nested), a lazy module's parameter before its first forward
+    except (RuntimeError, NotImplementedError, ValueError):
         return None
 
 
