@@ -18,10 +18,11 @@ from typing import Any
 
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from revnets.plan import Checkpoint, Store
-from revnets.replay import Recording
+from revnets.replay import Recording, submodules
 from revnets.replay.known_calls import plain_device
 
 __all__ = [
@@ -156,12 +157,23 @@ def checkpoint_forward(
             preserve_rng_state=preserve_rng_state,
             context_fn=functools.partial(_region_contexts, preserve_rng_state, selective),
         )
+    if _initialising(module):
+        # A lazy module makes its parameters in its first call, drawing their initial values
+        # from torch's generators: a recomputation, with the parameters made, would not draw
+        # them and its dropout masks would differ. That call stores what it computes, as
+        # ReversibleSequence's does.
+        return forward(*args, **kwargs)
     return torch.utils.checkpoint.checkpoint(
         _called, forward, names, *values, use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
         context_fn=_Replay(module, preserve_rng_state, _device(watched, args, kwargs),
                            selective).contexts,
     )
+
+
+def _initialising(module: nn.Module) -> bool:
+    return any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
+               for m in submodules(module))
 
 
 def _called(forward: Callable[..., Any], names: tuple[str, ...], /, *values: Any) -> Any:

@@ -181,23 +181,58 @@ def test_eager_checkpoints_stay_eager_while_another_thread_compiles(monkeypatch)
         assert torch.equal(a, b), name
 
 
-def test_a_checkpointed_lazy_module_initialises_in_its_first_step():
-    """A lazy module's parameters exist from its first forward on: recording them before it
-    read an uninitialised parameter, which torch refuses (a ValueError). Compared with the
-    same module storing everything, the same seed at the first forward: gradients, buffers."""
-    x = torch.randn(2, 2, 5, 5)
-    models = []
+LAZY = {
+    # name: (module, input): lazy layers drawing their initial values before a dropout in the
+    # same region, a lazy batch norm, and a reversible sequence made of lazy layers
+    "linear before dropout": (lambda: nn.Sequential(nn.LazyLinear(5), nn.Dropout(0.5)), (8, 6)),
+    "norm and linear": (lambda: nn.Sequential(
+        nn.Conv2d(2, 2, 3, padding=1, bias=False), nn.LazyBatchNorm2d(), nn.ReLU(),
+        nn.Dropout(0.3), nn.LazyLinear(3)), (2, 2, 5, 5)),
+    "reversible sequence": (lambda: revnets.ReversibleSequence([revnets.ReversibleBlock(
+        nn.Sequential(nn.LazyConv2d(2, 3, padding=1), nn.ReLU()),
+        nn.Sequential(nn.LazyConv2d(2, 3, padding=1), nn.Dropout(0.3))) for _ in range(2)]),
+        (2, 4, 6, 6)),
+}
+
+
+@pytest.mark.parametrize("name", LAZY)
+def test_a_checkpointed_lazy_module_initialises_in_its_first_step(name):
+    """A lazy module makes its parameters in its first call, drawing their initial values: that
+    call runs as it is, as a reversible sequence's does. Recording it failed on an uninitialised
+    parameter (torch's ValueError); recomputing it would not draw them again, so a dropout after
+    it would get another mask. Compared with the same module storing everything, seeded alike
+    before it is built: gradients (the first step's too), buffers."""
+    build, shape = LAZY[name]
+    x = torch.randn(shape)
+    models, first_grads = [], []
     for memory in (revnets.Checkpoint(), revnets.Store()):
         torch.manual_seed(0)
-        model = revnets.Checkpointed(nn.Sequential(
-            nn.Conv2d(2, 2, 3, padding=1, bias=False), nn.LazyBatchNorm2d(), nn.ReLU(),
-            nn.Dropout(0.3), nn.LazyLinear(3)), memory)
+        model = revnets.Checkpointed(build(), memory)
+        model(x).square().sum().backward()
+        first_grads.append([p.grad.clone() for p in model.parameters()])
         train(model, x)
         models.append(model)
     lazy, plain = models
+    for ours, theirs in zip(*first_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
     assert max_grad_error(lazy, plain) <= 1e-6
     for (name, a), (_, b) in zip(lazy.named_buffers(), plain.named_buffers()):
         assert torch.equal(a, b), name
+
+
+class _HoldsALazyLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.helpers = [nn.LazyLinear(3)]  # unregistered: not among the module's submodules
+
+    def forward(self, x):
+        return self.helpers[0](self.conv(x).mean((2, 3)))
+
+
+def test_a_lazy_layer_held_unregistered_is_refused_before_its_first_call():
+    with pytest.raises(RuntimeError, match=r"helpers\[0\].weight is a lazy module's parameter"):
+        revnets.Checkpointed(_HoldsALazyLayer())(torch.randn(2, 2, 5, 5))
 
 
 def test_checkpoint_refuses_a_function_that_names_no_module():

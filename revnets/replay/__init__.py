@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
@@ -179,6 +180,7 @@ class Recording:
         if known is not None:  # nothing to watch, and no hooks
             self._watch, self._hooks = known, None
             return self
+        self._refuse_uninitialised(census.slots)
         # Running statistics of training-mode BatchNorms are left alone by the replay (rule 2),
         # so nothing else may read them; the name is found only for the error message.
         exempt: dict[int, tuple[nn.Module, str] | None] = {
@@ -285,6 +287,19 @@ class Recording:
         # replayed from its copy).
         self.loose = [t for t in census.loose if t.storage in watch.read
                       and t.storage not in watch.written and t.storage not in watch.external]
+
+    def _refuse_uninitialised(self, slots: Sequence[_Slot]) -> None:
+        # A lazy module draws its parameters' initial values in its first call, which a replay
+        # would not: checkpoints run that call as it is, where they see the module
+        # (checkpoint_forward, ReversibleSequence); one held unregistered is refused here.
+        lazy = next((s for s in slots if isinstance(s.tensor, UninitializedTensorMixin)), None)
+        if lazy is not None:
+            raise RuntimeError(
+                f"{lazy.name(module_names(self.modules))} is a lazy module's parameter or "
+                f"buffer, made in its first call from torch's random generators, which a "
+                f"recomputation would not draw again. Run one forward of the model first "
+                f"(with torch.no_grad()), or register the module as a submodule"
+            )
 
     # -- before a replay -----------------------------------------------------------------------
     def check(self, owner: str, remedy: str, prefix: str = "") -> None:
