@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
@@ -390,6 +391,21 @@ def _owners_in(*args: Any, **kwargs: Any) -> list[nn.Module | torch.optim.Optimi
     return [x for x in leaves if isinstance(x, (nn.Module, torch.optim.Optimizer))]
 
 
+def refuse_uninitialised(caller: str, modules: Iterable[Any]) -> None:
+    """Refuse, by name, a lazy module among ``modules`` that has not made its parameters yet:
+    they are made in its first call, so there is nothing to count or copy before it."""
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            continue
+        for name, m in module.named_modules():
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+                raise ValueError(
+                    f"{caller}: {type(m).__name__} ({name or 'the model'}) is a lazy module "
+                    f"that has not made its parameters yet (a lazy module makes them in its "
+                    f"first call). Run one forward of the model first, with torch.no_grad()"
+                )
+
+
 def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
     """Run ``fn(*args, **kwargs)`` once and report its peak memory by category.
 
@@ -424,6 +440,7 @@ def _measure(
     ``stand_ins``: real tensors the call may reach (through a closure) and the fakes whose
     storage is theirs in the prediction."""
     owners = _owners_in(*args, **kwargs)
+    refuse_uninitialised("measure_memory", owners)
     named = _device_of(owners, args, kwargs)
     # Fake tensors (a prediction, or a call inside the caller's FakeTensorMode) allocate nothing.
     allocator = not predicted and not any(

@@ -57,6 +57,7 @@ from revnets.memory import (
     _device_of,
     _measure,
     _owners_in,
+    refuse_uninitialised,
 )
 from revnets.replay.state import forked_rng
 
@@ -111,6 +112,7 @@ class Predictor:
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
     ) -> MemoryReport:
         owners = _owners_in(*args, **kwargs)
+        refuse_uninitialised("predict_memory", owners)
         held = self.held if self.held is not None else held_elsewhere(
             owners, [real for real, _, _ in self._made.values()])
         # A call that takes no tensors (a closure) makes fakes of its tensors on their devices.

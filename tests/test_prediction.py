@@ -710,3 +710,24 @@ def test_layer_norm_gradient_is_contiguous_as_the_cpus_kernel_makes_it():
     predicted = predict_timeline(train_step, model, tokens)[1].total
     measured = record_timeline(train_step, model, tokens)[1].total
     assert predicted == measured
+
+
+@pytest.mark.parametrize("caller", ["predict_memory", "measure_memory", "auto_checkpoint"])
+def test_a_lazy_module_before_its_first_call_is_refused_by_name(caller):
+    """A lazy module makes its parameters in its first call: there is nothing to count or copy
+    before it (torch's "uninitialized parameter" ValueError came from deep inside)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyBatchNorm2d(), nn.Flatten(), nn.Linear(64, 3))
+    x, y = torch.randn(2, 3, 6, 6), torch.tensor([0, 1])
+    loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    call = {
+        "predict_memory": lambda: revnets.predict_memory(lambda m: loss(m(x)).backward(), model),
+        "measure_memory": lambda: revnets.measure_memory(lambda m: loss(m(x)).backward(), model),
+        "auto_checkpoint": lambda: revnets.auto_checkpoint(model, x, 10**6, loss_fn=loss,
+                                                           measure_time=False),
+    }[caller]
+    with pytest.raises(ValueError, match=rf"{caller}: LazyBatchNorm2d \(1\) is a lazy module.*"
+                                         r"Run one forward of the model first"):
+        call()
+    with torch.no_grad():
+        model(x)
+    call()

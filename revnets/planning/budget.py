@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from revnets.memory import refuse_uninitialised
+
 __all__ = [
     "LossFn", "PlanningError", "check_loss", "check_optimizer", "check_request", "default_loss",
     "no_fit", "training_step",
@@ -43,6 +45,7 @@ def check_request(caller: str, model: Any, example_input: Any, budget: Any = 0) 
     by name before any work is done."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
+    refuse_uninitialised(caller, [model])
     if example_input is None:
         raise TypeError(f"{caller}: example_input is None; pass an input the model's forward "
                         f"takes, at the batch size to plan for")
