@@ -161,7 +161,7 @@ def checkpoint_forward(
         # A lazy module makes its parameters in its first call, drawing their initial values
         # from torch's generators: a recomputation, with the parameters made, would not draw
         # them and its dropout masks would differ. That call stores what it computes, as
-        # ReversibleSequence's does.
+        # ReversibleSequence's does. (Compiled, dynamo makes them before it traces.)
         return forward(*args, **kwargs)
     return torch.utils.checkpoint.checkpoint(
         _called, forward, names, *values, use_reentrant=False,
@@ -307,6 +307,14 @@ class _EagerRegion:
             kwargs: dict) -> Any:
         if not self.recomputing:
             owner = module if isinstance(module, nn.Module) else _owner_of(module)
+            if _initialising(owner):  # inside torch's checkpoint already: too late to store
+                raise RuntimeError(
+                    f"revnets.checkpoint: {type(owner).__name__} holds a lazy module that has "
+                    f"not made its parameters yet, in a compiled checkpoint whose code breaks "
+                    f"dynamo's graph. Its first call draws their initial values, which a "
+                    f"recomputation would not draw again. Run one forward of the model first, "
+                    f"with torch.no_grad()"
+                )
             self.contexts = _Replay(owner, self.preserve_rng_state,
                                     _device(watched, args, kwargs), self.selective).contexts()
         with self.contexts[self.recomputing]:

@@ -587,3 +587,21 @@ def test_a_checkpoint_compiled_with_the_eager_backend_is_refused_in_backward(fre
     out = torch.compile(model, backend="eager")(x)
     with pytest.raises(RuntimeError, match=r"backend='eager'.*backend='aot_eager' or 'inductor'"):
         out.sum().backward()
+
+
+def test_a_lazy_module_in_a_breaking_compiled_checkpoint_is_refused_before_its_first_call(
+        fresh_dynamo):
+    """Dynamo runs the region eagerly inside torch's checkpoint, too late to store its first
+    call instead: the recomputation would not draw the initial values again (another dropout
+    mask). Refused by name, with what to do; after one forward it trains."""
+    # The break comes first: dynamo makes a lazy module's parameters where it traces its call.
+    model = revnets.Checkpointed(nn.Sequential(nn.Linear(4, 4), _Printing(), nn.LazyLinear(4),
+                                               nn.Dropout(0.5)))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match=r"lazy module that has not made its parameters.*"
+                                           r"Run one forward of the model first"):
+        compiled(x)
+    with torch.no_grad():
+        model(x)
+    compiled(x).sum().backward()
