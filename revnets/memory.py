@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
@@ -392,13 +392,15 @@ def _owners_in(*args: Any, **kwargs: Any) -> list[nn.Module | torch.optim.Optimi
 
 
 def refuse_uninitialised(caller: str, modules: Iterable[Any]) -> None:
-    """Refuse, by name, a lazy module among ``modules`` that has not made its parameters yet:
-    they are made in its first call, so there is nothing to count or copy before it."""
+    """Refuse, by name, a lazy module among ``modules`` that has not made its parameters yet
+    (an ``UninitializedParameter``): they are made in its first call, so there is nothing to
+    count or copy before it."""
     for module in modules:
         if not isinstance(module, nn.Module):
             continue
         for name, m in module.named_modules():
-            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            if any(isinstance(t, UninitializedTensorMixin)
+                   for t in (*m._parameters.values(), *m._buffers.values())):
                 raise ValueError(
                     f"{caller}: {type(m).__name__} ({name or 'the model'}) is a lazy module "
                     f"that has not made its parameters yet (a lazy module makes them in its "
