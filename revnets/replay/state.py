@@ -202,7 +202,7 @@ def _table(module: nn.Module, table: str) -> dict:
 
 def _version(t: Tensor) -> int | None:
     # Inference tensors keep no version counter; a lazy module's parameter before its first
-    # forward has none to read (it becomes a parameter in that forward).
+    # call has none to read (the recording refuses it by name: _refuse_uninitialised).
     if isinstance(t, UninitializedTensorMixin) or t.is_inference():
         return None
     return t._version
@@ -468,7 +468,7 @@ class _HeldWalk:
 def _storage_key(t: Tensor) -> int | None:
     try:
         return t.untyped_storage()._cdata
-    # storage-less tensors (sparse, nested), a lazy module's parameter before its first forward
+    # storage-less tensors (sparse, nested), a lazy module's parameter before its first call
     except (RuntimeError, NotImplementedError, ValueError):
         return None
 
