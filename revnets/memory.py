@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
+from revnets.call_arguments import device_of, owners_in, refuse_uninitialised
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 if TYPE_CHECKING:
@@ -386,28 +386,6 @@ def _label_owned(owners: Iterable[Any]) -> list[tuple[Tensor, str]]:
     return labelled
 
 
-def _owners_in(*args: Any, **kwargs: Any) -> list[nn.Module | torch.optim.Optimizer]:
-    leaves, _ = tree_flatten((args, kwargs))
-    return [x for x in leaves if isinstance(x, (nn.Module, torch.optim.Optimizer))]
-
-
-def refuse_uninitialised(caller: str, modules: Iterable[Any]) -> None:
-    """Refuse, by name, a lazy module among ``modules`` that has not made its parameters yet
-    (an ``UninitializedParameter``): they are made in its first call, so there is nothing to
-    count or copy before it."""
-    for module in modules:
-        if not isinstance(module, nn.Module):
-            continue
-        for name, m in module.named_modules():
-            if any(isinstance(t, UninitializedTensorMixin)
-                   for t in (*m._parameters.values(), *m._buffers.values())):
-                raise ValueError(
-                    f"{caller}: {type(m).__name__} ({name or 'the model'}) is a lazy module "
-                    f"that has not made its parameters yet (a lazy module makes them in its "
-                    f"first call). Run one forward of the model first, with torch.no_grad()"
-                )
-
-
 def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
     """Run ``fn(*args, **kwargs)`` once and report its peak memory by category.
 
@@ -441,9 +419,10 @@ def _measure(
     ``predicted``: the call runs on fake tensors, whose storage is all there is to count;
     ``stand_ins``: real tensors the call may reach (through a closure) and the fakes whose
     storage is theirs in the prediction."""
-    owners = _owners_in(*args, **kwargs)
-    refuse_uninitialised("measure_memory", owners)
-    named = _device_of(owners, args, kwargs)
+    owners = owners_in(args, kwargs)
+    if not predicted:  # predict_memory refused them already
+        refuse_uninitialised("measure_memory", owners)
+    named = device_of(owners, args, kwargs)
     # Fake tensors (a prediction, or a call inside the caller's FakeTensorMode) allocate nothing.
     allocator = not predicted and not any(
         isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
@@ -500,15 +479,3 @@ def _measure(
         method="cuda-allocator",
         result=result,
     )
-
-
-def _device_of(owners: list, args: tuple, kwargs: dict) -> torch.device | None:
-    for owner in owners:
-        if isinstance(owner, nn.Module):
-            for t in (*owner.parameters(), *owner.buffers()):
-                return t.device
-    leaves, _ = tree_flatten((args, kwargs))
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return None

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from revnets.call_arguments import device_of, owners_in, refuse_uninitialised
 from revnets.fake_copies import (
     empty_containers_copied,
     generators_shared,
@@ -51,17 +52,11 @@ from revnets.fake_copies import (
     tensor_to_fake,
 )
 from revnets.fake_device import LikeTheDevice, layout_of
-from revnets.memory import (
-    MemoryReport,
-    Watch,
-    _device_of,
-    _measure,
-    _owners_in,
-    refuse_uninitialised,
-)
+from revnets.memory import MemoryReport, Watch, _measure
 from revnets.replay.state import forked_rng
 
 __all__ = ["predict_memory"]
+
 
 def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
     """Predict the peak memory of ``fn(*args, **kwargs)`` without computing anything.
@@ -111,12 +106,12 @@ class Predictor:
     def predict(
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
     ) -> MemoryReport:
-        owners = _owners_in(*args, **kwargs)
+        owners = owners_in(args, kwargs)
         refuse_uninitialised("predict_memory", owners)
         held = self.held if self.held is not None else held_elsewhere(
             owners, [real for real, _, _ in self._made.values()])
         # A call that takes no tensors (a closure) makes fakes of its tensors on their devices.
-        device = _device_of(owners, args, kwargs) or torch.device("cpu")
+        device = device_of(owners, args, kwargs) or torch.device("cpu")
         memo: dict[int, Any] = {key: fake for key, (real, fake, layout) in self._made.items()
                                 if layout_of(real) == layout}
         fake_args = tuple(self._to_fake(a, memo, device) for a in args)

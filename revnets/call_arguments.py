@@ -1,0 +1,50 @@
+"""What a measured or predicted call is given: the modules and optimizers among its arguments,
+the device they name, and lazy modules with nothing yet to count, refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parameter import UninitializedTensorMixin
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["device_of", "owners_in", "refuse_uninitialised"]
+
+
+def owners_in(args: tuple, kwargs: dict) -> list[nn.Module | torch.optim.Optimizer]:
+    """The modules and optimizers among a call's arguments, nested ones too."""
+    leaves, _ = tree_flatten((args, kwargs))
+    return [x for x in leaves if isinstance(x, (nn.Module, torch.optim.Optimizer))]
+
+
+def device_of(owners: list, args: tuple, kwargs: dict) -> torch.device | None:
+    """The device of the first module's first tensor, else of the first tensor argument."""
+    for owner in owners:
+        if isinstance(owner, nn.Module):
+            for t in (*owner.parameters(), *owner.buffers()):
+                return t.device
+    leaves, _ = tree_flatten((args, kwargs))
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return None
+
+
+def refuse_uninitialised(caller: str, modules: Iterable[Any]) -> None:
+    """Refuse, by name, a lazy module among ``modules`` that has not made its parameters yet
+    (an ``UninitializedParameter``): they are made in its first call, so there is nothing to
+    count or copy before it."""
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            continue
+        for name, m in module.named_modules():
+            if any(isinstance(t, UninitializedTensorMixin)
+                   for t in (*m._parameters.values(), *m._buffers.values())):
+                raise ValueError(
+                    f"{caller}: {type(m).__name__} ({name or 'the model'}) is a lazy module "
+                    f"that has not made its parameters yet (a lazy module makes them in its "
+                    f"first call). Run one forward of the model first, with torch.no_grad()"
+                )
