@@ -29,7 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from revnets.replay.held import generators_held, reached
+from revnets.replay.held import modules_held, reached
 from revnets.replay.state import _own_attributes
 
 
@@ -43,6 +43,45 @@ def scalar_to_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
     copy: the fake mode computes on a constant for real, in place too (``step += 1``), and the
     original is the user's."""
     return mode.fake_tensor_converter.from_real_tensor(mode, tensor.clone(), make_constant=True)
+
+
+def sole_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor | None:
+    """A fake of ``tensor`` made directly over meta memory of its size, where it is a plain
+    tensor or parameter that alone holds all of its storage: what the fake mode's conversion
+    makes of it (a parameter being a fake tensor marked as one, as ``nn.Parameter`` marks a
+    subclass), at a thirtieth of the cost (the conversion describes the tensor and its storage
+    in Python, and a parameter's copy clones and detaches it through the fake mode: 0.4 ms a
+    parameter, most of a large model's first prediction). None for any other tensor: a view, a
+    storage something else holds too (tied by storage, a ``state_dict()`` alias), a subclass,
+    a layout or device of its own, which the fake mode converts, keeping what they share."""
+    if type(tensor) not in (Tensor, nn.Parameter) or not tensor.is_leaf or tensor.is_meta \
+            or tensor.layout is not torch.strided or tensor.device.type not in ("cpu", "cuda") \
+            or tensor._base is not None or tensor.storage_offset() \
+            or tensor.is_quantized or tensor.is_conj() or tensor.is_neg() \
+            or is_cpu_scalar(tensor):
+        return None
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != tensor.numel() * tensor.element_size() \
+            or torch._C._storage_Use_Count(storage._cdata) != _LONE_STORAGE:
+        return None
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    fake = FakeTensor(mode, meta, tensor.device)
+    if tensor.requires_grad:
+        fake.requires_grad_()
+    if isinstance(tensor, nn.Parameter):
+        fake._is_param = True
+    return fake
+
+
+def _lone_storage_count() -> int:
+    """The use count of a storage only its tensor holds, seen with one Python storage object
+    of it alive (as ``sole_fake`` sees it)."""
+    tensor = torch.empty(1)
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+_LONE_STORAGE = _lone_storage_count()
 
 
 def tensor_to_fake(tensor: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:
@@ -67,11 +106,37 @@ def scalars_held(module: nn.Module) -> list[Tensor]:
     return found
 
 
-def generators_shared(module: nn.Module, memo: dict[int, Any]) -> None:
-    """Enter in a deep copy's ``memo`` every generator ``module`` holds, as itself: a generator
-    holds no tensor memory, a fake run draws nothing from it (fake tensors have no values), and
-    its state cannot be copied over fake tensors."""
-    memo.update((id(g), g) for g in generators_held(module))
+def module_copy_seeded(module: nn.Module, memo: dict[int, Any], mode: FakeTensorMode) -> None:
+    """Enter in the ``memo`` of a fake deep copy of ``module`` what the copy takes as found or
+    makes faster than ``copy.deepcopy`` would, for every module it copies (those held
+    unregistered too: a planned model's chain of a few thousand steps):
+
+    - every generator, as itself: a generator holds no tensor memory, a fake run draws nothing
+      from it (fake tensors have no values), and its state cannot be copied over fake tensors;
+    - new empty dicts and sets for the empty ones (most hook registries), as the copy would make
+      them: its generic path takes tens of microseconds for each (MaxViT-T's planned chain: 0.38
+      to 0.2 s of copying per prediction, timed by hand);
+    - the fakes of parameters and buffers: made directly for those that hold their storage
+      alone (``sole_fake``), by the fake mode for the others, which keeps what they share. A
+      parameter's own deep copy clones it, and its clone holds no more than itself: a
+      parameter over a slice of a larger storage, or a buffer viewing a parameter, was
+      predicted with other memory than the step holds."""
+    modules, generators = modules_held(module)
+    memo.update((id(g), g) for g in generators)
+    for m in modules:
+        for value in vars(m).values():
+            if type(value) in _EMPTY_COPIES and not value and id(value) not in memo:
+                memo[id(value)] = type(value)()
+        for table in (m._parameters, m._buffers):
+            for tensor in table.values():
+                if tensor is not None and id(tensor) not in memo \
+                        and type(tensor) in (Tensor, nn.Parameter):
+                    fake = sole_fake(tensor, mode)
+                    memo[id(tensor)] = fake if fake is not None else mode.from_tensor(
+                        tensor, static_shapes=True)
+
+
+_EMPTY_COPIES = (dict, collections.OrderedDict, set)
 
 
 def optimizer_to_fake(
@@ -320,17 +385,3 @@ def replaced(value: Any, fakes: Any) -> Any:
     if isinstance(value, dict):
         return {k: replaced(v, fakes) for k, v in value.items()}
     return value
-
-
-def empty_containers_copied(module: nn.Module, memo: dict[int, Any]) -> None:
-    """New empty dicts and sets in ``memo`` for the empty ones ``module``'s modules hold (most of
-    their hook registries), as ``copy.deepcopy`` would make them: its generic path takes tens of
-    microseconds for each, and a traced chain of a few thousand steps holds tens of thousands
-    (MaxViT-T's planned chain: 0.38 to 0.2 s of copying per prediction, timed by hand)."""
-    for m in module.modules():
-        for value in vars(m).values():
-            if type(value) in _EMPTY_COPIES and not value and id(value) not in memo:
-                memo[id(value)] = type(value)()
-
-
-_EMPTY_COPIES = (dict, collections.OrderedDict, set)

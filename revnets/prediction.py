@@ -37,17 +37,17 @@ from torch._subclasses.fake_tensor import (
 
 from revnets.call_arguments import device_of, owners_in, refuse_uninitialised
 from revnets.fake_copies import (
-    empty_containers_copied,
-    generators_shared,
     held_elsewhere,
     is_cpu_scalar,
     kept_as_found,
+    module_copy_seeded,
     optimizer_to_fake,
     real_modules_kept,
     scalar_to_fake,
     scalars_held,
     scaler_to_fake,
     scheduler_to_fake,
+    sole_fake,
     stand_ins_of,
     tensor_to_fake,
 )
@@ -172,8 +172,7 @@ class Predictor:
             # run changes them.
             memo.update((id(b), scalar_to_fake(b, mode)) for b in scalars_held(obj)
                         if id(b) not in memo)
-            generators_shared(obj, memo)
-            empty_containers_copied(obj, memo)
+            module_copy_seeded(obj, memo, mode)
             with FakeCopyMode(mode):
                 fake = copy.deepcopy(obj, memo)
             self._made_once(obj.named_buffers(remove_duplicate=False),
@@ -181,10 +180,9 @@ class Predictor:
             for old, new in self._made_once(obj.named_parameters(remove_duplicate=False),
                                             fake.named_parameters(remove_duplicate=False)):
                 # Gradients left from an earlier step are alive until zero_grad, or accumulate.
-                # Made from a new object each time: the fake mode remembers fakes by object, and
-                # ``module.double()`` changes a gradient under the same one.
-                new.grad = None if old.grad is None else mode.from_tensor(
-                    old.grad.detach(), static_shapes=True)
+                # Made anew for each prediction: ``module.double()`` changes a gradient under
+                # the same object.
+                new.grad = None if old.grad is None else self._grad_to_fake(old.grad, memo)
                 new.requires_grad_(old.requires_grad)
                 # Its hooks (a gradient freed once accumulated, an optimizer run in the
                 # backward), for this prediction.
@@ -217,6 +215,15 @@ class Predictor:
             return obj
         memo[id(obj)] = fake
         return fake
+
+    def _grad_to_fake(self, grad: Tensor, memo: dict[int, Any]) -> Tensor:
+        """The fake of a parameter's gradient, once for a tensor on several parameters or also
+        an argument."""
+        if id(grad) not in memo:
+            fake = sole_fake(grad, self.mode)
+            memo[id(grad)] = fake if fake is not None else self.mode.from_tensor(
+                grad.detach(), static_shapes=True)
+        return memo[id(grad)]
 
     def _made_once(
         self, real: Iterator[tuple[str, Tensor]], fake: Iterator[tuple[str, Tensor]]

@@ -99,6 +99,55 @@ def test_tied_weights_are_counted_once():
     )
 
 
+class LaidOutEveryWay(nn.Module):
+    """Parameters and buffers over storages of every kind: their own (contiguous, transposed,
+    channels_last, frozen, integer), a slice of a larger one, a buffer viewing a parameter's
+    storage, and one aliased by a tensor the user keeps (a ``state_dict()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.own = nn.Parameter(torch.randn(16, 16))
+        self.transposed = nn.Parameter(torch.randn(16, 16).t())
+        self.channels_last = nn.Parameter(
+            torch.randn(4, 16, 2, 2).contiguous(memory_format=torch.channels_last))
+        self.frozen = nn.Parameter(torch.randn(16), requires_grad=False)
+        self.sliced = nn.Parameter(torch.randn(40)[8:24])
+        self.register_buffer("counts", torch.arange(16))
+        self.register_buffer("viewing", self.own.detach()[0])
+        self.aliased = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        y = x @ (self.own + self.transposed) + self.frozen + self.sliced + self.aliased
+        y = y + self.viewing + self.counts.float()
+        return F.conv2d(y.t().reshape(1, 16, 2, 2), self.channels_last, padding=1).flatten(1)
+
+
+def test_tensors_of_every_layout_are_copied_as_the_fake_mode_copies_them():
+    """A prediction makes the fakes of tensors that hold their storage alone directly, and of
+    all others through the fake mode, which keeps what they share: a buffer viewing a parameter
+    shares its memory, a parameter over a slice of a larger storage holds all of it, as
+    in the step measured (a parameter's own deep copy cloned it: 928 bytes off). No parameter
+    that holds its storage alone goes through the fake mode's conversion (most of a large
+    model's first prediction)."""
+    model = LaidOutEveryWay()
+    kept = {"aliased": model.state_dict()["aliased"]}  # noqa: F841  held by the user
+    x = torch.randn(4, 16)
+    converted = set()
+    convert = torch._subclasses.fake_tensor.FakeTensorConverter.from_real_tensor
+
+    def counted(self, mode, tensor, *args, **kwargs):
+        converted.add(id(tensor))
+        return convert(self, mode, tensor, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch._subclasses.fake_tensor.FakeTensorConverter, "from_real_tensor",
+                      counted)
+        assert_predicted_exactly(train_step, model, x)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert {name for name, t in tensors.items() if id(t) in converted} == {
+        "own", "viewing", "sliced", "aliased"}
+
+
 class Masked(nn.Module):
     """Multiplies by a constant mask it keeps as a buffer (never modified)."""
 

@@ -3,6 +3,7 @@ trace.py): it runs its node on the live values before it and passes on those aft
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -15,6 +16,8 @@ from revnets.replay.known import KnownWalk, known_composite
 from revnets.replay.known_calls import call_kind, plain, plain_parameters
 
 __all__ = ["GraphKey", "GraphStep"]
+
+_ATOMIC = (type(None), bool, int, float, str)
 
 
 @known_composite("target")
@@ -73,6 +76,16 @@ class GraphStep(nn.Module):
         self.root: tuple[nn.Module, ...] = ()
         self.frozen_modes: tuple[tuple[nn.Module, bool], ...] = ()
         self._known_arguments: bool | None = None  # whether its constants are plain values
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphStep:
+        # What the generic copy does (a new object over a deep copy of its attributes), without
+        # copying the attributes' names and the numbers and strings among them one call each: a
+        # prediction copies the whole chain (MaxViT-T's: 1,587 steps, 0.1 s of its copy).
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({key: value if type(value) in _ATOMIC else copy.deepcopy(value, memo)
+                                for key, value in vars(self).items()})
+        return copied
 
     def _reference(self, node: torch.fx.Node, root: nn.Module) -> Any:
         if node.op != "get_attr":

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from revnets.replay.containers import MUTABLE, NESTING, ContainerCopy
 
 __all__ = [
-    "AttributesCopy", "attributes_of", "generators_held", "is_plain_object", "path_to",
-    "reached", "state_copies",
+    "AttributesCopy", "attributes_of", "generators_held", "is_plain_object", "modules_held",
+    "path_to", "reached", "state_copies",
 ]
 
 # NOTE [ What a module holds ]
@@ -198,15 +198,22 @@ def generators_held(module: nn.Module) -> list[torch.Generator]:
     """The ``torch.Generator`` objects ``module`` and its submodules hold, and the modules they
     hold unregistered (the model a planned model runs), in attributes and in what those reach
     (NOTE [ What a module holds ])."""
+    return modules_held(module)[1]
+
+
+def modules_held(module: nn.Module) -> tuple[list[nn.Module], list[torch.Generator]]:
+    """``module``, its submodules and the modules they hold unregistered (the model and the
+    chain a planned model runs), each once; and the ``torch.Generator`` objects they hold, in
+    attributes and in what those reach (NOTE [ What a module holds ])."""
     found: dict[int, torch.Generator] = {}
     seen: set[int] = set()
-    walked: set[int] = set()
+    walked: dict[int, nn.Module] = {}
     pending = [module]
     while pending:
         m = pending.pop()
         if id(m) in walked:
             continue
-        walked.add(id(m))
+        walked[id(m)] = m
         for attribute in vars(m).values():  # _modules among them
             if type(attribute) in _EMPTY_SKIPPED and not attribute:  # most hook tables
                 continue
@@ -215,4 +222,4 @@ def generators_held(module: nn.Module) -> list[torch.Generator]:
                     pending.append(value)
                 elif isinstance(value, torch.Generator):
                     found[id(value)] = value
-    return list(found.values())
+    return list(walked.values()), list(found.values())
