@@ -411,3 +411,50 @@ def test_a_compiled_plan_asks_the_programme_a_bounded_number_of_times(monkeypatc
     low, high = auto.SELECTIVE_SHARES
     rooms = math.floor(math.log(high / low, auto.ROOM_RATIO)) + 1
     assert len(calls) <= eager + (rooms + 1) * per_budget
+
+
+class DropsPaths(nn.Module):
+    """Stochastic depth as torchvision's and timm's: no submodules, a forward that reads its
+    mode."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        keep = torch.rand_like(x[:, :1]) >= self.p
+        return x * keep / (1 - self.p)
+
+
+class ResidualWithDroppedPaths(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.drops = nn.ModuleList(DropsPaths(0.2) for _ in range(depth))
+
+    def forward(self, x):
+        for layer, drop in zip(self.layers, self.drops):
+            x = x + drop(torch.tanh(layer(x)))
+        return x.sum(1)
+
+
+def test_a_module_that_reads_its_mode_is_kept_whole_by_the_first_traces(monkeypatch):
+    """A module without submodules whose forward reads ``training`` (stochastic depth in every
+    block of most vision models) is one step from the first pair of traces, the model in each
+    mode: two traces, where finding it by its mode-dependent code took a second pair."""
+    from revnets.planning import trace as trace_module
+    traces = []
+    trace = trace_module._Tracer.trace
+
+    def counted(self, *args, **kwargs):
+        traces.append(1)
+        return trace(self, *args, **kwargs)
+
+    monkeypatch.setattr(trace_module._Tracer, "trace", counted)
+    model = ResidualWithDroppedPaths().train()
+    chain = revnets.planning.as_graph_chain(model)
+    assert len(traces) == 2
+    called = [getattr(step, "module", None) for step in chain]
+    assert all(any(drop is module for module in called) for drop in model.drops)
