@@ -458,3 +458,18 @@ def test_a_module_that_reads_its_mode_is_kept_whole_by_the_first_traces(monkeypa
     assert len(traces) == 2
     called = [getattr(step, "module", None) for step in chain]
     assert all(any(drop is module for module in called) for drop in model.drops)
+
+
+def test_a_census_of_a_planned_chain_leaves_out_what_runs_never_change():
+    """A checkpoint takes a census of what its modules hold, to put back before its
+    recomputation; a traced step's names and lookups (its ``structure``) no run changes, and a
+    census takes none of them: a planned chain's steps hold tens of thousands, and a prediction
+    takes a census for every checkpoint it runs. What the step runs with is taken."""
+    from revnets.planning.graph_step import GraphStep
+    from revnets.replay.state import Census
+    chain = revnets.planning.as_graph_chain(ResidualWithDroppedPaths().train())
+    steps = [step for step in chain if isinstance(step, GraphStep)]
+    census = Census.take(steps, generators=True, reach=True)
+    taken = {key for _, key, _ in census.scalars}
+    assert not taken & GraphStep.structure
+    assert {"args", "kwargs", "target", "training"} <= taken

@@ -14,12 +14,14 @@ from revnets.planning.graph_values import Attr, Ref, resolve
 from revnets.planning.traced import writes_in_place
 from revnets.replay.known import KnownWalk, known_composite
 from revnets.replay.known_calls import call_kind, plain, plain_parameters
+from revnets.replay.state import structure_unchanged_by_runs
 
 __all__ = ["GraphKey", "GraphStep"]
 
 _ATOMIC = (type(None), bool, int, float, str)
 
 
+@structure_unchanged_by_runs
 @known_composite("target")
 class GraphStep(nn.Module):
     """One node of a traced graph: takes the live values before it, returns those after it.
@@ -31,8 +33,9 @@ class GraphStep(nn.Module):
 
     # What the planner built and running never changes (names, lookups it caches, the hook
     # tables of a module no code registers hooks on), holding none of the model's state: a
-    # snapshot of what a run may change (traced.Attributes) leaves it out, a dozen containers a
-    # step (MaxViT-T's chain: 1,587 steps). Its target (a callable object of the user's: a
+    # snapshot of what a run may change (traced.Attributes) and a census of a checkpoint leave
+    # it out (NOTE [ What runs never change ] in replay/state.py), a dozen containers a step
+    # (MaxViT-T's chain: 1,587 steps). Its target (a callable object of the user's: a
     # counter ``torch.fx.wrap`` keeps a leaf), arguments (constants the graph reads: the model's
     # plain objects too), parameters, buffers, module and root are the model's, and are in.
     structure = frozenset({"graph", "op", "label", "reads", "inputs", "outputs",

@@ -23,7 +23,7 @@ from revnets.replay.held import (
     state_copies,
 )
 from revnets.replay.known_calls import bound_arguments
-from revnets.replay.state import _NumpyGenerator
+from revnets.replay.state import _NumpyGenerator, structure_of
 
 __all__ = [
     "Attributes", "Draws", "code_by_module", "drop_specialisation_checks",
@@ -77,13 +77,6 @@ __all__ = [
 _MODE = "training"
 
 
-def _structure_of(module: nn.Module) -> frozenset[str]:
-    """What of ``module`` the planner built and no run changes: a graph step's structure."""
-    from revnets.planning.graph_step import GraphStep  # which imports this module
-
-    return GraphStep.structure if isinstance(module, GraphStep) else frozenset()
-
-
 class Attributes:
     """The state ``modules`` hold (NOTE [ Traced modules run as their graph ]), to find and undo
     what a trace changed: each module's ``__dict__`` (hooks, parameters and submodules are dicts
@@ -116,7 +109,7 @@ class Attributes:
         entries = [len(self.saved)]
         self.saved.append((module, module, dict(own)))
         seen: set[int] = set()
-        structure = _structure_of(module)
+        structure = structure_of(module)  # NOTE [ What runs never change ]
         for key, value in list(own.items()):
             if key in structure:
                 continue

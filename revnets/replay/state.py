@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from revnets.replay.containers import ContainerCopy
 from revnets.replay.held import AttributesCopy, path_to, reached, state_copies
 
-__all__ = ["forked_rng", "state_tensors"]
+__all__ = ["forked_rng", "state_tensors", "structure_of", "structure_unchanged_by_runs"]
 
 
 def _default_generator(device: torch.device) -> Any:
@@ -238,6 +238,28 @@ def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._N
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
+# NOTE [ What runs never change ]
+# A module class of revnets' own may name, in its ``structure``, the attributes no run of it
+# changes (a traced graph's step: the names and lookups the planner built, caches its first run
+# fills with what every later run would find). Registered with ``@structure_unchanged_by_runs``,
+# they are neither scanned nor put back by a census, nor snapshotted around a trace
+# (traced.Attributes): a planned chain of a few thousand steps holds tens of thousands of them,
+# and a prediction takes a census for every checkpoint it runs.
+_STRUCTURES: dict[type, frozenset[str]] = {}
+
+
+def structure_unchanged_by_runs(cls: type) -> type:
+    """Class decorator: a module class whose ``structure`` names attributes no run changes
+    (NOTE [ What runs never change ])."""
+    _STRUCTURES[cls] = frozenset(cls.structure)
+    return cls
+
+
+def structure_of(module: nn.Module) -> frozenset[str]:
+    """The attributes no run of ``module`` changes (NOTE [ What runs never change ])."""
+    return _STRUCTURES.get(type(module), frozenset())
+
+
 @dataclass(slots=True)
 class _Loose:
     """A tensor a module holds in a container or a plain object (NOTE [ What a module holds ]):
@@ -334,7 +356,7 @@ class Census:
         self.scalars.append((d, "training", d["training"]))
         candidates = []
         keys = tuple(d)
-        for key in _own_attributes(keys):
+        for key in _own_attributes(keys, _STRUCTURES.get(type(m), frozenset())):
             value = d[key]
             if isinstance(value, Tensor):
                 self.slots.append(_Slot(
@@ -362,7 +384,7 @@ class Census:
                 for k, t in table.items() if t is not None
             ]
         d = vars(m)
-        for key in _own_attributes(tuple(d)):
+        for key in _own_attributes(tuple(d), _STRUCTURES.get(type(m), frozenset())):
             value = d[key]
             if isinstance(value, Tensor):  # as a held module's: replayed where the run read it
                 self.slots.append(_Slot(
@@ -407,17 +429,20 @@ class Census:
 MISSING = object()  # an attribute that did not exist when the run began
 
 
-_OWN_ATTRIBUTES: dict[tuple[str, ...], tuple[str, ...]] = {}
+_OWN_ATTRIBUTES: dict[tuple[tuple[str, ...], frozenset[str]], tuple[str, ...]] = {}
 
 
-def _own_attributes(keys: tuple[str, ...]) -> tuple[str, ...]:
+def _own_attributes(keys: tuple[str, ...],
+                    structure: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """The attribute names among ``keys`` (a module's, in order) that are not nn.Module's own
-    internals; modules of one class mostly share their names, so this is looked up."""
-    own = _OWN_ATTRIBUTES.get(keys)
+    internals, nor its class's ``structure`` (NOTE [ What runs never change ]); modules of one
+    class mostly share their names, so this is looked up."""
+    own = _OWN_ATTRIBUTES.get((keys, structure))
     if own is None:
         if len(_OWN_ATTRIBUTES) > 4096:  # modules that keep gaining attributes
             _OWN_ATTRIBUTES.clear()
-        own = _OWN_ATTRIBUTES[keys] = tuple(k for k in keys if k not in _MODULE_INTERNALS)
+        own = _OWN_ATTRIBUTES[keys, structure] = tuple(
+            k for k in keys if k not in _MODULE_INTERNALS and k not in structure)
     return own
 
 
