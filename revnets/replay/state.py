@@ -249,8 +249,7 @@ _STRUCTURES: dict[type, frozenset[str]] = {}
 
 
 def structure_unchanged_by_runs(cls: type) -> type:
-    """Class decorator: a module class whose ``structure`` names attributes no run changes
-    (NOTE [ What runs never change ])."""
+    """Class decorator (NOTE [ What runs never change ])."""
     _STRUCTURES[cls] = frozenset(cls.structure)
     return cls
 
@@ -356,7 +355,7 @@ class Census:
         self.scalars.append((d, "training", d["training"]))
         candidates = []
         keys = tuple(d)
-        for key in _own_attributes(keys, _STRUCTURES.get(type(m), frozenset())):
+        for key in _own_attributes(keys, structure_of(m)):
             value = d[key]
             if isinstance(value, Tensor):
                 self.slots.append(_Slot(
@@ -384,7 +383,7 @@ class Census:
                 for k, t in table.items() if t is not None
             ]
         d = vars(m)
-        for key in _own_attributes(tuple(d), _STRUCTURES.get(type(m), frozenset())):
+        for key in _own_attributes(tuple(d), structure_of(m)):
             value = d[key]
             if isinstance(value, Tensor):  # as a held module's: replayed where the run read it
                 self.slots.append(_Slot(
