@@ -196,18 +196,15 @@ def test_a_compiled_plan_is_the_same_whatever_the_forward_times_measured(monkeyp
     model do not follow the noise of the forward times measured: ResNet-50 at one budget got
     four plans in six calls. Measured times here are scaled at random, step by step, from half
     to twice what they were."""
-    profile = step_times.profile_chain
+    timed = step_times._forward_seconds
     generator = torch.Generator().manual_seed(0)
 
-    def noisy(layers, example_input, repeats=1, **kwargs):
-        profiles = profile(layers, example_input, repeats, **kwargs)
-        if example_input.device.type == "meta":
-            return profiles
-        scales = 2 ** (2 * torch.rand(len(profiles), generator=generator, dtype=torch.float64) - 1)
-        return [replace(p, forward_seconds=p.forward_seconds * float(scale))
-                for p, scale in zip(profiles, scales)]
+    def noisy(chain, example_input):
+        seconds = timed(chain, example_input)
+        scales = 2 ** (2 * torch.rand(len(seconds), generator=generator, dtype=torch.float64) - 1)
+        return [s * float(scale) for s, scale in zip(seconds, scales)]
 
-    monkeypatch.setattr(step_times, "profile_chain", noisy)
+    monkeypatch.setattr(step_times, "_forward_seconds", noisy)
     torch.manual_seed(0)
     model, x = bottlenecks(), torch.randn(4, 3, 16, 16)
     stored = revnets.predict_memory(lambda m: m(x).sum().backward(), model).peak_bytes

@@ -23,8 +23,8 @@ from revnets.planning.meta_attention import AttentionAsOn, may_attend
 from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
-__all__ = ["LayerProfile", "compiled_costs", "meta_like", "on_meta", "profile_chain",
-           "timing_input"]
+__all__ = ["LayerProfile", "as_leaf", "compiled_costs", "meta_like", "on_meta", "profile_chain",
+           "synchronized_clock", "timing_input", "writable"]
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def on_meta(layers: Sequence[nn.Module]) -> Iterator[None]:
         kept.restore()
 
 
-def _synchronized_clock(device: torch.device) -> float:
+def synchronized_clock(device: torch.device) -> float:
     torch.cuda.synchronize(device)
     return time.perf_counter()
 
@@ -181,9 +181,9 @@ def _profile(
     device = _device(example_input)
     timed = device.type != "meta"
     # A GPU runs kernels after their launch returns: a layer's time is up to the last one's end.
-    now = (functools.partial(_synchronized_clock, device) if device.type == "cuda"
+    now = (functools.partial(synchronized_clock, device) if device.type == "cuda"
            else time.perf_counter)
-    leaf = tree_map(_as_leaf, example_input)
+    leaf = tree_map(as_leaf, example_input)
     profiles = []
     # Kept outputs by their storage, and the layer that keeps each: a later layer that writes any
     # alias of one (an Identity or a view passes it on, then ReLU(inplace=True) writes it) makes
@@ -222,7 +222,7 @@ def _profile(
         for _ in range(repeats if timed else 1):
             saved.clear()
             saved_addresses.clear()
-            x = _writable(layer, leaf) if copies else leaf
+            x = writable(layer, leaf) if copies else leaf
             start = now()
             try:
                 # Untimed runs also see which outputs a selective checkpoint would keep.
@@ -237,7 +237,7 @@ def _profile(
                 unsafe |= _keepers(kept_by_storage, _written(layer, leaf, everything=True))
                 saved.clear()
                 saved_addresses.clear()
-                x = _writable(layer, leaf, everything=True)
+                x = writable(layer, leaf, everything=True)
                 kept = _SelectiveOutputs(meta=not timed)
                 start = now()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
@@ -278,7 +278,7 @@ def _profile(
         for t, _ in kept.outputs:
             kept_by_storage.setdefault(_address(t), index)
             held.append(t)
-        leaf = tree_map(_as_leaf, y)
+        leaf = tree_map(as_leaf, y)
         made_by = {address: made_by.get(address, index) for address in passed_on}
         carried = passed_on
     # A later layer that overwrites an earlier one's output in place makes that one unsafe (when
@@ -421,7 +421,7 @@ def _written(layer: nn.Module, leaf: Any, everything: bool = False) -> list[Tens
     return [t for t in tree_leaves(leaf) if isinstance(t, Tensor)]
 
 
-def _writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
+def writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
     """``leaf`` with copies of what ``layer`` may write (:func:`_written`)."""
     written = {id(t) for t in _written(layer, leaf, everything)}
     return tree_map(lambda t: t.clone() if id(t) in written else t, leaf)
@@ -472,7 +472,7 @@ def _carriers(
     return found
 
 
-def _as_leaf(value: Any) -> Any:
+def as_leaf(value: Any) -> Any:
     if isinstance(value, Tensor) and value.is_floating_point():
         return value.detach().requires_grad_()
     return value

@@ -15,24 +15,26 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from revnets.plan import Store
 from revnets.planning.budget import check_request
 from revnets.planning.describe import step_name
 from revnets.planning.model_chain import Untraceable, planning_chain, sequence_of
-from revnets.planning.profile import profile_chain, timing_input
+from revnets.planning.profile import as_leaf, synchronized_clock, timing_input, writable
 from revnets.planning.traced import Attributes, Draws
 from revnets.planning.untouched import ModelState
-from revnets.replay import forked_rng, generators_held
+from revnets.replay import forked_rng, frozen_running_stats, generators_held
 
 __all__ = ["ForwardTimes", "chain_times", "forward_times", "input_device"]
 
@@ -111,17 +113,46 @@ def chain_times(chain: nn.Sequential, example_input: Any) -> ForwardTimes:
     kept = Attributes(chain.modules())
     timed = timing_input(example_input)
     try:
-        try:
-            profiles = profile_chain(list(chain), timed, repeats=1)
-        except RuntimeError:
-            if timed is example_input:
-                raise
-            # It runs at its own batch size only (a constant shaped to the batch).
-            profiles = profile_chain(list(chain), example_input, repeats=1)
+        with frozen_running_stats(list(chain)):
+            try:
+                seconds = _forward_seconds(chain, timed)
+            except RuntimeError:
+                if timed is example_input:
+                    raise
+                # It runs at its own batch size only (a constant shaped to the batch).
+                seconds = _forward_seconds(chain, example_input)
     finally:
         kept.restore()
     return ForwardTimes(tuple(step_name(step, i) for i, step in enumerate(chain)),
-                        tuple(p.forward_seconds for p in profiles))
+                        tuple(seconds))
+
+
+def _forward_seconds(chain: nn.Sequential, example_input: Any) -> list[float]:
+    """Each step's forward time, run once on what the step before made, as a leaf (each step's
+    graph its own, as the planner's profile runs it), with copies, made before the clock
+    starts, of what it writes in place. Timed bare: the profile's bookkeeping around each step
+    (its saved tensors, its kept outputs) took as long again as the forward."""
+    device = input_device(example_input)
+    now = (functools.partial(synchronized_clock, device) if device.type == "cuda"
+           else time.perf_counter)
+    leaf = tree_map(as_leaf, example_input)
+    seconds = []
+    for step in chain:
+        copies = bool(getattr(step, "inplace", False)) or (
+            getattr(step, "mutates_from", None) is not None)
+        x = writable(step, leaf) if copies else leaf
+        start = now()
+        try:
+            y = step(x)
+        except RuntimeError:  # writes its input in place somewhere inside
+            if copies:
+                raise
+            x = writable(step, leaf, everything=True)
+            start = now()
+            y = step(x)
+        seconds.append(now() - start)
+        leaf = tree_map(as_leaf, y)
+    return seconds
 
 
 def input_device(example_input: Any) -> torch.device:
