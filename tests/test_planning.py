@@ -2,6 +2,7 @@ import copy
 import itertools
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -812,3 +813,21 @@ def test_candidate_plans_reach_the_least_modelled_peak_of_all_plans(seed):
     floor = min(modelled_peak(p, profiles) for p in allowed)
     lowest = min(modelled_peak(p, profiles) for p in candidate_plans(profiles))
     assert floor <= lowest <= floor * (1 + 1 / 1000)
+
+
+def test_the_pareto_front_is_every_point_no_other_beats_the_first_of_equals_first():
+    """The dynamic programme's Pareto front, whichever sort finds it (unique keys of bytes and
+    arrival, or a stable sort by bytes where those would not fit in 63 bits): each point that no
+    other point beats, one beating another where it has no more bytes and no more time and is
+    either better in one or arrived first, in order of bytes."""
+    _pareto_front = chain_module._pareto_front
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 7, 300):
+        for offset in (0, 2**61):  # the second past the unique keys' 63 bits
+            kept = rng.integers(0, 40, size) + offset
+            spent = rng.integers(0, 6, size).astype(np.float64)
+            beaten = {i for i in range(size) for j in range(size) if j != i
+                      and kept[j] <= kept[i] and spent[j] <= spent[i]
+                      and (kept[j] < kept[i] or spent[j] < spent[i] or j < i)}
+            expected = sorted(set(range(size)) - beaten, key=lambda i: kept[i])
+            assert _pareto_front(kept, spent).tolist() == expected

@@ -268,8 +268,9 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
             # FRONT_CAP levels of bytes, from the fewest to the fastest (the search is then
             # approximate; exact predictions still decide).
             ordered = new_kept[front]
-            levels = np.linspace(ordered[0], ordered[-1], FRONT_CAP)
-            front = front[np.unique(np.searchsorted(ordered, levels, side="right") - 1)]
+            at_levels = np.searchsorted(ordered, _levels(ordered[0], ordered[-1]),
+                                        side="right") - 1
+            front = front[at_levels[np.r_[True, at_levels[1:] != at_levels[:-1]]]]
         if mixed:
             active = active[_undominated(kept[active], spent[active],
                                          new_kept[front], new_spent[front])]
@@ -319,6 +320,8 @@ class _Points:
 _CHECKPOINT, _STORE, _SELECTIVE = 0, 1, 2
 _NOTHING = -(2**62)  # the most of an empty segment's backward
 FRONT_CAP = 8  # points kept per cut by optimal_segments
+_FRONT_STEPS = np.arange(FRONT_CAP, dtype=np.float64)
+_KEY_LIMIT = 1 << 62
 DESCENT_STEPS = 12  # programmes run for the lowest of the cheapest (a 4096th of the range)
 _KINDS: tuple[Recompute, ...] = (True, False, SELECTIVE)
 
@@ -333,12 +336,25 @@ def _undominated(kept: np.ndarray, spent: np.ndarray, front_kept: np.ndarray,
     return ~beaten
 
 
+def _levels(low: int, high: int) -> np.ndarray:
+    """``np.linspace(low, high, FRONT_CAP)``, the same numbers, at a fifth of its cost."""
+    levels = _FRONT_STEPS * ((float(high) - float(low)) / (FRONT_CAP - 1)) + float(low)
+    levels[-1] = high
+    return levels
+
+
 def _pareto_front(kept: np.ndarray, spent: np.ndarray) -> np.ndarray:
     """Indices of the points no other beats in both bytes and time, by bytes; among equal points
     the first (they arrive in the order of the points they extend)."""
     # One stable sort by bytes (two keys sorted twice as long): a point of equal bytes that
-    # passes the running minimum before a faster one of the same bytes is dropped after.
-    order = np.argsort(kept, kind="stable")
+    # passes the running minimum before a faster one of the same bytes is dropped after. The
+    # stable order is that of unique keys, bytes then arrival, which an unstable sort finds in a
+    # third of the time (a third of the mixed programme's), where they fit in 63 bits.
+    arrival = 1 << max(len(kept) - 1, 1).bit_length()
+    if len(kept) and 0 <= kept.min() and kept.max() < _KEY_LIMIT // arrival:
+        order = np.argsort(kept * arrival + np.arange(len(kept)), kind="quicksort")
+    else:
+        order = np.argsort(kept, kind="stable")
     ordered = spent[order]
     keep = np.ones(len(order), dtype=bool)
     keep[1:] = ordered[1:] < np.minimum.accumulate(ordered)[:-1]
