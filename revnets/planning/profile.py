@@ -20,6 +20,7 @@ from revnets.checkpoint import SELECTIVE_OPS
 from revnets.cpu_kernels import CPU_OUTPUTS
 from revnets.memory import measure_memory
 from revnets.planning.meta_attention import AttentionAsOn, may_attend
+from revnets.planning.meta_memo import MetaMemo
 from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
@@ -118,7 +119,7 @@ def _loss_bytes(loss_fn: Callable[[Any], Tensor], output: Any) -> int:
     copied = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output)
 
     def step() -> None:
-        with _SelectiveOutputs(meta=True):
+        with _SelectiveOutputs(MetaMemo()):
             loss_fn(copied).backward(inputs=leaves)
 
     try:
@@ -180,6 +181,7 @@ def _profile(
     }
     device = _device(example_input)
     timed = device.type != "meta"
+    memo = MetaMemo()
     # A GPU runs kernels after their launch returns: a layer's time is up to the last one's end.
     now = (functools.partial(synchronized_clock, device) if device.type == "cuda"
            else time.perf_counter)
@@ -216,7 +218,7 @@ def _profile(
         # at every step would cost more than the steps).
         copies = bool(getattr(layer, "inplace", False)) or (
             getattr(layer, "mutates_from", None) is not None)
-        kept = _SelectiveOutputs(meta=not timed)
+        kept = _SelectiveOutputs(None if timed else memo)
         if copies:
             unsafe |= _keepers(kept_by_storage, _written(layer, leaf))
         for _ in range(repeats if timed else 1):
@@ -238,7 +240,7 @@ def _profile(
                 saved.clear()
                 saved_addresses.clear()
                 x = writable(layer, leaf, everything=True)
-                kept = _SelectiveOutputs(meta=not timed)
+                kept = _SelectiveOutputs(None if timed else memo)
                 start = now()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
                     contextlib.nullcontext() if timed else kept
@@ -311,22 +313,24 @@ class _SelectiveOutputs(TorchDispatchMode):
     their versions when made. On the meta device, every tensor an operator makes or reads is a
     meta one: a layer making a tensor on the model's real device by its own means (noise from
     a ``torch.Generator`` of its own, ``torch.randn(x.shape, generator=g)``) gets a meta tensor of
-    the same size, and draws nothing."""
+    the same size, and draws nothing; operators repeated run once (``meta``: the memo)."""
 
-    def __init__(self, meta: bool = False) -> None:
+    def __init__(self, meta: MetaMemo | None = None) -> None:
         super().__init__()
         self.meta = meta
         self.outputs: list[tuple[Tensor, int]] = []
         self.flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.meta:
+        kwargs, memo = kwargs or {}, self.meta
+        if memo is not None:
             args, kwargs = _all_meta(args, kwargs)
         # Batch norm's meta kernel is a slow decomposition (NOTE [ CPU kernels that allocate
         # unlike their meta kernels ]): its outputs are made as the CPU's kernel makes them.
-        out = CPU_OUTPUTS[func](*args, **kwargs) if self.meta and func in CPU_OUTPUTS else None
-        out = func(*args, **kwargs) if out is None or out is NotImplemented else out
+        out = CPU_OUTPUTS[func](*args, **kwargs) if memo is not None and func in CPU_OUTPUTS \
+            else None
+        if out is None or out is NotImplemented:
+            out = memo.run(func, args, kwargs) if memo is not None else func(*args, **kwargs)
         if func in SELECTIVE_OPS:
             self.outputs += [(t, t._version) for t in tree_leaves(out)
                              if isinstance(t, Tensor)]
