@@ -60,10 +60,11 @@ def sole_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor | None:
             or tensor.is_quantized or tensor.is_conj() or tensor.is_neg() \
             or is_cpu_scalar(tensor):
         return None
-    storage = tensor.untyped_storage()
-    if storage.nbytes() != tensor.numel() * tensor.element_size() \
+    storage, nbytes = tensor.untyped_storage(), tensor.numel() * tensor.element_size()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    if storage.nbytes() != nbytes or (nbytes and extent * tensor.element_size() != nbytes) \
             or torch._C._storage_Use_Count(storage._cdata) != _LONE_STORAGE:
-        return None
+        return None  # a storage of other size than its tensor, or elements that overlap
     meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
     fake = FakeTensor(mode, meta, tensor.device)
     if tensor.requires_grad:
@@ -132,11 +133,23 @@ def module_copy_seeded(module: nn.Module, memo: dict[int, Any], mode: FakeTensor
                 if tensor is not None and id(tensor) not in memo \
                         and type(tensor) in (Tensor, nn.Parameter):
                     fake = sole_fake(tensor, mode)
-                    memo[id(tensor)] = fake if fake is not None else mode.from_tensor(
-                        tensor, static_shapes=True)
+                    memo[id(tensor)] = fake if fake is not None else _converted(tensor, mode)
 
 
 _EMPTY_COPIES = (dict, collections.OrderedDict, set)
+
+
+def _converted(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
+    """The fake mode's copy of a parameter or buffer that shares its storage. A parameter is
+    converted through a new alias: the mode remembers a fake by the tensor object, and a
+    parameter keeps its object when its data changes (``module.double()``, ``p.data = ...``),
+    so converted as itself, a second prediction got the first one's fake."""
+    if not isinstance(tensor, nn.Parameter):
+        return mode.from_tensor(tensor, static_shapes=True)
+    fake = mode.from_tensor(tensor.detach(), static_shapes=True)
+    fake.requires_grad_(tensor.requires_grad)
+    fake._is_param = True
+    return fake
 
 
 def optimizer_to_fake(

@@ -102,7 +102,8 @@ def test_tied_weights_are_counted_once():
 class LaidOutEveryWay(nn.Module):
     """Parameters and buffers over storages of every kind: their own (contiguous, transposed,
     channels_last, frozen, integer), a slice of a larger one, a buffer viewing a parameter's
-    storage, and one aliased by a tensor the user keeps (a ``state_dict()``)."""
+    storage, one aliased by a tensor the user keeps (a ``state_dict()``), and one whose elements
+    overlap (stride 0 over a storage of its size)."""
 
     def __init__(self):
         super().__init__()
@@ -115,9 +116,11 @@ class LaidOutEveryWay(nn.Module):
         self.register_buffer("counts", torch.arange(16))
         self.register_buffer("viewing", self.own.detach()[0])
         self.aliased = nn.Parameter(torch.randn(16))
+        self.overlapping = nn.Parameter(torch.randn(16).as_strided((16,), (0,)))
 
     def forward(self, x):
         y = x @ (self.own + self.transposed) + self.frozen + self.sliced + self.aliased
+        y = y + self.overlapping
         y = y + self.viewing + self.counts.float()
         return F.conv2d(y.t().reshape(1, 16, 2, 2), self.channels_last, padding=1).flatten(1)
 
@@ -136,7 +139,7 @@ def test_tensors_of_every_layout_are_copied_as_the_fake_mode_copies_them():
     convert = torch._subclasses.fake_tensor.FakeTensorConverter.from_real_tensor
 
     def counted(self, mode, tensor, *args, **kwargs):
-        converted.add(id(tensor))
+        converted.add(tensor.untyped_storage()._cdata)
         return convert(self, mode, tensor, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -144,8 +147,26 @@ def test_tensors_of_every_layout_are_copied_as_the_fake_mode_copies_them():
                       counted)
         assert_predicted_exactly(train_step, model, x)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    assert {name for name, t in tensors.items() if id(t) in converted} == {
-        "own", "viewing", "sliced", "aliased"}
+    assert {name for name, t in tensors.items() if t.untyped_storage()._cdata in converted} == {
+        "own", "viewing", "sliced", "aliased", "overlapping"}
+
+
+def test_a_predictor_reused_after_the_parameters_changed_under_them_predicts_them_anew():
+    """One predictor, two predictions, the model cast to float64 between them (``double()``
+    keeps each parameter object, with new data): the second prediction is the float64 step's,
+    also for parameters whose storage the user shares (a ``state_dict()`` held), which the fake
+    mode converts (it remembered the first fakes by those parameter objects)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    held = model.state_dict()  # noqa: F841
+    x = torch.randn(4, 64)
+    predictor = Predictor()
+    predictor.predict(train_step, (model, x), {})
+    model.double()
+    held = model.state_dict()  # noqa: F841
+    x = x.double()
+    assert predictor.predict(train_step, (model, x), {}).peak_bytes == measure_memory(
+        train_step, model, x).peak_bytes
 
 
 class Masked(nn.Module):

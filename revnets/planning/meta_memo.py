@@ -34,7 +34,7 @@ class MetaMemo:
         schema = func._schema
         if schema.is_mutable:
             if torch.Tag.pointwise in func.tags and _writes_first_only(schema) and args \
-                    and isinstance(args[0], Tensor):
+                    and isinstance(args[0], Tensor) and _same_kind(args[0], (args[1:], kwargs)):
                 shapes = [t.shape for t in _tensors((args[1:], kwargs))]
                 if torch.broadcast_shapes(args[0].shape, *shapes) == args[0].shape:
                     return args[0]
@@ -61,6 +61,32 @@ def _writes_first_only(schema: Any) -> bool:
     written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     return (len(written) == 1 and written[0] is schema.arguments[0] and len(schema.returns) == 1
             and schema.returns[0].alias_info is not None)
+
+
+def _same_kind(written: Tensor, others: Any) -> bool:
+    """Whether an in-place operator's other arguments are of the written tensor's dtype (a
+    tensor), or numbers it holds without promotion; anything else runs the kernel, which
+    refuses what it cannot write (a float into an integer tensor)."""
+    floating = written.is_floating_point() or written.is_complex()
+    for value in _values(others):
+        if isinstance(value, Tensor):
+            if value.dtype != written.dtype:
+                return False
+        elif isinstance(value, float) and not floating:
+            return False
+        elif isinstance(value, complex) and not written.is_complex():
+            return False
+        elif not isinstance(value, (type(None), bool, int, float, complex)):
+            return False
+    return True
+
+
+def _values(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [v for part in value for v in _values(part)]
+    if isinstance(value, dict):
+        return [v for part in value.values() for v in _values(part)]
+    return [value]
 
 
 def _tensors(value: Any) -> list[Tensor]:
