@@ -524,9 +524,10 @@ def test_operators_repeated_on_the_meta_device_run_once_with_the_kernels_outputs
     with pytest.raises(RuntimeError):  # an in-place write that would broadcast runs its kernel
         memo.run(aten.add_.Tensor, (torch.empty(4, device="meta"),
                                     torch.empty(3, 4, device="meta")), {})
-    with pytest.raises(RuntimeError):  # and one that would promote
-        memo.run(aten.add_.Tensor, (torch.empty(4, dtype=torch.int64, device="meta"),
-                                    torch.empty(4, device="meta")), {})
+    for written, other in ((torch.int64, torch.empty(4, device="meta")), (torch.bool, 2)):
+        with pytest.raises(RuntimeError):  # and one that would promote
+            memo.run(aten.add_.Tensor if isinstance(other, torch.Tensor) else aten.add_.Scalar,
+                     (torch.empty(4, dtype=written, device="meta"), other), {})
 
 
 def test_a_recurrent_chain_profiles_alike_with_its_repeated_operators_run_once(monkeypatch):

@@ -74,6 +74,9 @@ def _same_kind(written: Tensor, others: Any) -> bool:
                 return False
         elif isinstance(value, float) and not floating:
             return False
+        elif isinstance(value, int) and not isinstance(value, bool) \
+                and written.dtype == torch.bool:
+            return False
         elif isinstance(value, complex) and not written.is_complex():
             return False
         elif not isinstance(value, (type(None), bool, int, float, complex)):
