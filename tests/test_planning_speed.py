@@ -512,7 +512,7 @@ def test_operators_repeated_on_the_meta_device_run_once_with_the_kernels_outputs
     for func, args, kwargs in calls:
         expected = func(*args, **kwargs)
         for _ in range(2):  # made, then given again
-            out = memo.run(func, args, kwargs)
+            out = memo.run(func, args, kwargs)[2]
             assert described(out) == described(expected), func
         if func._schema.is_mutable:
             assert out is args[0]
@@ -545,7 +545,7 @@ def test_a_recurrent_chain_profiles_alike_with_its_repeated_operators_run_once(m
     meta_layers = [copy.deepcopy(layer).to("meta") for layer in layers]
     remembered = profile_chain(meta_layers, x)
     from revnets.planning import meta_memo
-    monkeypatch.setattr(meta_memo.MetaMemo, "run",
+    monkeypatch.setattr(meta_memo.MetaMemo, "_remembered",
                         lambda self, func, args, kwargs: func(*args, **kwargs))
 
     def sizes(profiles):  # times are NaN on the meta device, unequal to themselves

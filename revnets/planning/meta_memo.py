@@ -1,8 +1,10 @@
-"""Operators on the meta device run once per signature while a chain is profiled: the meta
-kernels of many operators are Python (torch's references and meta registrations: 0.1 to 0.5 ms
-each, against microseconds for the C++ ones), and a chain repeats a few signatures many times (a
-recurrent layer's cell at every time step, a transformer's blocks). Sizes only rank plans: the
-exact prediction of the plan taken runs every operator on fake tensors of the real device."""
+"""Operators as a chain's profile runs them on the meta device: every tensor they read or make a
+meta one, batch norm's outputs as the CPU's kernel makes them, and each signature run once: the
+meta kernels of many operators are Python (torch's references and meta registrations: 0.1 to
+0.5 ms each, against microseconds for the C++ ones), and a chain repeats a few signatures many
+times (a recurrent layer's cell at every time step, a transformer's blocks). Sizes only rank
+plans: the exact prediction of the plan taken runs every operator on fake tensors of the real
+device."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MetaMemo"]
+from revnets.cpu_kernels import CPU_OUTPUTS
+
+__all__ = ["MetaMemo", "all_meta"]
 
 # Returns a view of its input without saying so in its schema: never made anew.
 _UNANNOTATED_ALIASES = frozenset({torch.ops.aten._unsafe_view.default})
@@ -26,7 +30,17 @@ class MetaMemo:
     def __init__(self) -> None:
         self._made: dict[tuple, tuple | None] = {}
 
-    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def run(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
+        """The operator's arguments made meta (:func:`all_meta`), and its output on them."""
+        args, kwargs = all_meta(args, kwargs)
+        # Batch norm's meta kernel is a slow decomposition (NOTE [ CPU kernels that allocate
+        # unlike their meta kernels ]): its outputs are made as the CPU's kernel makes them.
+        out = CPU_OUTPUTS[func](*args, **kwargs) if func in CPU_OUTPUTS else NotImplemented
+        if out is NotImplemented:
+            out = self._remembered(func, args, kwargs)
+        return args, kwargs, out
+
+    def _remembered(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)`` on meta tensors: new tensors of the sizes and strides it
         made before for the same arguments, where it makes new tensors only; for an in-place
         pointwise operator that broadcasts its other tensors to the one it writes, that one
@@ -54,6 +68,30 @@ class MetaMemo:
         inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
         self._made[key] = _described(out, inputs)
         return out
+
+
+def all_meta(args: Any, kwargs: dict) -> tuple[Any, dict]:
+    """An operator's arguments with every tensor a meta one, made on the meta device (a layer
+    making a tensor on the model's real device by its own means, noise from a generator of its
+    own, gets a meta tensor of the same size, and draws nothing)."""
+    # An operator's arguments nest tensors in lists one deep (its schema's Tensor[]); walked
+    # here rather than by pytree, whose every flattening leaves a cycle for the collector.
+    def meta(value: Any) -> Any:
+        if isinstance(value, Tensor) and not value.is_meta and value.dim() > 0:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                       device="meta").requires_grad_(value.requires_grad)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value):
+            return type(value)(map(meta, value))
+        return value
+
+    args, kwargs = tuple(map(meta, args)), {key: meta(v) for key, v in kwargs.items()}
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "meta":
+        kwargs = {**kwargs, "device": torch.device("meta")}
+    generator = kwargs.get("generator")
+    if generator is not None and generator.device.type != "meta":
+        kwargs = {**kwargs, "generator": None}
+    return args, kwargs
 
 
 def _writes_first_only(schema: Any) -> bool:

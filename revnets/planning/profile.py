@@ -17,7 +17,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from revnets.checkpoint import SELECTIVE_OPS
-from revnets.cpu_kernels import CPU_OUTPUTS
 from revnets.memory import measure_memory
 from revnets.planning.meta_attention import AttentionAsOn, may_attend
 from revnets.planning.meta_memo import MetaMemo
@@ -313,7 +312,7 @@ class _SelectiveOutputs(TorchDispatchMode):
     their versions when made. On the meta device, every tensor an operator makes or reads is a
     meta one: a layer making a tensor on the model's real device by its own means (noise from
     a ``torch.Generator`` of its own, ``torch.randn(x.shape, generator=g)``) gets a meta tensor of
-    the same size, and draws nothing; operators repeated run once (``meta``: the memo)."""
+    the same size, and draws nothing (``meta``: how operators run there, meta_memo.py)."""
 
     def __init__(self, meta: MetaMemo | None = None) -> None:
         super().__init__()
@@ -322,15 +321,11 @@ class _SelectiveOutputs(TorchDispatchMode):
         self.flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs, memo = kwargs or {}, self.meta
-        if memo is not None:
-            args, kwargs = _all_meta(args, kwargs)
-        # Batch norm's meta kernel is a slow decomposition (NOTE [ CPU kernels that allocate
-        # unlike their meta kernels ]): its outputs are made as the CPU's kernel makes them.
-        out = CPU_OUTPUTS[func](*args, **kwargs) if memo is not None and func in CPU_OUTPUTS \
-            else None
-        if out is None or out is NotImplemented:
-            out = memo.run(func, args, kwargs) if memo is not None else func(*args, **kwargs)
+        kwargs = kwargs or {}
+        if self.meta is not None:
+            args, kwargs, out = self.meta.run(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if func in SELECTIVE_OPS:
             self.outputs += [(t, t._version) for t in tree_leaves(out)
                              if isinstance(t, Tensor)]
@@ -391,27 +386,6 @@ def compiled_costs(profiles: Sequence[LayerProfile],
         return p.product_flops * rate
 
     return [replace(p, forward_seconds=cost(p)) for p in profiles]
-
-
-def _all_meta(args: Any, kwargs: dict) -> tuple[Any, dict]:
-    # An operator's arguments nest tensors in lists one deep (its schema's Tensor[]); walked
-    # here rather than by pytree, whose every flattening leaves a cycle for the collector.
-    def meta(value: Any) -> Any:
-        if isinstance(value, Tensor) and not value.is_meta and value.dim() > 0:
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                       device="meta").requires_grad_(value.requires_grad)
-        if isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value):
-            return type(value)(map(meta, value))
-        return value
-
-    args, kwargs = tuple(map(meta, args)), {key: meta(v) for key, v in kwargs.items()}
-    device = kwargs.get("device")
-    if device is not None and torch.device(device).type != "meta":
-        kwargs = {**kwargs, "device": torch.device("meta")}
-    generator = kwargs.get("generator")
-    if generator is not None and generator.device.type != "meta":
-        kwargs = {**kwargs, "generator": None}
-    return args, kwargs
 
 
 def _written(layer: nn.Module, leaf: Any, everything: bool = False) -> list[Tensor]:

@@ -239,12 +239,9 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
 # NOTE [ What runs never change ]
-# A module class of revnets' own may name, in its ``structure``, the attributes no run of it
-# changes (a traced graph's step: the names and lookups the planner built, caches its first run
-# fills with what every later run would find). Registered with ``@structure_unchanged_by_runs``,
-# they are neither scanned nor put back by a census, nor snapshotted around a trace
-# (traced.Attributes): a planned chain of a few thousand steps holds tens of thousands of them,
-# and a prediction takes a census for every checkpoint it runs.
+# A class of revnets' own registered with ``@structure_unchanged_by_runs`` names in ``structure``
+# attributes no run changes (a traced step's names, lookups and caches): no census scans or puts
+# them back, no trace snapshots them (a planned chain holds tens of thousands).
 _STRUCTURES: dict[type, frozenset[str]] = {}
 
 
