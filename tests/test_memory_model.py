@@ -2,13 +2,14 @@
 steps save what they are known to save, it is the exact peak less one constant, the same for
 every plan, so a search's first exact prediction calibrates it for all the others."""
 
+import pytest
 import torch
-from test_planning_speed import conv_chain
+from test_planning_speed import Pooled, conv_chain
 from torch import nn
 
 import revnets.planning.auto as auto
 from revnets.planning.chain import modelled_peaks
-from revnets.planning.memory_model import SELECTIVE
+from revnets.planning.memory_model import SELECTIVE, ChainModel
 from revnets.planning.search import Option
 
 
@@ -87,3 +88,36 @@ def test_the_loss_backward_is_counted_with_what_the_chain_holds():
     plans = [[(0, 4), (4, 8), (8, 12)], [(0, 6)], [], [(0, 12)]]
     loss = lambda out: nn.functional.cross_entropy(out, labels)  # noqa: E731
     assert errors(model, x, plans, loss) == [parameters + labels.nbytes] * len(plans)
+
+
+def pooled_chain() -> tuple[nn.Sequential, torch.Tensor]:
+    """A chain whose first step saves nothing of the input its caller holds."""
+    torch.manual_seed(0)
+    layers = [Pooled(), *(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(12))]
+    return nn.Sequential(*layers), torch.randn(32, 64 * 32)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("make", [lambda: (conv_chain(), torch.randn(4, 3, 16, 16)),
+                                  pooled_chain], ids=["convolutions", "pooled input"])
+def test_no_plan_cutting_only_at_given_cuts_is_modelled_below_the_least_for_those_cuts(
+        make, seed):
+    """``ChainModel.least_bytes(cuts)``, by which the planner skips the nested search (its
+    schedules keep groups of steps whole): every segmentation whose cuts are among ``cuts``,
+    each segment stored, checkpointed or selective, is modelled at or above it, the input its
+    caller holds included; and it never falls below the bound of single steps."""
+    import random
+
+    rng = random.Random(seed)
+    model, x = make()
+    planner = auto._Planner(model, model, x, lambda out: out.square().mean(), None,
+                            measure_time=False)
+    chain = ChainModel.of(planner._profiles_of(frozenset()), planner.input_state)
+    n = chain.n
+    cuts = [0, *sorted(rng.sample(range(1, n), rng.randrange(1, n // 2))), n]
+    least = chain.least_bytes(cuts)
+    assert least >= chain.least_bytes()
+    for _ in range(40):
+        kept = [0, *sorted(rng.sample(cuts[1:-1], rng.randrange(len(cuts) - 1))), n]
+        segments = [(a, b, rng.choice([False, True, SELECTIVE])) for a, b in zip(kept, kept[1:])]
+        assert chain.peak(segments, whole_inputs=False) >= least, segments

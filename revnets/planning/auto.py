@@ -46,6 +46,7 @@ from revnets.planning.memory_model import ChainModel
 from revnets.planning.model_chain import Untraceable, choose_preset, planning_chain, sequence_of
 from revnets.planning.module_plan import plan_modules
 from revnets.planning.nested import (
+    group_bounds,
     group_chain,
     most_frugal_schedule,
     nested_schedule,
@@ -325,9 +326,7 @@ class _Planner:
         found, peaks = search(options, budget, self._predict, self.model_state)
         if found is None:
             low = lowest_floor(options, peaks)
-            smallest = (peaks[low], f"{len(low.reconstructed)} reversible sequences "
-                        f"reconstructing, segments {[(a, b) for a, b, _ in low.segments]}")
-            return self._nested(frozenset(self.sequences), budget, smallest)
+            return self._nested(frozenset(self.sequences), budget, low, peaks[low])
         found = self._refined(found, peaks, budget) if self.compiled else found
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
@@ -424,10 +423,14 @@ class _Planner:
         return PlanChain(*steps)
 
     def _nested(
-        self, reconstructed: frozenset[int], budget: int, smallest: tuple[int, str]
+        self, reconstructed: frozenset[int], budget: int, floor: Option, floor_peak: int
     ) -> tuple[nn.Module, MemoryPlan]:
-        """Below what one level of checkpoints reaches: checkpoints within recomputations
-        (NOTE [ Modelled search, exact acceptance ])."""
+        """Below what one level of checkpoints reaches (``floor``, the lowest floor, which
+        peaked at ``floor_peak``): checkpoints within recomputations (NOTE [ Modelled search,
+        exact acceptance ])."""
+        low_peak, how = floor_peak, (
+            f"{len(floor.reconstructed)} reversible sequences reconstructing, segments "
+            f"{[(a, b) for a, b, _ in floor.segments]}")
         profiles = self._assign(reconstructed)
         layers, grouped = group_chain(list(self.chain), profiles, NESTED_GROUPS)
         # Steps counted rather than timed: the schedules are the same in every run, so the
@@ -435,17 +438,15 @@ class _Planner:
         counted = group_chain(list(self.chain),
                               [replace(p, forward_seconds=math.nan) for p in profiles],
                               NESTED_GROUPS)[1]
-        low_peak, how = smallest
         frugal = most_frugal_schedule(grouped)
-        # No plan peaks below the least every plan holds at some moment (the model state, and
-        # in the chain model the step's end state, or a step's backward: what it saves, the
-        # gradients made by then). Where the lowest floor is within NESTED_MIN_GAIN of that,
-        # nested checkpoints are not searched: what they could save is next to nothing, and
-        # their predictions cost seconds on a large model (torchvision's ViT-H/14, whose peak
-        # is its weights and their gradients; RegNet-Y-128GF, whose last stage's backward makes
-        # most of its 2.6 GB of gradients). Sizes and the floor decide, never the budget.
-        least = self.model_state + ChainModel.of(profiles, self.input_state).least_bytes
-        if frugal is None or low_peak - least < NESTED_MIN_GAIN * low_peak:
+        # No plan keeping the groups whole holds less, at some moment, than the chain model's
+        # least for them. Where the lowest floor is modelled within NESTED_MIN_GAIN of that,
+        # nested checkpoints are not searched: they could save next to nothing, and their
+        # predictions cost seconds on a large model (NOTE [ Modelled search, exact
+        # acceptance ]). Sizes and the floor decide, never the budget.
+        least = ChainModel.of(profiles, self.input_state).least_bytes(
+            group_bounds(profiles, NESTED_GROUPS))
+        if frugal is None or floor.modelled - least < NESTED_MIN_GAIN * low_peak:
             raise no_fit(budget, low_peak, how)
         candidates = nested_candidates(
             frugal, lambda room: nested_schedule(counted, room, slots=NESTED_SLOTS))

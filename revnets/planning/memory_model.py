@@ -112,6 +112,7 @@ class ChainModel:
     states: list[dict[str, int]]
     state_bytes: list[int]
     saved_names: list[frozenset[str]]  # per step: the values whose storages it saves
+    saved_storages: list[dict[tuple[str, int], int]]  # and those storages, with their bytes
     selective_bytes: np.ndarray
     kept_values: list[dict[str, int]]  # per step: of what it keeps, its values', by name
 
@@ -193,6 +194,7 @@ class ChainModel:
             saved_live=saved_live,
             states=states,
             saved_names=[frozenset(name for name, _ in p.saved_values) for p in profiles],
+            saved_storages=[p.saved_values for p in profiles],
             state_bytes=state_bytes.tolist(),
             selective_bytes=np.array(selective, dtype=np.int64),
             kept_values=kept_values,
@@ -216,17 +218,37 @@ class ChainModel:
         gradient and the input."""
         return int(self.state_bytes[0] + self.grads_after[0])
 
-    @property
-    def least_bytes(self) -> int:
-        """What every plan holds at some moment, in this model: once backpropagated, every
-        parameter gradient and the input (``end_bytes``); while step j is backpropagated, what
-        it saves itself (recomputed, if not stored), the parameter gradients of it and the
-        steps after it, and the gradients of the values live at its two cuts."""
-        if not self.n:
-            return self.end_bytes
-        states = np.array(self.state_bytes, dtype=np.int64)
-        moments = self.step_saved + self.grads_after[:-1] + states[:-1] + states[1:]
-        return max(self.end_bytes, int(moments.max()))
+    def least_bytes(self, cuts: Sequence[int] | None = None) -> int:
+        """What every plan that cuts the chain only at ``cuts`` (0 and n among them; every cut
+        where None) holds at some moment, in this model: once backpropagated, every parameter
+        gradient and the input (``end_bytes``); while step j of the run [a, b) between two
+        cuts is backpropagated, what steps a..j save (each storage once: the run is stored or
+        recomputed whole before its backward), the parameter gradients of step j and the steps
+        after it, the gradients of the values live at cuts j and j + 1 (but the input's), and
+        the chain's input, which its caller holds throughout."""
+        cuts = range(self.n + 1) if cuts is None else cuts
+        inputs = self.states[0]
+        least = self.end_bytes
+        for a, b in zip(cuts, cuts[1:]):
+            saved: set[tuple[str, int]] = set()
+            held = 0  # what steps a..j save, each storage once
+            of_inputs = dict.fromkeys(inputs, 0)  # what they save of the input's storages
+            for j in range(a, b):
+                storages = self.saved_storages[j]
+                held += int(self.step_saved[j]) - sum(storages.values())  # intermediates
+                for key, nbytes in storages.items():
+                    if key not in saved:
+                        saved.add(key)
+                        held += nbytes
+                        if key[0] in of_inputs:
+                            of_inputs[key[0]] += nbytes
+                held_inputs = sum(max(0, nbytes - of_inputs[name])
+                                  for name, nbytes in inputs.items())
+                # The input's gradient may not exist (data needs none): its value counts.
+                moment = (held + held_inputs + int(self.grads_after[j])
+                          + (self.state_bytes[j] if j else 0) + self.state_bytes[j + 1])
+                least = max(least, moment)
+        return least
 
     def held(self, a: int, b: int) -> int:
         """What segment [a, b) holds once it has run forward (NOTE [ A storage saved twice is
@@ -271,11 +293,11 @@ class ChainModel:
         input. The programmes count every value live at a stored segment's start as kept (on
         the safe side, and a point's bytes then do not depend on the segment after it); without
         ``whole_inputs``, only those the segment saves or passes on are (``_needed``), as a
-        search ranks its options."""
+        search ranks its options; but the chain's input, which its caller holds throughout."""
         kept: dict[str, int] = {}
         held = peak = 0
         for start, stop, recompute in segments:
-            kept.update(self.states[start] if recompute or whole_inputs
+            kept.update(self.states[start] if recompute or whole_inputs or not start
                         else self._needed(start, stop))
             peak = max(peak, sum(kept.values()) + held
                        + self.while_backpropagated(start, stop))

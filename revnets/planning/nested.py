@@ -30,7 +30,9 @@ from revnets.checkpoint import Checkpointed
 from revnets.planning.chain import forbidden_cuts
 from revnets.planning.profile import LayerProfile
 
-__all__ = ["NestedSchedule", "group_chain", "most_frugal_schedule", "nested_schedule"]
+__all__ = [
+    "NestedSchedule", "group_bounds", "group_chain", "most_frugal_schedule", "nested_schedule",
+]
 
 INFEASIBLE = math.inf
 
@@ -155,15 +157,12 @@ def nested_schedule(
     return NestedSchedule(tree(0, n - 1, slots), float(total) - forward_once)
 
 
-def group_chain(
-    layers: Sequence[nn.Module], profiles: Sequence[LayerProfile], groups: int
-) -> tuple[list[nn.Module], list[LayerProfile]]:
-    """Merge a long chain into at most ``groups`` runs of consecutive layers (never split at a
-    forbidden cut), so that :func:`nested_schedule` stays fast; returns the runs and their
-    profiles (sums of the layers', the state of the last)."""
-    n = len(layers)
+def group_bounds(profiles: Sequence[LayerProfile], groups: int) -> list[int]:
+    """The cuts :func:`group_chain` merges a chain of ``profiles`` at: 0, at most ``groups - 1``
+    cuts about evenly apart (never a forbidden one), and the chain's length."""
+    n = len(profiles)
     if n <= groups:
-        return list(layers), list(profiles)
+        return list(range(n + 1))
     forbidden = forbidden_cuts(profiles)
     bounds = [0]
     for g in range(1, groups):
@@ -173,6 +172,18 @@ def group_chain(
         if cut < n and cut > bounds[-1]:
             bounds.append(cut)
     bounds.append(n)
+    return bounds
+
+
+def group_chain(
+    layers: Sequence[nn.Module], profiles: Sequence[LayerProfile], groups: int
+) -> tuple[list[nn.Module], list[LayerProfile]]:
+    """Merge a long chain into at most ``groups`` runs of consecutive layers (never split at a
+    forbidden cut: :func:`group_bounds`), so that :func:`nested_schedule` stays fast; returns
+    the runs and their profiles (sums of the layers', the state of the last)."""
+    if len(layers) <= groups:
+        return list(layers), list(profiles)
+    bounds = group_bounds(profiles, groups)
     merged_layers, merged_profiles = [], []
     for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         run = profiles[start:stop]
