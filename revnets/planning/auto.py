@@ -440,13 +440,14 @@ class _Planner:
                               NESTED_GROUPS)[1]
         frugal = most_frugal_schedule(grouped)
         # No plan keeping the groups whole holds less, at some moment, than the chain model's
-        # least for them. Where the lowest floor is modelled within NESTED_MIN_GAIN of that,
-        # nested checkpoints are not searched: they could save next to nothing, and their
-        # predictions cost seconds on a large model (NOTE [ Modelled search, exact
-        # acceptance ]). Sizes and the floor decide, never the budget.
+        # least for them. Where the lowest floor, as predicted and as modelled, is within
+        # NESTED_MIN_GAIN of that, nested checkpoints are not searched: they could save next to
+        # nothing, and their predictions cost seconds on a large model (NOTE [ Modelled
+        # search, exact acceptance ]). Sizes and the floor decide, never the budget.
         least = ChainModel.of(profiles, self.input_state).least_bytes(
             group_bounds(profiles, NESTED_GROUPS))
-        if frugal is None or floor.modelled - least < NESTED_MIN_GAIN * low_peak:
+        above = max(low_peak - self.model_state, floor.modelled) - least
+        if frugal is None or above < NESTED_MIN_GAIN * low_peak:
             raise no_fit(budget, low_peak, how)
         candidates = nested_candidates(
             frugal, lambda room: nested_schedule(counted, room, slots=NESTED_SLOTS))
