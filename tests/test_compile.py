@@ -589,6 +589,26 @@ def test_a_checkpoint_compiled_with_the_eager_backend_is_refused_in_backward(fre
         out.sum().backward()
 
 
+def test_a_lazy_reversible_sequence_compiles_at_its_first_call(fresh_dynamo):
+    """Lazy modules make their parameters in their first call, which the sequence runs as
+    ordinary modules. Told by their parameters (``UninitializedParameter``), dynamo restarted its
+    trace and failed (SpeculationLogDivergence); told by their class, the compiled model trains
+    from its first call, as the eager one does, and reconstructs from its second."""
+    def lazy_sequence():
+        torch.manual_seed(0)
+        return ReversibleSequence([ReversibleBlock(nn.LazyLinear(2), nn.LazyLinear(2))
+                                   for _ in range(2)])
+
+    model, eager = lazy_sequence(), lazy_sequence()
+    compiled_model = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        compiled_model(x).square().sum().backward()
+        eager(x).square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+
+
 def test_a_lazy_module_in_a_breaking_compiled_checkpoint_is_refused_before_its_first_call(
         fresh_dynamo):
     """Dynamo runs the region eagerly inside torch's checkpoint, too late to store its first

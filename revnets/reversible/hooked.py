@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from revnets.replay import Recording
 from revnets.replay.hooks import has_forward_hooks
@@ -103,19 +104,23 @@ def forward_hooks_of(block: nn.Module) -> tuple[list[tuple[Any, bool]], list[tup
     return pre_hooks, hooks
 
 
-def parameters_and_hooks(root: nn.Module) -> tuple[list[Any], bool]:
-    """``state_tensors(root, buffers=False)`` (in its order), and whether a module in it has a
-    forward hook or pre-hook or a global one is registered; one walk (it runs for every block
-    of every step)."""
+def parameters_and_hooks(root: nn.Module) -> tuple[list[Any], bool, bool]:
+    """``state_tensors(root, buffers=False)`` (in its order), whether a module in it has a
+    forward hook or pre-hook or a global one is registered, and whether a lazy module in it has
+    not made its parameters yet; one walk (it runs for every block of every step). Lazy modules
+    are told by their class, which torch.compile's tracing reads as a constant (an
+    ``UninitializedParameter`` made dynamo restart its trace and fail at a block's first call)."""
     found: list[Any] = []
     hooked = has_forward_hooks(())  # the global ones
+    lazy = False
     stack = [root]
     while stack:
         m = stack.pop()
         found += m._parameters.values()
         hooked = hooked or bool(m._forward_hooks or m._forward_pre_hooks)
+        lazy = lazy or isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
         stack += [c for c in reversed(m._modules.values()) if c is not None]
-    return found, hooked
+    return found, hooked, lazy
 
 
 def trainable(slots: list[Any]) -> list[nn.Parameter]:

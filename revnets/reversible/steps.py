@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parameter import UninitializedTensorMixin
 
 from revnets.invertible import Invertible
 from revnets.replay import (
@@ -71,11 +70,12 @@ class BlockPlan:
         # carrying a graph (which leads to an error rather than to a silently missing gradient).
         # One walk over f and one over g find both their parameters and their hooks.
         if isinstance(block, Invertible):
-            (f_slots, hooked), g_slots = parameters_and_hooks(block), []
+            (f_slots, hooked, lazy), g_slots = parameters_and_hooks(block), []
             block_hooked = hooked
         else:
-            f_slots, f_hooked = parameters_and_hooks(block.f)
-            g_slots, g_hooked = parameters_and_hooks(block.g)
+            f_slots, f_hooked, f_lazy = parameters_and_hooks(block.f)
+            g_slots, g_hooked, g_lazy = parameters_and_hooks(block.g)
+            lazy = f_lazy or g_lazy
             others = [m for m in block._modules.values() if m is not block.f and m is not block.g]
             block_hooked = has_forward_hooks(
                 [block, *(m for other in others if other is not None for m in submodules(other))]
@@ -85,7 +85,7 @@ class BlockPlan:
             refuse_sharded(block)
         self.hooked = hooked
         self.block_hooked = block_hooked  # run by CouplingStep's hooked forward, not a stored one
-        self.lazy = any(isinstance(p, UninitializedTensorMixin) for p in (*f_slots, *g_slots))
+        self.lazy = lazy
         self.f_params = trainable(f_slots)  # an Invertible's own parameters
         self.g_params = trainable(g_slots)
         self.params = list(dict.fromkeys((*self.f_params, *self.g_params)))
