@@ -157,6 +157,15 @@ def checkpoint_forward(
             preserve_rng_state=preserve_rng_state,
             context_fn=functools.partial(_region_contexts, preserve_rng_state, selective),
         )
+    if _proxy_traced():
+        raise RuntimeError(
+            f"revnets.checkpoint: checkpointed {type(module).__name__} is traced by make_fx or "
+            f"AOTAutograd outside torch.compile (a proxy tensor mode is active). Its "
+            f"recomputation replays the module's state and random draws from Python, which "
+            f"such a trace does not capture, and torch's checkpoint refuses it there. Compile "
+            f"the model with torch.compile, which traces checkpoints as graphs, or trace it "
+            f"without checkpoints"
+        )
     if _initialising(module):
         # A lazy module makes its parameters in its first call, drawing their initial values
         # from torch's generators: a recomputation, with the parameters made, would not draw
@@ -169,6 +178,13 @@ def checkpoint_forward(
         context_fn=_Replay(module, preserve_rng_state, _device(watched, args, kwargs),
                            selective).contexts,
     )
+
+
+def _proxy_traced() -> bool:
+    # torch's checkpoint asks for dispatch-mode contexts whenever a proxy mode is active
+    # (``torch.utils.checkpoint._is_compiling``), which a replay is not.
+    return (torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+            and not torch.compiler._is_non_strict_tracing())
 
 
 def _initialising(module: nn.Module) -> bool:

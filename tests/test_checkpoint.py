@@ -235,6 +235,24 @@ def test_a_lazy_layer_held_unregistered_is_refused_before_its_first_call():
         revnets.Checkpointed(_HoldsALazyLayer())(torch.randn(2, 2, 5, 5))
 
 
+def test_a_checkpoint_traced_by_make_fx_outside_torch_compile_is_refused_by_name():
+    """make_fx (AOTAutograd's tracer) runs a checkpoint eagerly under a proxy tensor mode, where
+    torch's checkpoint takes only dispatch-mode contexts and a replay of module state and
+    random draws is not captured: it failed with torch's assertion about ``context_fn``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model = revnets.Checkpointed(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    params = dict(model.named_parameters())
+
+    def step(params, x):
+        out = torch.func.functional_call(model, params, (x,))
+        return torch.autograd.grad(out.sum(), list(params.values()))
+
+    with pytest.raises(RuntimeError, match=r"checkpointed Sequential is traced by make_fx or "
+                                           r"AOTAutograd outside torch.compile.*torch.compile"):
+        make_fx(step)(params, torch.randn(3, 4))
+
+
 def test_checkpoint_refuses_a_function_that_names_no_module():
     """A plain function names no module whose state its recomputation replays (it crashed
     with an AttributeError inside the replay): refused, naming what to pass instead."""
