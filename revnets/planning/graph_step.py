@@ -39,7 +39,7 @@ class GraphStep(nn.Module):
     # counter ``torch.fx.wrap`` keeps a leaf), arguments (constants the graph reads: the model's
     # plain objects too), parameters, buffers, module and root are the model's, and are in.
     structure = frozenset({"graph", "op", "label", "reads", "inputs", "outputs",
-                           "state_names", "mutates_from", "mutated", "inplace",
+                           "takes_model_input", "state_names", "mutates_from", "mutated", "inplace",
                            "writes_in_place", "_call_kind", "frozen_mode", "_known_arguments",
                            "_non_persistent_buffers_set",
                            *(key for key in vars(nn.Module()) if "hooks" in key)})
@@ -67,6 +67,9 @@ class GraphStep(nn.Module):
         if self.op == "call_module":
             self.module = root.get_submodule(node.target)
         self.inputs, self.outputs = inputs, outputs  # outputs None: the last step, ``result``
+        # The first step takes the model's input as it is (a tuple too: one argument); every
+        # other one the tuple of live values the step before returns.
+        self.takes_model_input = False
         self.state_names = outputs if outputs is not None else [node.name]
         self.mutates_from: int | None = None
         self.mutated: str | None = None  # the name of the value it overwrites
@@ -110,7 +113,7 @@ class GraphStep(nn.Module):
     def forward(self, state: Any) -> Any:
         if self.frozen_mode is not None:
             self._check_mode()
-        env = dict(zip(self.inputs, state if isinstance(state, tuple) else (state,)))
+        env = dict(zip(self.inputs, (state,) if self.takes_model_input else state))
         args = resolve(self.args, env, self)
         kwargs = resolve(self.kwargs, env, self)
         if self.op == "call_module":

@@ -394,6 +394,7 @@ def as_graph_chain(model: nn.Module) -> nn.Sequential:
             output.args[0] if is_last else None, graph_key,
         )
         step.args, step.kwargs = substitute((step.args, step.kwargs), defaults)
+        step.takes_model_input = i == 0
         if frozen_mode is not None:
             step.frozen_mode, step.root = frozen_mode, (model,)
         mutated = mutated_argument(node, model)
