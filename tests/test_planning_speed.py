@@ -221,48 +221,49 @@ def test_below_the_floors_a_smaller_budget_never_gets_a_higher_peak(seed):
                if budget < least)
 
 
+@pytest.fixture
+def no_nested_search(monkeypatch):
+    """auto_checkpoint searching nested schedules fails the test."""
+    def refused(*args):
+        raise AssertionError("nested schedules searched")
+
+    monkeypatch.setattr(auto, "nested_candidates", refused)
+
+
+def refusal_that_plans(model: nn.Module, x: torch.Tensor, labels: torch.Tensor | None = None
+                       ) -> revnets.PlanningError:
+    """The refusal of a 1-byte budget (cross-entropy on ``labels``, if given), whose named
+    budget is asked for and must plan within itself."""
+    loss = {} if labels is None else {"loss_fn": lambda out: F.cross_entropy(out, labels)}
+    with pytest.raises(revnets.PlanningError) as refusal:
+        revnets.auto_checkpoint(model, x, 1, measure_time=False, **loss)
+    named = refusal.value.smallest_budget
+    planned = revnets.auto_checkpoint(model, x, named, measure_time=False, **loss)
+    assert planned.memory_plan.peak_bytes <= named
+    return refusal.value
+
+
 def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_thousandth_of_the_end(
-        monkeypatch):
+        no_nested_search):
     """Wide layers at batch 1: the peak is the weights and their gradients, which every plan
     holds at the step's end, and the lowest floor is next to it. The nested search, whose
     predictions cost seconds on such models (torchvision's ViT-H/14), is not run; the refusal
     names the floor, which plans."""
-    def refused(*args):
-        raise AssertionError("nested schedules searched")
-
-    monkeypatch.setattr(auto, "nested_candidates", refused)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)))
-    x = torch.randn(1, 256)
-    with pytest.raises(revnets.PlanningError) as refusal:
-        revnets.auto_checkpoint(model, x, 1, measure_time=False)
-    planned = revnets.auto_checkpoint(model, x, refusal.value.smallest_budget, measure_time=False)
-    assert planned.memory_plan.peak_bytes <= refusal.value.smallest_budget
+    refusal_that_plans(model, torch.randn(1, 256))
 
 
 def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_thousandth_of_a_backward(
-        monkeypatch):
+        no_nested_search):
     """A wide head under cross-entropy: while it is backpropagated the step holds its weights'
     gradient and its output's, 5 % more than at the step's end, and the lowest floor is next to
     that moment, which no plan avoids. The nested search was run all the same (RegNet-Y-128GF:
     two predictions of a 5 GB step, gaining nothing)."""
-    def refused(*args):
-        raise AssertionError("nested schedules searched")
-
-    monkeypatch.setattr(auto, "nested_candidates", refused)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)),
                           nn.Linear(64, 50_000))
-    x, labels = torch.randn(8, 64), torch.randint(0, 50_000, (8,))
-
-    def plan(budget):
-        return revnets.auto_checkpoint(model, x, budget, measure_time=False,
-                                       loss_fn=lambda out: F.cross_entropy(out, labels))
-
-    with pytest.raises(revnets.PlanningError) as refusal:
-        plan(1)
-    assert plan(refusal.value.smallest_budget).memory_plan.peak_bytes <= (
-        refusal.value.smallest_budget)
+    refusal_that_plans(model, torch.randn(8, 64), torch.randint(0, 50_000, (8,)))
 
 
 class Pooled(nn.Module):
@@ -273,49 +274,28 @@ class Pooled(nn.Module):
 
 
 def test_no_nested_schedule_is_searched_where_the_floor_is_within_a_thousandth_of_a_moment_holding_the_input(  # noqa: E501
-        monkeypatch):
+        no_nested_search):
     """The caller holds the step's input throughout (512 kB here, pooled at once and never
     saved), so every plan holds it while the wide layer near the start is backpropagated, with
     most parameter gradients made, and the lowest floor is that moment. Left out of what every
     plan holds there, the floor seemed 2.8 % above it and the nested search ran (timm's
     EfficientViT-M0: two predictions, 2.7 s, gaining nothing)."""
-    def refused(*args):
-        raise AssertionError("nested schedules searched")
-
-    monkeypatch.setattr(auto, "nested_candidates", refused)
     torch.manual_seed(0)
     model = nn.Sequential(
         Pooled(), nn.Linear(64, 16384), nn.Tanh(), nn.Linear(16384, 64),
         *(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)), nn.Linear(64, 1000))
-    x, labels = torch.randn(8, 64 * 256), torch.randint(0, 1000, (8,))
-
-    def plan(budget):
-        return revnets.auto_checkpoint(model, x, budget, measure_time=False,
-                                       loss_fn=lambda out: F.cross_entropy(out, labels))
-
-    with pytest.raises(revnets.PlanningError) as refusal:
-        plan(1)
-    assert plan(refusal.value.smallest_budget).memory_plan.peak_bytes <= (
-        refusal.value.smallest_budget)
+    refusal_that_plans(model, torch.randn(8, 64 * 256), torch.randint(0, 1000, (8,)))
 
 
 def test_no_nested_schedule_is_searched_where_a_group_it_keeps_whole_holds_the_floors_peak(
-        monkeypatch):
+        monkeypatch, no_nested_search):
     """A nested schedule runs a chain grouped into ``NESTED_GROUPS`` runs of steps, each kept
     whole, so it holds at least what backpropagating the largest run holds, which here (four
     runs of a 27-module convolutional chain) is as much as the lowest floor. The bound of single
     steps let the nested search run (timm's XCiT-nano: 817 steps in 48 groups, the first
     holding its patch embedding's convolutions, two predictions, 3.6 s, gaining nothing)."""
-    def refused(*args):
-        raise AssertionError("nested schedules searched")
-
     monkeypatch.setattr(auto, "NESTED_GROUPS", 4)
-    monkeypatch.setattr(auto, "nested_candidates", refused)
-    model, x = conv_chain(8), torch.randn(4, 3, 16, 16)
-    with pytest.raises(revnets.PlanningError) as refusal:
-        revnets.auto_checkpoint(model, x, 1, measure_time=False)
-    planned = revnets.auto_checkpoint(model, x, refusal.value.smallest_budget, measure_time=False)
-    assert planned.memory_plan.peak_bytes <= refusal.value.smallest_budget
+    refusal_that_plans(conv_chain(8), torch.randn(4, 3, 16, 16))
 
 
 class LSTMBlock(nn.Module):
@@ -346,17 +326,8 @@ def test_nested_schedules_are_searched_where_the_floor_peaks_at_what_the_model_l
     floor, then refused)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), *(LSTMBlock(64) for _ in range(6)), LastStep(64))
-    x, labels = torch.randn(4, 32, 16), torch.randint(0, 10, (4,))
-
-    def plan(budget):
-        return revnets.auto_checkpoint(model, x, budget, measure_time=False,
-                                       loss_fn=lambda out: F.cross_entropy(out, labels))
-
-    with pytest.raises(revnets.PlanningError) as refusal:
-        plan(1)
-    assert "nested checkpoints" in str(refusal.value)
-    assert plan(refusal.value.smallest_budget).memory_plan.peak_bytes <= (
-        refusal.value.smallest_budget)
+    refusal = refusal_that_plans(model, torch.randn(4, 32, 16), torch.randint(0, 10, (4,)))
+    assert "nested checkpoints" in str(refusal)
 
 
 @pytest.mark.parametrize("training", [True, False])
