@@ -157,14 +157,14 @@ def checkpoint_forward(
             preserve_rng_state=preserve_rng_state,
             context_fn=functools.partial(_region_contexts, preserve_rng_state, selective),
         )
-    if _proxy_traced():
+    if _traced():
         raise RuntimeError(
             f"revnets.checkpoint: checkpointed {type(module).__name__} is traced by make_fx or "
-            f"AOTAutograd outside torch.compile (a proxy tensor mode is active). Its "
-            f"recomputation replays the module's state and random draws from Python, which "
-            f"such a trace does not capture, and torch's checkpoint refuses it there. Compile "
-            f"the model with torch.compile, which traces checkpoints as graphs, or trace it "
-            f"without checkpoints"
+            f"AOTAutograd outside torch.compile (aot_function, aot_module). Its recomputation "
+            f"replays the module's state and random draws from Python, which such a trace does "
+            f"not capture, and torch's checkpoint refuses it there. Compile the model with "
+            f"torch.compile, which traces checkpoints as graphs, or trace it without "
+            f"checkpoints (Checkpointed(module, revnets.Store()))"
         )
     if _initialising(module):
         # A lazy module makes its parameters in its first call, drawing their initial values
@@ -180,11 +180,16 @@ def checkpoint_forward(
     )
 
 
-def _proxy_traced() -> bool:
+def _traced() -> bool:
     # torch's checkpoint asks for dispatch-mode contexts whenever a proxy mode is active
-    # (``torch.utils.checkpoint._is_compiling``), which a replay is not.
-    return (torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
-            and not torch.compiler._is_non_strict_tracing())
+    # (``torch.utils.checkpoint._is_compiling``), which a replay is not; AOTAutograd first runs
+    # the function under a functional mode alone, to collect its outputs' metadata, where a
+    # replay reads real generator states into fake tensors.
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING) and (
+        not torch.compiler._is_non_strict_tracing())
+
+
+_TRACING = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
 def _initialising(module: nn.Module) -> bool:

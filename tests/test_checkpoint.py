@@ -253,6 +253,21 @@ def test_a_checkpoint_traced_by_make_fx_outside_torch_compile_is_refused_by_name
         make_fx(step)(params, torch.randn(3, 4))
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_a_checkpoint_under_aot_module_outside_torch_compile_is_refused_by_name(dropout):
+    """AOTAutograd first runs the module under a functional mode alone (no proxy mode yet),
+    collecting its outputs' metadata: a replay of random draws there read a real generator
+    state into fake tensors and failed with the fake mode's assertion."""
+    from functorch.compile import aot_module, nop
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 16))
+    model = nn.Sequential(nn.Linear(8, 16), revnets.Checkpointed(inner))
+    with pytest.raises(RuntimeError, match=r"checkpointed Sequential is traced by make_fx or "
+                                           r"AOTAutograd outside torch.compile"):
+        aot_module(model, fw_compiler=nop)(torch.randn(4, 8)).sum().backward()
+
+
 def test_checkpoint_refuses_a_function_that_names_no_module():
     """A plain function names no module whose state its recomputation replays (it crashed
     with an AttributeError inside the replay): refused, naming what to pass instead."""
