@@ -17,6 +17,8 @@ from torch import Tensor
 from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import _disable_current_modes
 
+from revnets.rebuilt import rebuilt
+
 __all__ = ["CPU_KERNELS", "CPU_OUTPUTS", "UNKNOWN_KERNELS"]
 
 # Kernels whose memory torch's fake kernels do not know, with what a refusal says of them.
@@ -168,7 +170,7 @@ def _rnn_layer(out: Any, args: tuple, kwargs: dict) -> Any:
             if isinstance(value, Tensor):
                 return torch.zeros(value.shape, dtype=value.dtype)
             if isinstance(value, (list, tuple)):
-                return type(value)(real(v) for v in value)
+                return rebuilt(value, (real(v) for v in value))
             return value
 
         with _disable_current_modes():

@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from revnets.rebuilt import rebuilt
 from revnets.replay.held import modules_held, reached
 from revnets.replay.state import _own_attributes
 
@@ -198,7 +199,7 @@ _COPIES: weakref.WeakSet = weakref.WeakSet()
 
 def _parameters_mapped(value: Any, memo: dict[int, Any]) -> Any:
     if isinstance(value, (list, tuple)):
-        return type(value)(memo.get(id(v), v) for v in value)
+        return rebuilt(value, (memo.get(id(v), v) for v in value))
     if isinstance(value, dict):
         copied = copy.copy(value)  # its type kept (an OrderedDict of hooks)
         copied.update((k, memo.get(id(v), v)) for k, v in value.items())
@@ -394,7 +395,7 @@ def replaced(value: Any, fakes: Any) -> Any:
     if isinstance(value, Tensor):
         return fakes.get(value, value)
     if isinstance(value, (list, tuple)):
-        return type(value)(replaced(v, fakes) for v in value)
+        return rebuilt(value, (replaced(v, fakes) for v in value))
     if isinstance(value, dict):
         return {k: replaced(v, fakes) for k, v in value.items()}
     return value

@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
 from revnets.fake_copies import StandIns, is_cpu_scalar, replaced, scalar_to_fake
+from revnets.rebuilt import rebuilt
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 __all__ = ["LikeTheDevice", "layout_of"]
@@ -283,7 +284,7 @@ class LikeTheDevice(TorchDispatchMode):
         if isinstance(value, FakeTensor):
             return next((real for real in written if self.written.get(real) is value), value)
         if isinstance(value, (list, tuple)):
-            return type(value)(self._as_real(v, written) for v in value)
+            return rebuilt(value, (self._as_real(v, written) for v in value))
         return value
 
     def _view(self, func: Any, args: tuple, kwargs: dict, tensors: list[Tensor]) -> Any:
@@ -304,7 +305,7 @@ class LikeTheDevice(TorchDispatchMode):
             # operators are largely views).
             fake = functools.partial(self.mode.fake_tensor_converter.from_meta_and_device,
                                      self.mode, device=tensors[0].device)
-            return fake(out) if isinstance(out, Tensor) else type(out)(map(fake, out))
+            return fake(out) if isinstance(out, Tensor) else rebuilt(out, map(fake, out))
         return self.mode.wrap_meta_outputs_with_default_device_logic(out, func, tensors, None)
 
     def _ours(self, tensors: list[Tensor]) -> bool:

@@ -53,6 +53,7 @@ from revnets.fake_copies import (
 )
 from revnets.fake_device import LikeTheDevice, layout_of
 from revnets.memory import MemoryReport, Watch, _measure
+from revnets.rebuilt import rebuilt
 from revnets.replay.state import forked_rng
 
 __all__ = ["predict_memory"]
@@ -208,7 +209,7 @@ class Predictor:
                 )
             fake = tensor_to_fake(obj, mode, device)
         elif isinstance(obj, (list, tuple)):
-            fake = type(obj)(self._to_fake(o, memo, device) for o in obj)
+            fake = rebuilt(obj, (self._to_fake(o, memo, device) for o in obj))
         elif isinstance(obj, dict):
             fake = {k: self._to_fake(v, memo, device) for k, v in obj.items()}
         else:

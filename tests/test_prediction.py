@@ -3,6 +3,7 @@ take other paths than the CPU: tensors the step reaches outside its arguments, t
 autocast, the CPU's own kernels, graphs torch.fx traced, buffers a forward leaves alone."""
 
 import copy
+import typing
 
 import pytest
 import timm
@@ -801,3 +802,39 @@ def test_a_lazy_module_before_its_first_call_is_refused_by_name(caller):
     with torch.no_grad():
         model(x)
     call()
+
+
+class Pair(typing.NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class PairModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 64), nn.Linear(8, 64)
+        self.rest = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+
+    def forward(self, pair: Pair) -> torch.Tensor:
+        return self.rest(self.a(pair.x) * self.b(pair.y))
+
+
+def test_a_namedtuple_argument_is_predicted_and_planned():
+    """A namedtuple's constructor takes its fields one by one: made fake by calling its type on
+    one iterable, as a tuple is, it raised a TypeError in predict_memory and auto_checkpoint."""
+    def step(model, pair):
+        model(pair).square().sum().backward()
+
+    model, pair = PairModel(), Pair(torch.randn(256, 8), torch.randn(256, 8))
+    predicted = predict_memory(step, model, pair).peak_bytes
+    measured = measure_memory(step, model, pair).peak_bytes
+    assert predicted == measured
+    plain = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    planned = revnets.auto_checkpoint(model, pair, measured - 64 * 1024, measure_time=False,
+                                      loss_fn=lambda out: out.square().sum())
+    assert "checkpoint" in str(planned.memory_plan)
+    step(planned, pair)
+    step(plain, pair)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name

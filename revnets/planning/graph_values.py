@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from revnets.rebuilt import rebuilt
+
 __all__ = ["Attr", "Ref", "resolve", "substitute"]
 
 
@@ -32,7 +34,7 @@ def resolve(value: Any, env: dict[str, Any], step: nn.Module) -> Any:
     if isinstance(value, list):  # a plain list, not fx's immutable_list: dynamo traces lists
         return [resolve(v, env, step) for v in value]
     if isinstance(value, tuple):
-        return type(value)(resolve(v, env, step) for v in value)
+        return rebuilt(value, (resolve(v, env, step) for v in value))
     if isinstance(value, dict):
         return {k: resolve(v, env, step) for k, v in value.items()}
     if isinstance(value, slice):  # x[:, :h] with h computed by the graph
@@ -44,7 +46,7 @@ def substitute(value: Any, constants: dict[str, Any]) -> Any:
     if isinstance(value, Ref) and value.name in constants:
         return constants[value.name]
     if isinstance(value, (tuple, list)):
-        return type(value)(substitute(v, constants) for v in value)
+        return rebuilt(value, (substitute(v, constants) for v in value))
     if isinstance(value, dict):
         return {k: substitute(v, constants) for k, v in value.items()}
     if isinstance(value, slice):

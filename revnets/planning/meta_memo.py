@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from revnets.cpu_kernels import CPU_OUTPUTS
+from revnets.rebuilt import rebuilt
 
 __all__ = ["MetaMemo", "all_meta"]
 
@@ -81,7 +82,7 @@ def all_meta(args: Any, kwargs: dict) -> tuple[Any, dict]:
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
                                        device="meta").requires_grad_(value.requires_grad)
         if isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value):
-            return type(value)(map(meta, value))
+            return rebuilt(value, map(meta, value))
         return value
 
     args, kwargs = tuple(map(meta, args)), {key: meta(v) for key, v in kwargs.items()}
