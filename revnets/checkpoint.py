@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from revnets.plan import Checkpoint, Store
 from revnets.replay import Recording, submodules
 from revnets.replay.known_calls import plain_device
+from revnets.transforms import aot_traced, func_transforms
 
 __all__ = [
     "SELECTIVE_OPS",
@@ -157,7 +158,16 @@ def checkpoint_forward(
             preserve_rng_state=preserve_rng_state,
             context_fn=functools.partial(_region_contexts, preserve_rng_state, selective),
         )
-    if _traced():
+    transforms = func_transforms()
+    if "grad" in transforms or "jvp" in transforms:
+        raise RuntimeError(
+            f"revnets.checkpoint: checkpointed {type(module).__name__} runs under torch.func "
+            f"({', '.join(transforms)}), whose grad and jvp do not support the saved-tensor "
+            f"hooks its recomputation runs by. Differentiate with loss.backward() or "
+            f"torch.autograd.grad, or switch the checkpoint off there "
+            f"(Checkpointed(module, revnets.Store()))"
+        )
+    if aot_traced():
         raise RuntimeError(
             f"revnets.checkpoint: checkpointed {type(module).__name__} is traced by make_fx or "
             f"AOTAutograd outside torch.compile (aot_function, aot_module). Its recomputation "
@@ -178,18 +188,6 @@ def checkpoint_forward(
         context_fn=_Replay(module, preserve_rng_state, _device(watched, args, kwargs),
                            selective).contexts,
     )
-
-
-def _traced() -> bool:
-    # torch's checkpoint asks for dispatch-mode contexts whenever a proxy mode is active
-    # (``torch.utils.checkpoint._is_compiling``), which a replay is not; AOTAutograd first runs
-    # the function under a functional mode alone, to collect its outputs' metadata, where a
-    # replay reads real generator states into fake tensors.
-    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING) and (
-        not torch.compiler._is_non_strict_tracing())
-
-
-_TRACING = (torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
 def _initialising(module: nn.Module) -> bool:

@@ -268,6 +268,27 @@ def test_a_checkpoint_under_aot_module_outside_torch_compile_is_refused_by_name(
         aot_module(model, fw_compiler=nop)(torch.randn(4, 8)).sum().backward()
 
 
+def test_a_checkpoint_under_torch_func_grad_is_refused_by_name_and_runs_stored():
+    """torch.func's grad does not support the saved-tensor hooks a recomputation runs by: it
+    failed with torch's words, naming no way out. The way named, a stored checkpoint, gives
+    torch.func the plain module's gradients."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+
+    def gradients(module):
+        def loss(params):
+            return torch.func.functional_call(module, params, (x,)).sum()
+        return list(torch.func.grad(loss)(dict(module.named_parameters())).values())
+
+    with pytest.raises(RuntimeError, match=r"checkpointed Sequential runs under torch.func "
+                                           r"\(grad\).*Checkpointed\(module, revnets.Store\(\)\)"):
+        gradients(revnets.Checkpointed(inner))
+    for stored, plain in zip(gradients(revnets.Checkpointed(inner, revnets.Store())),
+                             gradients(inner), strict=True):
+        assert torch.equal(stored, plain)
+
+
 def test_checkpoint_refuses_a_function_that_names_no_module():
     """A plain function names no module whose state its recomputation replays (it crashed
     with an AttributeError inside the replay): refused, naming what to pass instead."""

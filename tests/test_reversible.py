@@ -557,6 +557,33 @@ def test_float16_without_cpu_kernel_is_named():
         revnets.ReversibleSequence([block])(x)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_reconstructing_sequence_under_torch_func_is_refused_by_name_and_runs_stored(transform):
+    """The engine is an autograd.Function without ``setup_context``, which torch.func's
+    transforms cannot run: it failed with torch's words about ``setup_context``. Stored, the
+    sequence gives torch.func ordinary autograd's gradients."""
+    torch.manual_seed(0)
+    blocks = [revnets.ReversibleBlock(nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(2)]
+    x = torch.randn(5, 3, 4)
+
+    def gradients(sequence):
+        def loss(params, x):
+            return torch.func.functional_call(sequence, params, (x,)).sum()
+        params = dict(sequence.named_parameters())
+        if transform == "vmap":
+            return list(torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+                        .values())
+        return list(torch.func.grad(loss)(params, x[0]).values())
+
+    with pytest.raises(RuntimeError, match=r"ReversibleSequence: reconstructing under "
+                                           r"torch.func.*memory=revnets.Store\(\)"):
+        gradients(revnets.ReversibleSequence(blocks))
+    stored = gradients(revnets.ReversibleSequence(blocks, revnets.Store()))
+    plain = gradients(nn.Sequential(*blocks))
+    for a, b in zip(stored, plain, strict=True):
+        assert torch.allclose(a, b)
+
+
 def test_second_backward_is_refused_clearly():
     model = make_stack(2)
     out = model(torch.randn(1, 8, 4, 4, requires_grad=True))

@@ -17,6 +17,7 @@ from revnets.reversible.block import ReversibleBlock, split_halves
 from revnets.reversible.coupling import AdditiveCoupling, ExactAdditiveCoupling
 from revnets.reversible.function import ReversibleFunction
 from revnets.reversible.steps import BlockPlan
+from revnets.transforms import func_transforms
 
 __all__ = ["ReversibleSequence"]
 
@@ -205,6 +206,7 @@ class ReversibleSequence(nn.Module):
         if not (isinstance(self.memory, Reconstruct) and self.training and torch.is_grad_enabled()):
             return self.forward_plain(x, *context)
         _refuse_backward_hooks(self.blocks)
+        _refuse_func_transforms()
         # Looked up once per step: backward needs each block's own, and autograd needs them all.
         plans = [BlockPlan(block) for block in self.blocks]
         if any(plan.lazy for plan in plans):
@@ -313,6 +315,17 @@ def _refuse_backward_hooks(blocks: Iterable[nn.Module]) -> None:
                 "differentiates f and g, never the block as a module, so the hook would never "
                 "fire. Register it on f or g, or run the sequence with memory=revnets.Store()."
             )
+
+
+def _refuse_func_transforms() -> None:
+    transforms = func_transforms()
+    if transforms:
+        raise RuntimeError(
+            f"ReversibleSequence: reconstructing under torch.func ({', '.join(transforms)}), "
+            f"which cannot run its engine (an autograd.Function whose backward reconstructs "
+            f"the blocks' inputs). Differentiate with loss.backward() or "
+            f"torch.autograd.grad, or run the sequence with memory=revnets.Store() there"
+        )
 
 
 def _check_block(i: int, block: nn.Module) -> None:
