@@ -159,11 +159,11 @@ def checkpoint_forward(
             context_fn=functools.partial(_region_contexts, preserve_rng_state, selective),
         )
     transforms = func_transforms()
-    if "grad" in transforms or "jvp" in transforms:
+    if "grad" in transforms:  # forward-mode jvp and vmap run it as they are
         raise RuntimeError(
             f"revnets.checkpoint: checkpointed {type(module).__name__} runs under torch.func "
-            f"({', '.join(transforms)}), whose grad and jvp do not support the saved-tensor "
-            f"hooks its recomputation runs by. Differentiate with loss.backward() or "
+            f"({', '.join(transforms)}), whose grad (vjp, jacrev, hessian) does not support the "
+            f"saved-tensor hooks its recomputation runs by. Differentiate with loss.backward() or "
             f"torch.autograd.grad, or switch the checkpoint off there "
             f"(Checkpointed(module, revnets.Store()))"
         )

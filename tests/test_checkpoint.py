@@ -289,6 +289,18 @@ def test_a_checkpoint_under_torch_func_grad_is_refused_by_name_and_runs_stored()
         assert torch.equal(stored, plain)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # torch's own
+def test_a_checkpoint_under_forward_mode_jvp_gives_the_modules_tangent():
+    """Forward mode saves nothing for a backward: jvp runs a training checkpoint as it is
+    (refused, with grad, by a first version of the refusal above)."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x, tangent = torch.randn(3, 4), torch.randn(3, 4)
+    _, checkpointed = torch.func.jvp(revnets.Checkpointed(inner), (x,), (tangent,))
+    _, plain = torch.func.jvp(inner, (x,), (tangent,))
+    assert torch.equal(checkpointed, plain)
+
+
 def test_checkpoint_refuses_a_function_that_names_no_module():
     """A plain function names no module whose state its recomputation replays (it crashed
     with an AttributeError inside the replay): refused, naming what to pass instead."""
