@@ -14,7 +14,7 @@ from revnets.planning.graph_values import Attr, Ref, resolve
 from revnets.planning.traced import writes_in_place
 from revnets.replay.known import KnownWalk, known_composite
 from revnets.replay.known_calls import call_kind, plain, plain_parameters
-from revnets.replay.state import structure_unchanged_by_runs
+from revnets.replay.structure import structure_unchanged_by_runs
 
 __all__ = ["GraphKey", "GraphStep"]
 
@@ -34,7 +34,7 @@ class GraphStep(nn.Module):
     # What the planner built and running never changes (names, lookups it caches, the hook
     # tables of a module no code registers hooks on), holding none of the model's state: a
     # snapshot of what a run may change (traced.Attributes) and a census of a checkpoint leave
-    # it out (NOTE [ What runs never change ] in replay/state.py), a dozen containers a step
+    # it out (NOTE [ What runs never change ] in replay/structure.py), a dozen containers a step
     # (MaxViT-T's chain: 1,587 steps). Its target (a callable object of the user's: a
     # counter ``torch.fx.wrap`` keeps a leaf), arguments (constants the graph reads: the model's
     # plain objects too), parameters, buffers, module and root are the model's, and are in.

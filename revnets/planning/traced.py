@@ -23,7 +23,8 @@ from revnets.replay.held import (
     state_copies,
 )
 from revnets.replay.known_calls import bound_arguments
-from revnets.replay.state import _NumpyGenerator, structure_of
+from revnets.replay.state import _NumpyGenerator
+from revnets.replay.structure import structure_of
 
 __all__ = [
     "Attributes", "Draws", "code_by_module", "drop_specialisation_checks",

@@ -16,8 +16,9 @@ from torch.utils._pytree import tree_leaves
 
 from revnets.replay.containers import ContainerCopy
 from revnets.replay.held import AttributesCopy, path_to, reached, state_copies
+from revnets.replay.structure import structure_of
 
-__all__ = ["forked_rng", "state_tensors", "structure_of", "structure_unchanged_by_runs"]
+__all__ = ["forked_rng", "state_tensors"]
 
 
 def _default_generator(device: torch.device) -> Any:
@@ -236,24 +237,6 @@ def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._N
 
 # What every nn.Module keeps in its __dict__ (hook tables, _parameters, ...): no generators there.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
-
-
-# NOTE [ What runs never change ]
-# A class of revnets' own registered with ``@structure_unchanged_by_runs`` names in ``structure``
-# attributes no run changes (a traced step's names, lookups and caches): no census scans or puts
-# them back, no trace snapshots them (a planned chain holds tens of thousands).
-_STRUCTURES: dict[type, frozenset[str]] = {}
-
-
-def structure_unchanged_by_runs(cls: type) -> type:
-    """Class decorator (NOTE [ What runs never change ])."""
-    _STRUCTURES[cls] = frozenset(cls.structure)
-    return cls
-
-
-def structure_of(module: nn.Module) -> frozenset[str]:
-    """The attributes no run of ``module`` changes (NOTE [ What runs never change ])."""
-    return _STRUCTURES.get(type(module), frozenset())
 
 
 @dataclass(slots=True)
