@@ -23,8 +23,8 @@ from revnets.planning.meta_memo import MetaMemo
 from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
-__all__ = ["LayerProfile", "as_leaf", "compiled_costs", "meta_like", "on_meta", "profile_chain",
-           "synchronized_clock", "timing_input", "writable"]
+__all__ = ["LayerProfile", "as_leaf", "clock", "compiled_costs", "meta_like", "on_meta",
+           "profile_chain", "timing_input", "writable", "writes_its_input"]
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,23 @@ def on_meta(layers: Sequence[nn.Module]) -> Iterator[None]:
         kept.restore()
 
 
-def synchronized_clock(device: torch.device) -> float:
+def clock(device: torch.device) -> Callable[[], float]:
+    """Seconds on ``device``: a GPU runs kernels after their launch returns, so a step's time
+    there is up to the last one's end."""
+    return functools.partial(_synchronized_clock, device) if device.type == "cuda" \
+        else time.perf_counter
+
+
+def _synchronized_clock(device: torch.device) -> float:
     torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def writes_its_input(layer: nn.Module) -> bool:
+    """Whether ``layer`` writes its input in place (ReLU(inplace=True), a graph step that
+    overwrites a value), so that it runs on copies (:func:`writable`)."""
+    return bool(getattr(layer, "inplace", False)) or (
+        getattr(layer, "mutates_from", None) is not None)
 
 
 def _profile(
@@ -181,9 +195,7 @@ def _profile(
     device = _device(example_input)
     timed = device.type != "meta"
     memo = MetaMemo()
-    # A GPU runs kernels after their launch returns: a layer's time is up to the last one's end.
-    now = (functools.partial(synchronized_clock, device) if device.type == "cuda"
-           else time.perf_counter)
+    now = clock(device)
     leaf = tree_map(as_leaf, example_input)
     profiles = []
     # Kept outputs by their storage, and the layer that keeps each: a later layer that writes any
@@ -215,8 +227,7 @@ def _profile(
         # Copies, not leaves, for layers that write their input in place (ReLU(inplace=True)),
         # as inside a chain; the others read the leaves (copying a graph chain's whole live set
         # at every step would cost more than the steps).
-        copies = bool(getattr(layer, "inplace", False)) or (
-            getattr(layer, "mutates_from", None) is not None)
+        copies = writes_its_input(layer)
         kept = _SelectiveOutputs(None if timed else memo)
         if copies:
             unsafe |= _keepers(kept_by_storage, _written(layer, leaf))

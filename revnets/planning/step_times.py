@@ -15,10 +15,8 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +29,7 @@ from revnets.plan import Store
 from revnets.planning.budget import check_request
 from revnets.planning.describe import step_name
 from revnets.planning.model_chain import Untraceable, planning_chain, sequence_of
-from revnets.planning.profile import as_leaf, synchronized_clock, timing_input, writable
+from revnets.planning.profile import as_leaf, clock, timing_input, writable, writes_its_input
 from revnets.planning.traced import Attributes, Draws
 from revnets.planning.untouched import ModelState
 from revnets.replay import forked_rng, frozen_running_stats, generators_held
@@ -133,13 +131,11 @@ def _forward_seconds(chain: nn.Sequential, example_input: Any) -> list[float]:
     starts, of what it writes in place. Timed bare: the profile's bookkeeping around each step
     (its saved tensors, its kept outputs) took as long again as the forward."""
     device = input_device(example_input)
-    now = (functools.partial(synchronized_clock, device) if device.type == "cuda"
-           else time.perf_counter)
+    now = clock(device)
     leaf = tree_map(as_leaf, example_input)
     seconds = []
     for step in chain:
-        copies = bool(getattr(step, "inplace", False)) or (
-            getattr(step, "mutates_from", None) is not None)
+        copies = writes_its_input(step)
         x = writable(step, leaf) if copies else leaf
         start = now()
         try:
