@@ -63,10 +63,10 @@ predictions decide.
 #   model errs high (Hiera-Tiny's floor, modelled 1.4 % above its prediction, skipped a nested
 #   plan that met its budget); the model, where the floor peaks at what it leaves out
 #   (Sequencer2D-S's floor peaks at an LSTM's backward workspace, 4 % above its model, and a
-#   nested plan 2.3 % lower met its budget). Forced on the 85 refusals of the planner_zoo
-#   tables (2026-11-29), nesting went below the floor on 10; this searches 26 (single steps
-#   against the prediction searched 59) and skips one of the 10 (timm's RepVGG-A0, 0.13 %
-#   lower); the searches it skips gained nothing, XCiT-nano's among them (its first group
+#   nested plan 2.3 % lower met its budget). Forced, by hand, on the 85 refusals of the
+#   planner_zoo tables (2026-11-29), nesting went below the floor on 10; this searches 26
+#   (single steps against the prediction searched 59) and skips one of the 10 (timm's
+#   RepVGG-A0, 0.13 % lower); the searches it skips gained nothing, XCiT-nano's among them (its first group
 #   holds the floor's peak: 3.6 s) and EfficientViT-M0's (the input its caller holds made the
 #   whole gap: 2.7 s). Nesting gains little on most models but much on some, with sizes alike,
 #   so no rule of sizes alone tells them apart: skipped where the gap
