@@ -66,10 +66,10 @@ predictions decide.
 #   nested plan 2.3 % lower met its budget). Forced, by hand, on the 85 refusals of the
 #   planner_zoo tables (2026-11-29), nesting went below the floor on 10; this searches 26
 #   (single steps against the prediction searched 59) and skips one of the 10 (timm's
-#   RepVGG-A0, 0.13 % lower); the searches it skips gained nothing, XCiT-nano's among them (its first group
-#   holds the floor's peak: 3.6 s) and EfficientViT-M0's (the input its caller holds made the
-#   whole gap: 2.7 s). Nesting gains little on most models but much on some, with sizes alike,
-#   so no rule of sizes alone tells them apart: skipped where the gap
+#   RepVGG-A0, 0.13 % lower); the searches it skips gained nothing, XCiT-nano's among them
+#   (its first group holds the floor's peak: 3.6 s) and EfficientViT-M0's (the input its
+#   caller holds made the whole gap: 2.7 s). Nesting gains little on most models but much on
+#   some, with sizes alike, so no rule of sizes alone tells them apart: skipped where the gap
 #   was under 5 % of what the floor holds above the model state (2026-11-29), the zoo's ten
 #   refusals at a 70 % cut planned in 1 to 3 s less each and named budgets as low but one
 #   (regnet_y_400mf, 1.2 % higher), and torchvision's VGGs at a 50 % cut, whose gaps are as
