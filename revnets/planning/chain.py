@@ -17,6 +17,7 @@ import numpy as np
 
 from revnets.checkpoint import segment_bounds
 from revnets.planning.memory_model import (
+    NO_MOMENT,
     SELECTIVE,
     ChainModel,
     Recompute,
@@ -188,13 +189,13 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     kept_prefix, skipped_prefix = chain.kept_prefix, chain.skipped_prefix
     unsafe_prefix, state_bytes = chain.unsafe_prefix, chain.state_bytes
     appeared, added_after = chain.appeared, chain.added_after
-    backward = chain.backward
+    moments, summing = chain.moments, chain.summing
     if state_bytes[0] + chain.grads_after[0] > budget:  # the end of the backward does not fit
         return None
     # The chain model's segment [i, k) (memory_model.py): once run, it holds
-    # saved[k] - saved[i] - Y(i, k); while its step j is backpropagated, backward[j] less
-    # saved[i] + Y(i, j + 1). So each point carries its kept bytes less saved at its cut (base)
-    # and the most of backward[j] - Y(cut, j + 1) over its segment so far (top), which only
+    # saved[k] - saved[i] - Y(i, k); backpropagating its step j, backward[j] (then summing[j])
+    # less saved[i] + Y(i, j + 1) (then Y(i, j)). So each point carries its kept bytes less
+    # saved at its cut (base) and the most of those over its segment so far (top), which only
     # grows; live[i] is Y(i, j + 1) for the step j reached.
     live = np.zeros(n + 1, dtype=np.int64)
     values = 0  # of chain.value_first, the values whose first saving step is reached
@@ -208,7 +209,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     points = _Points(4 * n)
     cut, kept, spent, base, top, parent, kind = points.arrays
     cut[0], kept[0], spent[0], parent[0], kind[0] = 0, state_bytes[0], 0.0, -1, _STORE
-    base[0], top[0] = kept[0] - saved[0], _NOTHING
+    base[0], top[0] = kept[0] - saved[0], NO_MOMENT
     active = np.array([0], dtype=np.int64)  # points whose next segment can still end ahead
     tails = chain.last_backpropagated
     best = _best_last_segment(None, kept[:1], spent[:1], last_limit[0], int(tails[0]), 0)
@@ -222,6 +223,8 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
         if stops and best is not None and times[k] > best[0] * (1 + 1e-9):
             break
         while step < k:  # steps between events (first saves of live values) fold at once
+            if values < len(chain.value_first) and chain.value_first[values] == step:
+                top[active] = np.maximum(top[active], summing[step] - live[cut[active]])
             while values < len(chain.value_first) and chain.value_first[values] == step:
                 live[chain.value_seen[values]:step + 1] += chain.value_bytes[values]
                 values += 1
@@ -229,7 +232,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
                       else k, k)
             end = max(end, step + 1)
             top[active] = np.maximum(top[active],
-                                     backward[step:end].max() - live[cut[active]])
+                                     moments[step:end].max() - live[cut[active]])
             step = end
         # Segment [cut, k) from a point: it fits while base + top <= budget, and top grows
         # with k, so a point that cannot reach k cannot reach anything after it.
@@ -281,7 +284,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
         kept[added] = new_kept[front]
         spent[added] = new_spent[front]
         base[added] = kept[added] - saved[k]
-        top[added] = _NOTHING
+        top[added] = NO_MOMENT
         parent[added] = new_parent[front]
         kind[added] = new_kind[front]
         active = np.concatenate([active, np.arange(first, points.size)])
@@ -318,7 +321,6 @@ class _Points:
 
 
 _CHECKPOINT, _STORE, _SELECTIVE = 0, 1, 2
-_NOTHING = -(2**62)  # the most of an empty segment's backward
 FRONT_CAP = 8  # points kept per cut by optimal_segments
 _FRONT_STEPS = np.arange(FRONT_CAP, dtype=np.float64)
 _KEY_LIMIT = 1 << 62
@@ -388,8 +390,8 @@ def modelled_peak(
 ) -> int:
     """The peak of ``plan`` in the model :func:`optimal_plan` minimises over (activations and
     parameter gradients, NOTE [ Gradients in flight ])."""
-    segments = [(a, b, number < len(plan) - 1) for number, (a, b) in enumerate(plan)]
-    return ChainModel.of(profiles, input_state).peak(segments)
+    return ChainModel.of(profiles, input_state).peak(
+        [(a, b, number < len(plan) - 1) for number, (a, b) in enumerate(plan)])
 
 
 def modelled_peaks(

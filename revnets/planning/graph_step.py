@@ -38,7 +38,7 @@ class GraphStep(nn.Module):
     # (MaxViT-T's chain: 1,587 steps). Its target (a callable object of the user's: a
     # counter ``torch.fx.wrap`` keeps a leaf), arguments (constants the graph reads: the model's
     # plain objects too), parameters, buffers, module and root are the model's, and are in.
-    structure = frozenset({"graph", "op", "label", "reads", "inputs", "outputs",
+    structure = frozenset({"graph", "op", "label", "reads", "takes", "inputs", "outputs",
                            "takes_model_input", "state_names", "mutates_from", "mutated", "inplace",
                            "writes_in_place", "_call_kind", "frozen_mode", "_known_arguments",
                            "_non_persistent_buffers_set",
@@ -57,6 +57,8 @@ class GraphStep(nn.Module):
         self.graph = graph  # shared by the steps of one traced graph
         self.op, self.target, self.label = node.op, node.target, node.name
         self.reads: dict[str, tuple[str, str]] = {}  # key: (owner's path, name), _reference
+        # The live values its node takes (of ``inputs``): their gradients its backward makes.
+        self.takes = frozenset(n.name for n in node.all_input_nodes if n.op != "get_attr")
 
         def reference(n: torch.fx.Node) -> Any:
             return self._reference(n, root)

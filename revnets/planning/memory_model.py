@@ -20,14 +20,35 @@ search needs and the more alike its errors are from plan to plan.
 # modelled a value high, and a search passed over them for dearer ones: a smaller budget got
 # a higher peak (tests/test_step_times.py).
 #
+# NOTE [ What a stored segment alone holds ]
+# A value live at a stored segment's start that no checkpoint keeps and its caller does not
+# hold (the output of a checkpointed segment before it) is held only by what the segment's
+# steps save of it, and is freed once the first of them is backpropagated: a block's input that
+# a checkpoint passed on, saved by the block's first convolution and its shortcut, is gone
+# before the two parts of its gradient are summed (NOTE [ Gradients in flight ]). ``peak``
+# counts such a value (``freed``) from that first saving step on, as if the step had made it:
+# G counts it there, or, where a step before the segment saved it first, the segment adds it
+# at its own first saver. Counted as kept for the whole segment instead, plans storing from
+# such a cut were modelled a value high (tests/test_memory_model.py). The programmes
+# (chain.py) still count every value live at a stored segment's start as kept, on the safe
+# side.
+#
 # NOTE [ Gradients in flight ]
 # A training step starts from freed gradients. While step j of segment [a, b) is
 # backpropagated, the segment still holds what steps a..j saved (what the steps after j first
 # saved is freed), the parameter gradients of steps j.. exist (grads_after[j], each gradient
 # counted at the last step that uses its parameter, whose backward runs first), and so do the
-# gradients of the values live after step j and the ones it makes of those before it (a stem's
-# gradients inside a segment outweigh the one arriving at its end). The model takes the most
-# of that over j; after the whole backward, every parameter gradient and the input. Before
+# gradients of the values live after step j and the ones it makes of those it reads (a stem's
+# gradients inside a segment outweigh the one arriving at its end; a residual that step j only
+# passes on has one gradient, not two). A value several steps read gets its gradient in parts,
+# the later reader's first (a downsampling block's input: its shortcut's, then its first
+# convolution's). Under a TorchDispatchMode, as measure_memory and predict_memory run a step,
+# autograd adds each further part out of place (plain eager adds in place): just after step
+# j's backward, the gradient so far, the part and their sum exist together, while what step j
+# first saved and its outputs' gradients are freed (``summing``). Left out, such a moment was
+# modelled a value low and the plans peaking there ranked too low: a smaller budget got a
+# higher measured peak (ResNet-18, tests/test_memory_model.py). The model takes the most of
+# these moments over j; after the whole backward, every parameter gradient and the input. Before
 # the last step's backward comes the loss's, while the chain holds all it saved: the last
 # profile carries the most the loss holds (``loss_bytes``, measured on the meta device with
 # the planner's loss function), which a wide head's cross-entropy makes several times its
@@ -48,13 +69,15 @@ import numpy as np
 
 from revnets.planning.profile import LayerProfile
 
-__all__ = ["SELECTIVE", "ChainModel", "Recompute", "Segment", "forbidden_cuts", "step_costs"]
+__all__ = ["NO_MOMENT", "SELECTIVE", "ChainModel", "Recompute", "Segment", "forbidden_cuts",
+           "step_costs"]
 
 # A segment: (start, stop, recompute), recompute False (stored), True (checkpointed) or
 # "selective" (a selective checkpoint).
 Recompute = bool | str
 Segment = tuple[int, int, Recompute]
 SELECTIVE = "selective"
+NO_MOMENT = -(2**62)  # a moment that does not happen: below any other
 
 
 def forbidden_cuts(profiles: Sequence[LayerProfile]) -> set[int]:
@@ -91,10 +114,14 @@ class ChainModel:
     value_first: np.ndarray
     value_seen: np.ndarray
     value_bytes: np.ndarray
+    value_names: np.ndarray
     grads_after: np.ndarray
+    grads_made: np.ndarray  # per step: the gradients it makes of the values it reads
     # While step j is backpropagated: G[j + 1] + grads_after[j] + the gradients of the values
-    # live at cuts j and j + 1.
+    # live at cut j + 1 and of those it reads; once it is (where it adds to gradients: NO_MOMENT
+    # elsewhere), G[j] + grads_after[j] + those gradients less its outputs' + their sums.
     backward: np.ndarray
+    summing: np.ndarray
     times: np.ndarray
     kept_prefix: np.ndarray
     skipped_prefix: np.ndarray
@@ -130,7 +157,8 @@ class ChainModel:
                 first_seen.setdefault(name, c)
         counted = []  # per step: its intermediates and the storages it is the first to save
         first_step: set[tuple[str, int]] = set()
-        live: list[tuple[int, int, int]] = []  # (first saving step, live from cut, bytes)
+        # (first saving step, live from cut, bytes, value)
+        live: list[tuple[int, int, int, str]] = []
         saved_of: dict[str, list[tuple[int, int]]] = {}  # by value: (first saving step, bytes)
         for p in profiles:
             new = 0
@@ -141,7 +169,7 @@ class ChainModel:
                     saved_of.setdefault(key[0], []).append((p.index, nbytes))
                     seen = first_seen.get(key[0], 0)
                     if seen <= p.index:  # live at cuts seen..p.index, first saved by p
-                        live.append((p.index, seen, nbytes))
+                        live.append((p.index, seen, nbytes, key[0]))
             counted.append(p.saved_bytes - sum(p.saved_values.values()) + new)
         # Of each value live at a cut, what the steps before the cut save of it (a ReLU its
         # output), and what the step making it keeps in a selective checkpoint: one storage
@@ -165,7 +193,21 @@ class ChainModel:
         grads_after = np.cumsum([0] + [p.grad_bytes for p in profiles][::-1],
                                 dtype=np.int64)[::-1]
         state_bytes = np.array([sum(state.values()) for state in states], dtype=np.int64)
-        backward = first_saved[1:] + grads_after[:-1] + state_bytes[:-1] + state_bytes[1:]
+        # The gradients step j's backward makes (of the values it reads) and, of those, the ones
+        # adding to a gradient a later reader made (NOTE [ Gradients in flight ]).
+        takes = [states[j].keys() if p.takes is None else p.takes
+                 for j, p in enumerate(profiles)]
+        grads_made = np.array([sum(nbytes for name, nbytes in states[j].items() if name in takes[j])
+                         for j in range(n)], dtype=np.int64)
+        summed = np.array([sum(nbytes for name, nbytes in states[j].items()
+                               if p.takes is not None and name in p.takes
+                               and name in states[j + 1]) for j, p in enumerate(profiles)],
+                          dtype=np.int64)
+        outputs = np.array([sum(nbytes for name, nbytes in states[j + 1].items()
+                                if name not in states[j]) for j in range(n)], dtype=np.int64)
+        backward = first_saved[1:] + grads_after[:-1] + grads_made + state_bytes[1:]
+        summing = np.where(summed > 0, first_saved[:-1] + grads_after[:-1] + grads_made
+                           + state_bytes[1:] - outputs + summed, NO_MOMENT)
         if n:
             # The loss's backward, before the last step's: all the chain saved, and the most the
             # loss holds, measured from a leaf output, less that output's gradient (made as the
@@ -180,8 +222,11 @@ class ChainModel:
             value_first=np.array([v[0] for v in live], dtype=np.int64),
             value_seen=np.array([v[1] for v in live], dtype=np.int64),
             value_bytes=np.array([v[2] for v in live], dtype=np.int64),
+            value_names=np.array([v[3] for v in live], dtype=object),
             grads_after=grads_after,
+            grads_made=grads_made,
             backward=backward,
+            summing=summing,
             times=np.cumsum([0.0, *costs], dtype=np.float64),
             kept_prefix=np.cumsum([0, *selective], dtype=np.int64),
             skipped_prefix=np.cumsum(
@@ -200,11 +245,32 @@ class ChainModel:
             kept_values=kept_values,
         )
 
-    def live_saved(self, a: int, b: int) -> int:
+    def live_saved(self, a: int, b: int, freed: frozenset[str] = frozenset()) -> int:
         """Y(a, b) of the NOTE: what steps a..b-1 are the first to save of the values live at
-        cut a."""
+        cut a (but of ``freed``: NOTE [ What a stored segment alone holds ])."""
+        return int(self.value_bytes[self._inside(a, b, freed)].sum())
+
+    def _inside(self, a: int, b: int, freed: frozenset[str]) -> np.ndarray:
         inside = (self.value_seen <= a) & (self.value_first >= a) & (self.value_first < b)
-        return int(self.value_bytes[inside].sum())
+        if freed:
+            inside &= ~np.isin(self.value_names, list(freed))
+        return inside
+
+    def _saved_before(self, a: int, b: int, freed: frozenset[str]) -> np.ndarray:
+        """By step of [a, b): of ``freed``, what the first step saving each there saves of it,
+        where a step before ``a`` saved it first (G counts it there)."""
+        saving = np.zeros(b - a, dtype=np.int64)
+        for name in freed:
+            nbytes = self.saved_live[a].get(name, (0, 0))[1]
+            if nbytes:
+                saving[next(j for j in range(a, b) if name in self.saved_names[j]) - a] += nbytes
+        return saving
+
+    @functools.cached_property
+    def moments(self) -> np.ndarray:
+        """Per step, the more of ``backward`` and ``summing``: one array where no first save of
+        a value live at a cut tells them apart (``_optimal`` in chain.py)."""
+        return np.maximum(self.backward, self.summing)
 
     @functools.cached_property
     def last_backpropagated(self) -> np.ndarray:
@@ -224,8 +290,8 @@ class ChainModel:
         gradient and the input (``end_bytes``); while step j of the run [a, b) between two
         cuts is backpropagated, what steps a..j save (each storage once: the run is stored or
         recomputed whole before its backward), the parameter gradients of step j and the steps
-        after it, the gradients of the values live at cuts j and j + 1 (but the input's), and
-        the chain's input, which its caller holds throughout."""
+        after it, the gradients of the values live at cut j + 1 and of those step j reads (but
+        the input's), and the chain's input, which its caller holds throughout."""
         cuts = range(self.n + 1) if cuts is None else cuts
         inputs = self.states[0]
         least = self.end_bytes
@@ -246,25 +312,34 @@ class ChainModel:
                                   for name, nbytes in inputs.items())
                 # The input's gradient may not exist (data needs none): its value counts.
                 moment = (held + held_inputs + int(self.grads_after[j])
-                          + (self.state_bytes[j] if j else 0) + self.state_bytes[j + 1])
+                          + (int(self.grads_made[j]) if j else 0) + self.state_bytes[j + 1])
                 least = max(least, moment)
         return least
 
-    def held(self, a: int, b: int) -> int:
+    def held(self, a: int, b: int, freed: frozenset[str] = frozenset()) -> int:
         """What segment [a, b) holds once it has run forward (NOTE [ A storage saved twice is
-        held once ])."""
-        return int(self.first_saved[b] - self.first_saved[a]) - self.live_saved(a, b)
+        held once ]; ``freed``: NOTE [ What a stored segment alone holds ])."""
+        saving = int(self._saved_before(a, b, freed).sum()) if freed else 0
+        return int(self.first_saved[b] - self.first_saved[a]) - self.live_saved(a, b, freed) \
+            + saving
 
-    def while_backpropagated(self, a: int, b: int) -> int:
+    def while_backpropagated(self, a: int, b: int, freed: frozenset[str] = frozenset()) -> int:
         """The most segment [a, b) holds with the gradients in flight while it is
-        backpropagated (NOTE [ Gradients in flight ])."""
+        backpropagated (NOTE [ Gradients in flight ]); of the values live at ``a``, those in
+        ``freed`` as it saves them (NOTE [ What a stored segment alone holds ])."""
         if a == b:
             return self.held(a, b) + self.state_bytes[b]
         # While step j is backpropagated the segment holds G[j + 1] - G[a] - Y(a, j + 1).
-        inside = (self.value_seen <= a) & (self.value_first >= a) & (self.value_first < b)
+        inside = self._inside(a, b, freed)
         checkpointed = np.zeros(b - a, dtype=np.int64)  # Y(a, j + 1) - Y(a, j), by step j
         np.add.at(checkpointed, self.value_first[inside] - a, self.value_bytes[inside])
-        return int((self.backward[a:b] - np.cumsum(checkpointed)).max() - self.first_saved[a])
+        if freed:
+            checkpointed -= self._saved_before(a, b, freed)
+        before = np.cumsum(checkpointed)
+        during = (self.backward[a:b] - before).max()
+        # Once step j is, what it first saved is freed: Y(a, j).
+        after = (self.summing[a:b] - before + checkpointed).max()
+        return int(max(during, after) - self.first_saved[a])
 
     @functools.cached_property
     def saves_for_free(self) -> bool:
@@ -297,10 +372,17 @@ class ChainModel:
         kept: dict[str, int] = {}
         held = peak = 0
         for start, stop, recompute in segments:
-            kept.update(self.states[start] if recompute or whole_inputs or not start
-                        else self._needed(start, stop))
+            freed: frozenset[str] = frozenset()
+            if recompute or whole_inputs or not start:
+                kept.update(self.states[start])
+            else:
+                saved = frozenset().union(*self.saved_names[start:stop])
+                needed = self._needed(start, stop, saved)
+                # NOTE [ What a stored segment alone holds ]
+                freed = frozenset(name for name in needed if name in saved and name not in kept)
+                kept.update({name: nbytes for name, nbytes in needed.items() if name not in freed})
             peak = max(peak, sum(kept.values()) + held
-                       + self.while_backpropagated(start, stop))
+                       + self.while_backpropagated(start, stop, freed))
             if recompute == SELECTIVE:  # what it keeps stays until its backward
                 values = {name: nbytes for i in range(start, stop)
                           for name, nbytes in self.kept_values[i].items()}
@@ -309,15 +391,14 @@ class ChainModel:
             elif not recompute:
                 values = {name: nbytes for name, (seen, nbytes) in self.saved_live[stop].items()
                           if seen > start}
-                held += self.held(start, stop) - sum(values.values())
+                held += self.held(start, stop, freed) - sum(values.values())
                 kept.update(values)
         return max(peak, self.end_bytes)
 
-    def _needed(self, start: int, stop: int) -> dict[str, int]:
+    def _needed(self, start: int, stop: int, saved: frozenset[str]) -> dict[str, int]:
         """Of the values live at ``start``, those stored segment [start, stop) leaves alive once
-        run: what its steps save, and what is still live at ``stop`` (the rest is freed as its
-        forward goes on: a Linear's output that the Tanh after it does not save)."""
-        saved = frozenset().union(*self.saved_names[start:stop])
+        run: what its steps save (``saved``), and what is still live at ``stop`` (the rest is
+        freed as its forward goes on: a Linear's output that the Tanh after it does not save)."""
         return {name: nbytes for name, nbytes in self.states[start].items()
                 if name in saved or name in self.states[stop]}
 

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import flop_registry
 
 from revnets.checkpoint import SELECTIVE_OPS
 from revnets.memory import measure_memory
+from revnets.planning.graph_step import GraphStep
 from revnets.planning.meta_attention import AttentionAsOn, may_attend
 from revnets.planning.meta_memo import MetaMemo
 from revnets.planning.traced import Attributes
@@ -71,6 +72,9 @@ class LayerProfile:
     # formulas, torch.utils.flop_counter), counted on the meta device: what recomputing this
     # layer costs under torch.compile (NOTE [ Compiled costs ]).
     product_flops: int = 0
+    # Of the live values it is given, those it reads (a graph step's node's arguments), whose
+    # gradients its backward makes; None: all of them.
+    takes: frozenset[str] | None = None
 
 
 def _nbytes(output: Any) -> int:
@@ -285,6 +289,7 @@ def _profile(
                 kept.intact(),
                 saved_values,
                 product_flops=kept.flops,
+                takes=layer.takes if isinstance(layer, GraphStep) else None,
             )
         )
         for t, _ in kept.outputs:
