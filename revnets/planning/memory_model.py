@@ -38,17 +38,19 @@ search needs and the more alike its errors are from plan to plan.
 # backpropagated, the segment still holds what steps a..j saved (what the steps after j first
 # saved is freed), the parameter gradients of steps j.. exist (grads_after[j], each gradient
 # counted at the last step that uses its parameter, whose backward runs first), and so do the
-# gradients of the values live after step j and the ones it makes of those it reads (a stem's
-# gradients inside a segment outweigh the one arriving at its end; a residual that step j only
-# passes on has one gradient, not two). A value several steps read gets its gradient in parts,
-# the later reader's first (a downsampling block's input: its shortcut's, then its first
-# convolution's). Under a TorchDispatchMode, as measure_memory and predict_memory run a step,
-# autograd adds each further part out of place (plain eager adds in place): just after step
-# j's backward, the gradient so far, the part and their sum exist together, while what step j
-# first saved and its outputs' gradients are freed (``summing``). Left out, such a moment was
-# modelled a value low and the plans peaking there ranked too low: a smaller budget got a
-# higher measured peak (ResNet-18, tests/test_memory_model.py). The model takes the most of
-# these moments over j; after the whole backward, every parameter gradient and the input. Before
+# gradients of the values live after step j and the parts it makes of those it reads (a stem's
+# gradients inside a segment outweigh the one arriving at its end), each tensor once: an
+# addition hands its output's gradient to both operands, a view a view of it, and a residual
+# that step j only passes on has one gradient, not two (``gradient_flow`` in gradients.py,
+# plan-independent). A value several steps read gets its gradient in parts, the later
+# reader's first (a downsampling block's input: its shortcut's, then its first convolution's).
+# Under a TorchDispatchMode, as measure_memory and predict_memory run a step, autograd adds
+# each further part out of place (plain eager adds in place): just after step j's backward,
+# the gradient so far, the part and their sum exist together, while what step j first saved
+# and its outputs' gradients are freed (``summing``). Left out, such a moment was modelled a
+# value low and the plans peaking there ranked too low: a smaller budget got a higher measured
+# peak (ResNet-18, tests/test_memory_model.py). The model takes the most of these moments
+# over j; after the whole backward, every parameter gradient and the input. Before
 # the last step's backward comes the loss's, while the chain holds all it saved: the last
 # profile carries the most the loss holds (``loss_bytes``, measured on the meta device with
 # the planner's loss function), which a wide head's cross-entropy makes several times its
@@ -67,6 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from revnets.planning.gradients import NO_MOMENT, GradientFlow, gradient_flow
 from revnets.planning.profile import LayerProfile
 
 __all__ = ["NO_MOMENT", "SELECTIVE", "ChainModel", "Recompute", "Segment", "forbidden_cuts",
@@ -77,7 +80,6 @@ __all__ = ["NO_MOMENT", "SELECTIVE", "ChainModel", "Recompute", "Segment", "forb
 Recompute = bool | str
 Segment = tuple[int, int, Recompute]
 SELECTIVE = "selective"
-NO_MOMENT = -(2**62)  # a moment that does not happen: below any other
 
 
 def forbidden_cuts(profiles: Sequence[LayerProfile]) -> set[int]:
@@ -116,10 +118,9 @@ class ChainModel:
     value_bytes: np.ndarray
     value_names: np.ndarray
     grads_after: np.ndarray
-    grads_made: np.ndarray  # per step: the gradients it makes of the values it reads
-    # While step j is backpropagated: G[j + 1] + grads_after[j] + the gradients of the values
-    # live at cut j + 1 and of those it reads; once it is (where it adds to gradients: NO_MOMENT
-    # elsewhere), G[j] + grads_after[j] + those gradients less its outputs' + their sums.
+    flow: GradientFlow
+    # While step j is backpropagated: G[j + 1] + grads_after[j] + the value gradients in flight;
+    # just after it, where it summed a gradient's parts (NO_MOMENT elsewhere), G[j] + ... .
     backward: np.ndarray
     summing: np.ndarray
     times: np.ndarray
@@ -193,21 +194,10 @@ class ChainModel:
         grads_after = np.cumsum([0] + [p.grad_bytes for p in profiles][::-1],
                                 dtype=np.int64)[::-1]
         state_bytes = np.array([sum(state.values()) for state in states], dtype=np.int64)
-        # The gradients step j's backward makes (of the values it reads) and, of those, the ones
-        # adding to a gradient a later reader made (NOTE [ Gradients in flight ]).
-        takes = [states[j].keys() if p.takes is None else p.takes
-                 for j, p in enumerate(profiles)]
-        grads_made = np.array([sum(nbytes for name, nbytes in states[j].items() if name in takes[j])
-                         for j in range(n)], dtype=np.int64)
-        summed = np.array([sum(nbytes for name, nbytes in states[j].items()
-                               if p.takes is not None and name in p.takes
-                               and name in states[j + 1]) for j, p in enumerate(profiles)],
-                          dtype=np.int64)
-        outputs = np.array([sum(nbytes for name, nbytes in states[j + 1].items()
-                                if name not in states[j]) for j in range(n)], dtype=np.int64)
-        backward = first_saved[1:] + grads_after[:-1] + grads_made + state_bytes[1:]
-        summing = np.where(summed > 0, first_saved[:-1] + grads_after[:-1] + grads_made
-                           + state_bytes[1:] - outputs + summed, NO_MOMENT)
+        flow = gradient_flow(states, profiles)  # NOTE [ Gradients in flight ]
+        backward = first_saved[1:] + grads_after[:-1] + flow.during
+        summing = np.where(flow.after > NO_MOMENT,
+                           first_saved[:-1] + grads_after[:-1] + flow.after, NO_MOMENT)
         if n:
             # The loss's backward, before the last step's: all the chain saved, and the most the
             # loss holds, measured from a leaf output, less that output's gradient (made as the
@@ -224,7 +214,7 @@ class ChainModel:
             value_bytes=np.array([v[2] for v in live], dtype=np.int64),
             value_names=np.array([v[3] for v in live], dtype=object),
             grads_after=grads_after,
-            grads_made=grads_made,
+            flow=flow,
             backward=backward,
             summing=summing,
             times=np.cumsum([0.0, *costs], dtype=np.float64),
@@ -290,8 +280,8 @@ class ChainModel:
         gradient and the input (``end_bytes``); while step j of the run [a, b) between two
         cuts is backpropagated, what steps a..j save (each storage once: the run is stored or
         recomputed whole before its backward), the parameter gradients of step j and the steps
-        after it, the gradients of the values live at cut j + 1 and of those step j reads (but
-        the input's), and the chain's input, which its caller holds throughout."""
+        after it, the value gradients in flight (but the input's: ``GradientFlow``), and the
+        chain's input, which its caller holds throughout."""
         cuts = range(self.n + 1) if cuts is None else cuts
         inputs = self.states[0]
         least = self.end_bytes
@@ -312,7 +302,7 @@ class ChainModel:
                                   for name, nbytes in inputs.items())
                 # The input's gradient may not exist (data needs none): its value counts.
                 moment = (held + held_inputs + int(self.grads_after[j])
-                          + (int(self.grads_made[j]) if j else 0) + self.state_bytes[j + 1])
+                          + int(self.flow.during[j]) - (int(self.flow.made[j]) if not j else 0))
                 least = max(least, moment)
         return least
 
@@ -362,7 +352,8 @@ class ChainModel:
     def peak(self, segments: Sequence[Segment], whole_inputs: bool = True) -> int:
         """The peak of ``segments`` (activations and the parameter gradients in flight): while
         a segment is recomputed (or first run, if stored) and backpropagated, the values live at
-        every cut so far (a value crossing several cuts is one tensor), what stored segments
+        every cut so far (a value crossing several cuts is one tensor; but a checkpoint whose
+        steps save nothing keeps nothing: its saved tensors hold its inputs), what stored segments
         before it save and selective ones keep, and what it holds while it is backpropagated,
         with the gradients in flight; after the backward, every parameter gradient and the
         input. The programmes count every value live at a stored segment's start as kept (on
@@ -373,7 +364,9 @@ class ChainModel:
         held = peak = 0
         for start, stop, recompute in segments:
             freed: frozenset[str] = frozenset()
-            if recompute or whole_inputs or not start:
+            if recompute and start and not self.step_saved[start:stop].any():
+                pass  # it saves nothing: nothing holds its checkpoint's inputs
+            elif recompute or whole_inputs or not start:
                 kept.update(self.states[start])
             else:
                 saved = frozenset().union(*self.saved_names[start:stop])

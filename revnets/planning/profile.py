@@ -18,6 +18,7 @@ from torch.utils.flop_counter import flop_registry
 
 from revnets.checkpoint import SELECTIVE_OPS
 from revnets.memory import measure_memory
+from revnets.planning.gradients import gradient_parts
 from revnets.planning.graph_step import GraphStep
 from revnets.planning.meta_attention import AttentionAsOn, may_attend
 from revnets.planning.meta_memo import MetaMemo
@@ -75,6 +76,9 @@ class LayerProfile:
     # Of the live values it is given, those it reads (a graph step's node's arguments), whose
     # gradients its backward makes; None: all of them.
     takes: frozenset[str] | None = None
+    # What its backward makes of those gradients, by value: a new tensor's bytes, or the name of
+    # the output whose gradient it passes on (gradients.py); None where unknown: new tensors.
+    gradient_parts: dict[str, int | str] | None = None
 
 
 def _nbytes(output: Any) -> int:
@@ -213,6 +217,7 @@ def _profile(
     # alive while their addresses are looked up, so no address is reused meanwhile.
     first_names = list(getattr(layers[0], "inputs", None) or ["input"]) if layers else []
     carried = _carriers(leaf, first_names, {})
+    names = first_names
     # And the layer that made each (-1: the input): a layer writing its input in place writes
     # the storage that layer made, whatever aliases (Identity, views) passed it on since.
     made_by = dict.fromkeys(carried, -1)
@@ -290,12 +295,16 @@ def _profile(
                 saved_values,
                 product_flops=kept.flops,
                 takes=layer.takes if isinstance(layer, GraphStep) else None,
+                # On copies, a step writing its input in place has no gradients of its own.
+                gradient_parts=None if timed or copies
+                else gradient_parts(x, y, names, list(named)),
             )
         )
         for t, _ in kept.outputs:
             kept_by_storage.setdefault(_address(t), index)
             held.append(t)
         leaf = tree_map(as_leaf, y)
+        names = list(named)
         made_by = {address: made_by.get(address, index) for address in passed_on}
         carried = passed_on
     # A later layer that overwrites an earlier one's output in place makes that one unsafe (when
