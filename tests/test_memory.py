@@ -77,6 +77,30 @@ def test_storages_allocated_on_cuda_count_as_the_allocators_512_byte_blocks():
     assert tracker.report().peak_bytes == 12 + 512 + 4096
 
 
+def test_under_the_measuring_mode_autograd_sums_a_gradients_parts_out_of_place():
+    """A value two operations read gets its gradient in two parts. A plain eager backward
+    adds the second into the first in place; under any TorchDispatchMode (torch's InputBuffer
+    then takes every tensor for a subclass), as measure_memory and predict_memory run a step,
+    into a new tensor: for a moment the value's gradient is there three times. The planner's
+    chain model counts that moment (NOTE [ Gradients in flight ] in planning/memory_model.py);
+    a step nobody observes holds one value less there, which no dispatch mode can count."""
+    x = torch.randn(64, 64, requires_grad=True)
+    addresses: dict[str, int] = {}
+
+    def step(tag: str) -> None:
+        y = x * 2
+        a, b = y.sin(), y.cos()
+        a.grad_fn.register_hook(lambda inputs, _: addresses.update(sin=inputs[0].data_ptr()))
+        b.grad_fn.register_hook(lambda inputs, _: addresses.update(cos=inputs[0].data_ptr()))
+        y.register_hook(lambda grad: addresses.update({tag: grad.data_ptr()}))
+        (a * b).sum().backward()
+
+    step("eager")
+    assert addresses["eager"] in (addresses["sin"], addresses["cos"])  # summed in place
+    measure_memory(lambda: step("measured"))
+    assert addresses["measured"] not in (addresses["sin"], addresses["cos"])  # a new tensor
+
+
 def test_freed_memory_is_reused_in_the_count():
     def fn():
         for _ in range(10):
