@@ -35,6 +35,7 @@ from revnets.planning.chain import (
     selective_plans,
     selective_when_free,
 )
+from revnets.planning.compiled_costs import compiled_costs
 from revnets.planning.describe import (
     checkpoint_decision,
     describe_plan,
@@ -56,7 +57,6 @@ from revnets.planning.profile import (
     LayerProfile,
     _device,
     _nbytes,
-    compiled_costs,
     meta_like,
     on_meta,
     profile_chain,
@@ -123,10 +123,10 @@ def auto_checkpoint(
     checkpoint's cheap steps (norms, activations, additions) inside its fused kernels at next to
     no cost; plans are then ordered by what they recompute of matrix products, convolutions and
     attention alone (their floating-point operations: NOTE [ Compiled costs ] in
-    ``planning/profile.py``), so selective checkpoints come first. The budget keeps its meaning (the
-    eager step's exact peak): a compiled step's memory is the partitioner's to decide, and
-    consecutive selective checkpoints run as one there (NOTE [ Selective segments under compile ]
-    in ``planning/planned.py``).
+    ``planning/compiled_costs.py``), so selective checkpoints come first. The budget keeps its
+    meaning (the eager step's exact peak): a compiled step's memory is the partitioner's to
+    decide, and consecutive selective checkpoints run as one there
+    (NOTE [ Selective segments under compile ] in ``planning/planned.py``).
 
     The model comes back as a :class:`PlannedModel` that trains with the plan and evaluates
     with the model itself (same weights, same outputs), and is the model to everything else
@@ -268,7 +268,7 @@ class _Planner:
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=seconds)
                                        for p, seconds in zip(profiles, times)]
-        if compiled:  # NOTE [ Compiled costs ] in profile.py
+        if compiled:  # NOTE [ Compiled costs ] in compiled_costs.py
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = compiled_costs(profiles, self.sequences)
         # What a step holds besides activations and parameter gradients (which the chain model

@@ -110,6 +110,7 @@ class ChainModel:
     n: int
     forbidden: frozenset[int]
     step_saved: np.ndarray  # what each step saves, counted alone
+    saves_nothing: list[bool]  # not even a parameter
     first_saved: np.ndarray  # G
     # The storages saved of values live at a cut before the step first saving them: that step,
     # the first cut they are live at, their bytes; by that step (Y of the NOTE).
@@ -208,6 +209,7 @@ class ChainModel:
             n=n,
             forbidden=frozenset(forbidden_cuts(profiles)),
             step_saved=np.array([p.saved_bytes for p in profiles], dtype=np.int64),
+            saves_nothing=[p.saves_nothing for p in profiles],
             first_saved=first_saved,
             value_first=np.array([v[0] for v in live], dtype=np.int64),
             value_seen=np.array([v[1] for v in live], dtype=np.int64),
@@ -364,7 +366,7 @@ class ChainModel:
         held = peak = 0
         for start, stop, recompute in segments:
             freed: frozenset[str] = frozenset()
-            if recompute and start and not self.step_saved[start:stop].any():
+            if recompute and start and all(self.saves_nothing[start:stop]):
                 pass  # it saves nothing: nothing holds its checkpoint's inputs
             elif recompute or whole_inputs or not start:
                 kept.update(self.states[start])

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,7 +25,7 @@ from revnets.planning.meta_memo import MetaMemo
 from revnets.planning.traced import Attributes
 from revnets.replay import forked_rng, frozen_running_stats
 
-__all__ = ["LayerProfile", "as_leaf", "clock", "compiled_costs", "meta_like", "on_meta",
+__all__ = ["LayerProfile", "as_leaf", "clock", "meta_like", "on_meta",
            "profile_chain", "timing_input", "writable", "writes_its_input"]
 
 
@@ -79,6 +79,9 @@ class LayerProfile:
     # What its backward makes of those gradients, by value: a new tensor's bytes, or the name of
     # the output whose gradient it passes on (gradients.py); None where unknown: new tensors.
     gradient_parts: dict[str, int | str] | None = None
+    # It saves nothing for backward, not even a parameter (an addition, a view): a checkpoint of
+    # such steps alone holds nothing of its inputs (a frozen Linear saves its weight, which does).
+    saves_nothing: bool = False
 
 
 def _nbytes(output: Any) -> int:
@@ -223,10 +226,12 @@ def _profile(
     made_by = dict.fromkeys(carried, -1)
     for index, layer in enumerate(layers):
         saved: dict[int, int] = {}  # storages by identity: views of one storage count once
+        packed: list[bool] = []  # one per tensor saved, parameters too
         saved_addresses: dict[int, int] = {}
 
         def pack(t: Tensor) -> Tensor:
             storage = t.untyped_storage()
+            packed.append(True)
             if id(storage) not in params:
                 saved[id(storage)] = storage.nbytes()
                 saved_addresses[storage._cdata] = storage.nbytes()
@@ -243,6 +248,7 @@ def _profile(
         for _ in range(repeats if timed else 1):
             saved.clear()
             saved_addresses.clear()
+            packed.clear()
             x = writable(layer, leaf) if copies else leaf
             start = now()
             try:
@@ -258,6 +264,7 @@ def _profile(
                 unsafe |= _keepers(kept_by_storage, _written(layer, leaf, everything=True))
                 saved.clear()
                 saved_addresses.clear()
+                packed.clear()
                 x = writable(layer, leaf, everything=True)
                 kept = _SelectiveOutputs(None if timed else memo)
                 start = now()
@@ -295,6 +302,7 @@ def _profile(
                 saved_values,
                 product_flops=kept.flops,
                 takes=layer.takes if isinstance(layer, GraphStep) else None,
+                saves_nothing=not packed,
                 # On copies, a step writing its input in place has no gradients of its own.
                 gradient_parts=None if timed or copies
                 else gradient_parts(x, y, names, list(named)),
@@ -372,45 +380,6 @@ _FLOP_FORMULAS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_atte
 def _flops(func: Any, args: Any, kwargs: dict, out: Any) -> int:
     formula = _FLOP_FORMULAS.get(func.overloadpacket)
     return 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
-
-
-# NOTE [ Compiled costs ]
-# Under torch.compile a checkpoint's cheap steps (norms, activations, additions) are recomputed
-# inside the backward's fused kernels at next to no cost, and what recomputing a step costs is
-# its matrix products, convolutions and attention: their floating-point operations, as
-# torch.compile's own activation memory budget weighs them
-# (torch._functorch.config.activation_memory_budget_runtime_estimator, "flops"). Counted on
-# the meta device, they are the same in every run: forward times measured once on a busy CPU
-# varied enough between runs that ResNet-50 at one budget was given four different plans in six
-# calls. Measured times only set the scale, so that a reversible sequence, which runs eagerly
-# also compiled and keeps its measured time, is weighed against them: the power of two nearest
-# the seconds per operation over all such steps, by which operations add up exactly (plans
-# recomputing the same operations tie exactly, whatever the times measured). Without measured
-# times every costed step, reversible sequences included, costs its operations: the plans
-# are those measured times give wherever the operations set the order.
-def compiled_costs(profiles: Sequence[LayerProfile],
-                   eager_steps: Container[int]) -> list[LayerProfile]:
-    """``profiles`` costed for a compiled model (NOTE [ Compiled costs ]): steps with products
-    cost their operations at the measured seconds per operation, ``eager_steps`` their
-    measured time, and the others nothing. Unmeasured (NaN) times cost every step its
-    operations (at least one)."""
-    if any(math.isnan(p.forward_seconds) for p in profiles):
-        return [replace(p, forward_seconds=float(max(p.product_flops, 1))
-                        if p.index in eager_steps or p.selective_bytes else 0.0)
-                for p in profiles]
-    products = [p for p in profiles if p.selective_bytes and p.index not in eager_steps]
-    flops = sum(p.product_flops for p in products)
-    seconds = sum(p.forward_seconds for p in products)
-    rate = 2.0 ** round(math.log2(seconds / flops)) if flops and seconds > 0 else None
-
-    def cost(p: LayerProfile) -> float:
-        if p.index not in eager_steps and not p.selective_bytes:
-            return 0.0
-        if p.index in eager_steps or rate is None or not p.product_flops:
-            return p.forward_seconds
-        return p.product_flops * rate
-
-    return [replace(p, forward_seconds=cost(p)) for p in profiles]
 
 
 def _written(layer: nn.Module, leaf: Any, everything: bool = False) -> list[Tensor]:
