@@ -9,7 +9,7 @@ from torch import nn
 
 import revnets.planning.auto as auto
 from revnets.planning.chain import modelled_peaks
-from revnets.planning.memory_model import SELECTIVE, ChainModel
+from revnets.planning.memory_model import NO_MOMENT, SELECTIVE, ChainModel
 from revnets.planning.search import Option
 
 
@@ -193,6 +193,34 @@ def test_a_checkpoint_whose_steps_save_nothing_keeps_nothing():
     nothing, and its inputs are freed as the forward goes on. Counted as kept, such a plan
     was modelled 33 kB (a value) above the others."""
     assert len(set(residual_errors([(4, 5), (1, 5), (2, 7)]))) == 1
+
+
+class ShapeChecked(nn.Module):
+    """Reads its input's shape before using it (timm's models assert the image size so): a
+    traced step that takes the input and makes no gradient of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x.view(x.shape[0], -1))
+
+
+def test_a_step_reading_only_a_values_shape_makes_no_gradient_of_it():
+    """Taken for a step making a new gradient of the input, the shape's step summed it with
+    the later reader's: a moment three inputs' gradients high, where the unplanned step
+    peaked in the model, so that the nested search below the floors ran on four timm
+    transformers that it could not help (planner_zoo: 2 to 6 s each)."""
+    torch.manual_seed(0)
+    model, x = ShapeChecked(), torch.randn(256, 64)
+    planner = auto._Planner(model, auto.planning_chain(model), x,
+                            lambda out: out.square().mean(), None, measure_time=False)
+    profiles = planner._profiles_of(frozenset())
+    chain = ChainModel.of(profiles, planner.input_state)
+    # The input passes the step as it is: its gradient is the one arriving for it.
+    assert profiles[0].takes == {"x"} and profiles[0].gradient_parts == {"x": "x"}
+    assert (chain.summing == NO_MOMENT).all()
 
 
 def test_a_checkpoint_of_a_frozen_layer_keeps_its_input():

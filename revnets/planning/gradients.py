@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:  # profiles carry what gradient_parts finds
     from revnets.planning.profile import LayerProfile
@@ -28,7 +29,7 @@ def gradient_parts(
     of the gradients of the values it was given, by name: the bytes of a new tensor, or the name
     of the output whose gradient it passes on; a value it makes none of is left out. Run on the
     meta device by the profile: one backward of the step, from gradients of its outputs. None
-    where that cannot tell (values that are not one tensor each, a backward that fails there)."""
+    where that cannot tell (a value holding several tensors, a backward that fails there)."""
     given = _one_tensor_each(inputs, input_names)
     made = _one_tensor_each(output, output_names)
     if given is None or made is None:
@@ -51,10 +52,18 @@ def gradient_parts(
 
 
 def _one_tensor_each(value: Any, names: Sequence[str]) -> list[tuple[str, Tensor]] | None:
+    """The named values that are tensors, leaving out those holding none (a shape, a flag:
+    no gradient); None if a value holds tensors inside (a list of them)."""
     values = value if isinstance(value, tuple) else (value,)
-    if len(values) != len(names) or not all(isinstance(v, Tensor) for v in values):
+    if len(values) != len(names):
         return None
-    return list(zip(names, values))
+    found = []
+    for name, v in zip(names, values):
+        if isinstance(v, Tensor):
+            found.append((name, v))
+        elif any(isinstance(t, Tensor) for t in tree_leaves(v)):
+            return None
+    return found
 
 
 @dataclass(frozen=True)
