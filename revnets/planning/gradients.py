@@ -5,7 +5,7 @@ backpropagated (NOTE [ Gradients in flight ] in memory_model.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,19 +23,24 @@ NO_MOMENT = -(2**62)  # a moment that does not happen: below any other
 
 
 def gradient_parts(
-    inputs: Any, output: Any, input_names: Sequence[str], output_names: Sequence[str]
+    inputs: Any, output: Any, input_names: Sequence[str], output_names: Sequence[str],
+    reads: Collection[str] | None = None,
 ) -> dict[str, int | str] | None:
     """What the backward of a step that took ``inputs`` (leaves) and returned ``output`` makes
-    of the gradients of the values it was given, by name: the bytes of a new tensor, or the name
-    of the output whose gradient it passes on; a value it makes none of is left out. Run on the
-    meta device by the profile: one backward of the step, from gradients of its outputs. None
-    where that cannot tell (a value holding several tensors, a backward that fails there)."""
+    of the gradients of the values it reads (``reads``; None: all it was given), by name: the
+    bytes of a new tensor, or the name of the output whose gradient it passes on; a value it
+    makes none of is left out. Run on the meta device by the profile: one backward of the step,
+    from gradients of the outputs it made (a value it passes on as it is keeps its gradient).
+    None where that cannot tell (a value holding several tensors, a backward that fails
+    there)."""
     given = _one_tensor_each(inputs, input_names)
     made = _one_tensor_each(output, output_names)
     if given is None or made is None:
         return None
-    given = [(name, t) for name, t in given if t.requires_grad]
-    made = [(name, t) for name, t in made if t.requires_grad]
+    passed_on = {id(t) for _, t in given}
+    given = [(name, t) for name, t in given
+             if t.requires_grad and (reads is None or name in reads)]
+    made = [(name, t) for name, t in made if t.requires_grad and id(t) not in passed_on]
     if not given or not made:
         return {}
     arriving = [torch.empty_like(t) for _, t in made]

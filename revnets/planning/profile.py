@@ -84,6 +84,14 @@ class LayerProfile:
     saves_nothing: bool = False
 
 
+def _passes_gradients(layer: nn.Module) -> bool:
+    """Whether the backward of ``layer`` may pass its output's gradient on (an addition, a
+    view, a concatenation: a function or method a graph step calls), so that ``gradient_parts``
+    is worth its backward; a module's makes new gradients of what it reads (a convolution's,
+    a norm's), as the chain model assumes without one."""
+    return isinstance(layer, GraphStep) and layer.op in ("call_function", "call_method")
+
+
 def _nbytes(output: Any) -> int:
     tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -277,6 +285,7 @@ def _profile(
         intermediate = sum(nbytes for key, nbytes in saved.items() if key not in ends)
         inplace = bool(getattr(layer, "inplace", False))
         named = _named_bytes(y, getattr(layer, "state_names", None), index)
+        takes = layer.takes if isinstance(layer, GraphStep) else None
         passed_on = _carriers(y, list(named), carried)
         saved_values = {}
         for address, nbytes in saved_addresses.items():
@@ -301,11 +310,11 @@ def _profile(
                 kept.intact(),
                 saved_values,
                 product_flops=kept.flops,
-                takes=layer.takes if isinstance(layer, GraphStep) else None,
+                takes=takes,
                 saves_nothing=not packed,
                 # On copies, a step writing its input in place has no gradients of its own.
-                gradient_parts=None if timed or copies
-                else gradient_parts(x, y, names, list(named)),
+                gradient_parts=gradient_parts(x, y, names, list(named), takes)
+                if _passes_gradients(layer) and not (timed or copies) else None,
             )
         )
         for t, _ in kept.outputs:
