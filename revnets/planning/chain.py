@@ -228,11 +228,9 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
             while values < len(chain.value_first) and chain.value_first[values] == step:
                 live[chain.value_seen[values]:step + 1] += chain.value_bytes[values]
                 values += 1
-            end = min(int(chain.value_first[values]) if values < len(chain.value_first)
-                      else k, k)
-            end = max(end, step + 1)
-            top[active] = np.maximum(top[active],
-                                     moments[step:end].max() - live[cut[active]])
+            following = chain.value_first[values] if values < len(chain.value_first) else k
+            end = max(min(int(following), k), step + 1)
+            top[active] = np.maximum(top[active], moments[step:end].max() - live[cut[active]])
             step = end
         # Segment [cut, k) from a point: it fits while base + top <= budget, and top grows
         # with k, so a point that cannot reach k cannot reach anything after it.
