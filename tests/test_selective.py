@@ -21,9 +21,9 @@ from torch._inductor.decomposition import select_decomp_table
 import revnets
 from revnets import Checkpoint
 from revnets.memory import measure_memory
-from revnets.plan import parse_memory_plan, plan_from_options
+from revnets.plan import Store, parse_memory_plan, plan_from_options
 from revnets.planning import auto, step_times
-from revnets.planning.chain import modelled_peaks, selective_plans
+from revnets.planning.chain import SELECTIVE, modelled_peaks, selective_plans
 from revnets.planning.planned import PlanChain
 from revnets.planning.profile import profile_chain
 from revnets.planning.search import Option
@@ -414,3 +414,40 @@ def test_a_found_plan_is_retried_with_the_selective_plan_for_the_room_its_predic
         assert len(peaks) == 2 and peaks[refined] <= budget
         taken += fits
     assert taken  # the budgets above include some where the cheaper plan fits
+
+
+def test_a_compiled_plans_stored_runs_are_selective_where_that_costs_nothing_and_fits():
+    """NOTE [ Stored runs under compile ]: under torch.compile a selective checkpoint of a stored
+    run recomputes only what costs nothing there, and its forward saves less than the stored
+    run's (the partitioner's default keeps more, and the values at its ends split the selective
+    run). Four attention blocks at half the activations: the plan stored the last block; its
+    prediction with that block selective is taken where it fits, and only there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(block() for _ in range(4)))
+    x = torch.randn(8, 32, WIDTH)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(state + 0.5 * (stored - state))
+    planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss, measure_time=False,
+                                      compiled=True)
+    assert not [part for part in planned.memory_plan.parts if isinstance(part.decision, Store)]
+    assert planned.memory_plan.peak_bytes <= budget, planned.memory_plan
+
+    planner = auto._Planner(model, model, x, loss, None, measure_time=False, compiled=True)
+    profiles = planner._profiles_of(frozenset())
+    last_stored = ((0, 3, SELECTIVE), (3, 4, False))
+    found = Option(frozenset(), last_stored, planner._recompute(last_stored, profiles),
+                   modelled_peaks([last_stored], profiles, planner.input_state)[0])
+    selective = ((0, 3, SELECTIVE), (3, 4, SELECTIVE))
+    assert planner._recompute(selective, profiles) == found.cost == 0
+    exact = planner._predict(replace(found, segments=selective))
+    for room, taken in ((exact, selective), (exact - 1, last_stored)):
+        assert planner._selective_throughout(found, {}, room).segments == taken
+    nothing_checkpointed = replace(found, segments=((0, 4, False),))
+    assert planner._selective_throughout(nothing_checkpointed, {}, exact) == nothing_checkpointed
+    for module in model.modules():  # no dropout masks: what the forwards save has sizes
+        if isinstance(module, (nn.Dropout, Attention)):
+            module.eval()
+    assert _forward_bytes(planner._apply(selective), x) < _forward_bytes(
+        planner._apply(last_stored), x)

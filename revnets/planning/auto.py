@@ -3,12 +3,9 @@ within it, and the plan it follows."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
-import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,9 +30,13 @@ from revnets.planning.chain import (
     candidate_plans,
     modelled_peaks,
     selective_plans,
+)
+from revnets.planning.collector import collector_paused
+from revnets.planning.compiled_costs import (
+    compiled_costs,
+    selective_stored_runs,
     selective_when_free,
 )
-from revnets.planning.compiled_costs import compiled_costs
 from revnets.planning.describe import (
     checkpoint_decision,
     describe_plan,
@@ -152,37 +153,12 @@ def auto_checkpoint(
         # Timing runs the model for real: its draws, from torch's generators, Python's and its
         # own (a layer holding a torch.Generator), never happened.
         with (forked_rng(input_device(example_input), generators_held(model)),
-              _collector_paused()):
+              collector_paused()):
             return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer,
                                     measure_time, compiled, predictor)
     except BaseException:  # no plan, the user's loss function failing, an interrupt
         kept.restore()
         raise
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cycle collector paused while planning: the predictions make and drop objects in
-    cycles by the hundred thousand, and its passes over everything alive took a fifth of the
-    time. At the end their cycles go, in one pass over the youngest generation (what planning
-    made: milliseconds), and a refusal keeps no frame of the planner's: both held tensors the
-    model held when planning began (a buffer it reassigns, a block's last output), alive past
-    the model's next step until a collection ran, so that a step measured after planning
-    counted them."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    except PlanningError as refusal:
-        error: BaseException | None = refusal
-        while error is not None:  # the refusal, and what it was raised while handling
-            traceback.clear_frames(error.__traceback__)
-            error = error.__cause__ or error.__context__
-        raise
-    finally:
-        gc.collect(0)
-        if enabled:
-            gc.enable()
 
 
 def _auto_checkpoint(
@@ -327,7 +303,8 @@ class _Planner:
         if found is None:
             low = lowest_floor(options, peaks)
             return self._nested(frozenset(self.sequences), budget, low, peaks[low])
-        found = self._refined(found, peaks, budget) if self.compiled else found
+        if self.compiled:
+            found = self._selective_throughout(self._refined(found, peaks, budget), peaks, budget)
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
         plan = describe_plan(self.chain, self.sequences, self.original, self.input_state,
@@ -355,6 +332,20 @@ class _Planner:
             return found
         peaks[better] = self._predict(better)
         return better if peaks[better] <= budget else found
+
+    def _selective_throughout(self, found: Option, peaks: dict[Option, int],
+                              budget: int) -> Option:
+        """``found`` with its stored runs selective where that costs nothing, predicted and
+        taken where it fits, if it checkpoints at all (NOTE [ Stored runs under compile ] in
+        compiled_costs.py)."""
+        profiles = self._profiles_of(found.reconstructed)
+        segments = selective_stored_runs(found.segments, profiles)
+        if segments == found.segments or not any(r for _, _, r in found.segments):
+            return found
+        modelled = modelled_peaks([segments], profiles, self.input_state, whole_inputs=False)[0]
+        option = replace(found, segments=segments, modelled=modelled, sized=False)
+        peaks[option] = self._predict(option)
+        return option if peaks[option] <= budget else found
 
     def _predict(self, option: Option) -> int:
         """The exact peak of ``option``; with nothing checkpointed, of the model itself (which

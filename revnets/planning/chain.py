@@ -42,7 +42,6 @@ __all__ = [
     "respect_inplace",
     "segment_cost",
     "selective_plans",
-    "selective_when_free",
     "sqrt_plan",
 ]
 
@@ -130,16 +129,6 @@ def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
     costs = step_costs(profiles)
     return sum(costs[i] for i in range(start, stop)
                if recompute != SELECTIVE or not profiles[i].selective_bytes)
-
-
-def selective_when_free(plan: Sequence[Segment],
-                        profiles: Sequence[LayerProfile]) -> tuple[Segment, ...]:
-    """``plan`` with each checkpoint of steps that keep no product made selective: it keeps and
-    recomputes what it did, and under torch.compile it runs as one with the selective
-    checkpoints beside it (NOTE [ Selective segments under compile ] in planned.py)."""
-    return tuple((a, b, SELECTIVE if recompute is True
-                  and not any(profiles[i].selective_bytes for i in range(a, b)) else recompute)
-                 for a, b, recompute in plan)
 
 
 # NOTE [ Of equal cost, the lowest ]

@@ -1,4 +1,5 @@
-"""What recomputing a chain's steps costs under torch.compile (NOTE [ Compiled costs ])."""
+"""What recomputing a chain's steps costs under torch.compile (NOTE [ Compiled costs ]), and the
+segments that are selective checkpoints there because they cost nothing more so."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import math
 from collections.abc import Container, Sequence
 from dataclasses import replace
 
+from revnets.planning.chain import segment_cost
+from revnets.planning.memory_model import SELECTIVE, Segment
 from revnets.planning.profile import LayerProfile
 
-__all__ = ["compiled_costs"]
+__all__ = ["compiled_costs", "selective_stored_runs", "selective_when_free"]
 
 
 # NOTE [ Compiled costs ]
@@ -48,3 +51,36 @@ def compiled_costs(profiles: Sequence[LayerProfile],
         return p.product_flops * rate
 
     return [replace(p, forward_seconds=cost(p)) for p in profiles]
+
+
+def selective_when_free(plan: Sequence[Segment],
+                        profiles: Sequence[LayerProfile]) -> tuple[Segment, ...]:
+    """``plan`` with each checkpoint of steps that keep no product made selective: it keeps and
+    recomputes what it did, and under torch.compile it runs as one with the selective
+    checkpoints beside it (NOTE [ Selective segments under compile ] in planned.py)."""
+    return tuple((a, b, SELECTIVE if recompute is True
+                  and not any(profiles[i].selective_bytes for i in range(a, b)) else recompute)
+                 for a, b, recompute in plan)
+
+
+# NOTE [ Stored runs under compile ]
+# A stored run of a plan for a compiled model is left to the partitioner at torch.compile's
+# default budget, which keeps what its min-cut finds cheapest to keep (compile at budget 1.0
+# peaks above the eager step on ViT-S: frontier.py), and the values at the run's ends break
+# the selective checkpoints beside it, which otherwise run as one
+# (NOTE [ Selective segments under compile ] in planned.py). A selective checkpoint of the
+# same run keeps its products, which the min-cut keeps anyway (it recomputes no matrix
+# product), and recomputes its norms, activations and additions inside fused kernels, which
+# costs nothing by NOTE [ Compiled costs ]. The eager step's peak, which the budget means, can
+# rise though (an eager backward recomputes a selective segment's steps together), so the
+# planner predicts the plan with its free stored runs selective, once, and takes it where it
+# fits. ViT-S at a 70 % keep stored two runs (block 10's attention and the head) and peaked
+# above compile's own 0.7 budget at about its speed (frontier.py on 00ea008, docs/results.md).
+def selective_stored_runs(plan: Sequence[Segment],
+                          profiles: Sequence[LayerProfile]) -> tuple[Segment, ...]:
+    """``plan`` with each stored run that a selective checkpoint recomputes at no cost (all it
+    recomputes costs nothing under ``profiles``, costed by :func:`compiled_costs`) made one
+    (NOTE [ Stored runs under compile ])."""
+    return tuple((a, b, SELECTIVE if recompute is False
+                  and segment_cost(profiles, a, b, SELECTIVE) == 0 else recompute)
+                 for a, b, recompute in plan)
