@@ -75,7 +75,8 @@ def selective_when_free(plan: Sequence[Segment],
 # rise though (an eager backward recomputes a selective segment's steps together), so the
 # planner predicts the plan with its free stored runs selective, once, and takes it where it
 # fits. ViT-S at a 70 % keep stored two runs (block 10's attention and the head) and peaked
-# above compile's own 0.7 budget at about its speed (frontier.py on 00ea008, docs/results.md).
+# above compile's own 0.7 budget at about its speed (316.0 against 313.9 MiB); now 313.7 MiB
+# (benchmarks/frontier.py, docs/results.md).
 def selective_stored_runs(plan: Sequence[Segment],
                           profiles: Sequence[LayerProfile]) -> tuple[Segment, ...]:
     """``plan`` with each stored run that a selective checkpoint recomputes at no cost (all it
