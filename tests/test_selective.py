@@ -24,6 +24,7 @@ from revnets.memory import measure_memory
 from revnets.plan import Store, parse_memory_plan, plan_from_options
 from revnets.planning import auto, step_times
 from revnets.planning.chain import SELECTIVE, modelled_peaks, selective_plans
+from revnets.planning.compiled_costs import selective_stored_runs
 from revnets.planning.planned import PlanChain
 from revnets.planning.profile import profile_chain
 from revnets.planning.search import Option
@@ -451,3 +452,40 @@ def test_a_compiled_plans_stored_runs_are_selective_where_that_costs_nothing_and
             module.eval()
     assert _forward_bytes(planner._apply(selective), x) < _forward_bytes(
         planner._apply(last_stored), x)
+
+
+def test_a_compiled_plan_keeps_stored_the_runs_a_selective_checkpoint_cannot_run():
+    """NOTE [ Stored runs under compile ] follows the search's rule: no selective checkpoint over
+    a product a later step overwrites in place (a convolution and its in-place ReLU: torch
+    refuses the backward, and planning failed with its words), nor over a reconstructing
+    sequence."""
+    torch.manual_seed(0)
+    layers, width = [], 3
+    for out in (8, 8, 16, 16, 16, 16):
+        layers += [nn.Conv2d(width, out, 3, padding=1), nn.ReLU(inplace=True)]
+        width = out
+    model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(16 * 16 * 16, 10)).double()
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(state + 0.9 * (stored - state))
+    planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss, measure_time=False,
+                                      compiled=True)
+    assert measure_memory(lambda: loss(planned(x)).backward()).peak_bytes \
+        == planned.memory_plan.peak_bytes <= budget
+    reference = twin(model)
+    model.zero_grad(set_to_none=True)
+    loss(planned(x)).backward()
+    loss(reference(x)).backward()
+    assert max_grad_error(model, reference) <= 1e-10
+
+    planner = auto._Planner(model, model, x, loss, None, measure_time=False, compiled=True)
+    profiles = planner._profiles_of(frozenset())
+    everything = ((0, len(model), False),)
+    assert not profiles[0].selective_safe  # the first convolution's output, overwritten
+    assert selective_stored_runs(everything, profiles, frozenset()) == everything
+    head = ((0, len(model) - 1, True), (len(model) - 1, len(model), False))
+    assert profiles[-1].selective_safe and profiles[-1].selective_bytes
+    assert selective_stored_runs(head, profiles, frozenset())[-1][2] == SELECTIVE
+    assert selective_stored_runs(head, profiles, frozenset({len(model) - 1})) == head

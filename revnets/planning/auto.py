@@ -339,7 +339,7 @@ class _Planner:
         taken where it fits, if it checkpoints at all (NOTE [ Stored runs under compile ] in
         compiled_costs.py)."""
         profiles = self._profiles_of(found.reconstructed)
-        segments = selective_stored_runs(found.segments, profiles)
+        segments = selective_stored_runs(found.segments, profiles, found.reconstructed)
         if segments == found.segments or not any(r for _, _, r in found.segments):
             return found
         modelled = modelled_peaks([segments], profiles, self.input_state, whole_inputs=False)[0]

@@ -77,11 +77,17 @@ def selective_when_free(plan: Sequence[Segment],
 # fits. ViT-S at a 70 % keep stored two runs (block 10's attention and the head) and peaked
 # above compile's own 0.7 budget at about its speed (316.0 against 313.9 MiB); now 313.7 MiB
 # (benchmarks/frontier.py, docs/results.md).
-def selective_stored_runs(plan: Sequence[Segment],
-                          profiles: Sequence[LayerProfile]) -> tuple[Segment, ...]:
+def selective_stored_runs(plan: Sequence[Segment], profiles: Sequence[LayerProfile],
+                          reconstructed: Container[int]) -> tuple[Segment, ...]:
     """``plan`` with each stored run that a selective checkpoint recomputes at no cost (all it
     recomputes costs nothing under ``profiles``, costed by :func:`compiled_costs`) made one
-    (NOTE [ Stored runs under compile ])."""
-    return tuple((a, b, SELECTIVE if recompute is False
-                  and segment_cost(profiles, a, b, SELECTIVE) == 0 else recompute)
+    (NOTE [ Stored runs under compile ]); as the search's selective segments, never one whose
+    kept outputs a step overwrites in place (``selective_safe``: torch refuses the backward)
+    nor a ``reconstructed`` sequence, which runs as it is."""
+    def free(a: int, b: int) -> bool:
+        return (segment_cost(profiles, a, b, SELECTIVE) == 0
+                and all(profiles[i].selective_safe and i not in reconstructed
+                        for i in range(a, b)))
+
+    return tuple((a, b, SELECTIVE if recompute is False and free(a, b) else recompute)
                  for a, b, recompute in plan)
