@@ -25,7 +25,7 @@ from revnets.plan import Store, parse_memory_plan, plan_from_options
 from revnets.planning import auto, step_times
 from revnets.planning.chain import SELECTIVE, modelled_peaks, selective_plans
 from revnets.planning.compiled_costs import selective_stored_runs
-from revnets.planning.planned import PlanChain
+from revnets.planning.planned import PlanChain, PlannedModel
 from revnets.planning.profile import profile_chain
 from revnets.planning.search import Option
 
@@ -489,3 +489,61 @@ def test_a_compiled_plan_keeps_stored_the_runs_a_selective_checkpoint_cannot_run
     assert profiles[-1].selective_safe and profiles[-1].selective_bytes
     assert selective_stored_runs(head, profiles, frozenset())[-1][2] == SELECTIVE
     assert selective_stored_runs(head, profiles, frozenset({len(model) - 1})) == head
+
+
+class StemStageHead(nn.Module):
+    """A convolution stem, a reversible stage, and a wide head of products."""
+
+    def __init__(self, width: int = 8, wide: int = 128) -> None:
+        super().__init__()
+        def half():
+            return nn.Sequential(nn.BatchNorm2d(width), nn.ReLU(),
+                                 nn.Conv2d(width, width, 3, padding=1))
+
+        self.stem = nn.Sequential(nn.Conv2d(3, 2 * width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(2 * width), nn.ReLU())
+        self.stage = revnets.ReversibleSequence(
+            revnets.ReversibleBlock(half(), half()) for _ in range(3))
+        self.head = nn.Sequential(nn.Conv2d(2 * width, wide, 1), nn.BatchNorm2d(wide), nn.ReLU(),
+                                  nn.Conv2d(wide, wide, 1), nn.BatchNorm2d(wide), nn.ReLU())
+        self.fc = nn.Linear(wide, 10)
+
+    def forward(self, x):
+        return self.fc(F.adaptive_avg_pool2d(self.head(self.stage(self.stem(x))), 1).flatten(1))
+
+
+def test_a_compiled_plan_runs_a_reconstructing_sequence_as_it_is():
+    """A reconstructing sequence keeps neither its input nor its internals; a checkpoint around
+    it would run it once more. Made selective as a stored run (NOTE [ Stored runs under
+    compile ]), it was, and peaked higher than the plan found."""
+    torch.manual_seed(0)
+    model = StemStageHead().double()
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    planned = revnets.auto_checkpoint(model, x, int(state + 0.92 * (stored - state)),
+                                      loss_fn=loss, measure_time=False, compiled=True)
+    assert isinstance(model.stage.memory, revnets.Reconstruct), planned.memory_plan
+    around = [step for step in PlannedModel.plan_of(planned)
+              if isinstance(step, revnets.Checkpointed)
+              and any(m is model.stage for m in step.modules())]
+    assert not around, planned.memory_plan
+
+
+def test_where_storing_everything_fits_a_compiled_plan_is_the_model_itself():
+    """Selective checkpoints cost nothing under compile (NOTE [ Compiled costs ]), as storing
+    does; of equal cost, the plan that checkpoints nothing comes first, so a budget the model
+    meets alone gets the model back, compiled or not (it got four selective checkpoints)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.1),
+                          nn.Linear(128, 128), nn.BatchNorm1d(128), nn.ReLU(),
+                          nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10)).double()
+    x = torch.randn(512, 32, dtype=torch.float64)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
+    for budget in (stored, 2 * stored):
+        for compiled in (False, True):
+            planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss,
+                                              measure_time=False, compiled=compiled)
+            assert planned is model, planned.memory_plan

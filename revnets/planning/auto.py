@@ -298,7 +298,9 @@ class _Planner:
             options += [Option(reconstructed, plan, self._recompute(plan, profiles) + extra,
                                peak, sized)
                         for (plan, sized), peak in zip(candidates, modelled)]
-        options.sort(key=lambda o: (o.cost, o.modelled))
+        # Of equal cost, plans that checkpoint nothing first: where storing everything fits,
+        # the model itself, also compiled, where selective checkpoints cost nothing too.
+        options.sort(key=lambda o: (o.cost, any(r for _, _, r in o.segments), o.modelled))
         found, peaks = search(options, budget, self._predict, self.model_state)
         if found is None:
             low = lowest_floor(options, peaks)
