@@ -56,6 +56,13 @@ def block() -> nn.Sequential:
                          nn.Dropout(0.2))
 
 
+def budget_keeping(model: nn.Module, x: torch.Tensor, loss, keep: float) -> int:
+    """The predicted peak of a training step with only ``keep`` of its activation part."""
+    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(state + keep * (stored - state))
+
+
 @pytest.mark.parametrize("make, shape", [
     (block, (3, 5, WIDTH)),
     (lambda: nn.Sequential(conv_unit(4, dropout=0.3), conv_unit(4)), (2, 4, 6, 6)),
@@ -139,9 +146,7 @@ def test_the_planner_keeps_products_where_recomputing_them_costs_more():
     model = nn.Sequential(*(nn.Sequential(nn.LayerNorm(width), mlp(width)) for _ in range(6)))
     x = torch.randn(256, width)
     loss = lambda out: out.square().mean()  # noqa: E731
-    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
-    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    planned = revnets.auto_checkpoint(model, x, int(state + 0.75 * (stored - state)),
+    planned = revnets.auto_checkpoint(model, x, budget_keeping(model, x, loss, 0.75),
                                       loss_fn=loss)
     decisions = {str(part.decision) for part in planned.memory_plan.parts}
     assert "checkpoint(selective=true)" in decisions, planned.memory_plan
@@ -329,9 +334,7 @@ def test_a_compiled_plan_checkpoints_steps_keeping_no_product_selectively():
                                              num_classes=10, width_per_group=16)
     x, y = torch.randn(2, 3, 64, 64), torch.arange(2)
     loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
-    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
-    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    planned = revnets.auto_checkpoint(model, x, int(state + 0.95 * (stored - state)),
+    planned = revnets.auto_checkpoint(model, x, budget_keeping(model, x, loss, 0.95),
                                       loss_fn=loss, measure_time=False, compiled=True)
     free = [part for part in planned.memory_plan.parts
             if isinstance(part.decision, Checkpoint) and not part.recompute_seconds]
@@ -427,9 +430,7 @@ def test_a_compiled_plans_stored_runs_are_selective_where_that_costs_nothing_and
     model = nn.Sequential(*(block() for _ in range(4)))
     x = torch.randn(8, 32, WIDTH)
     loss = lambda out: out.square().mean()  # noqa: E731
-    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
-    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    budget = int(state + 0.5 * (stored - state))
+    budget = budget_keeping(model, x, loss, 0.5)
     planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss, measure_time=False,
                                       compiled=True)
     assert not [part for part in planned.memory_plan.parts if isinstance(part.decision, Store)]
@@ -467,9 +468,7 @@ def test_a_compiled_plan_keeps_stored_the_runs_a_selective_checkpoint_cannot_run
     model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(16 * 16 * 16, 10)).double()
     x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
     loss = lambda out: out.square().mean()  # noqa: E731
-    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
-    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    budget = int(state + 0.9 * (stored - state))
+    budget = budget_keeping(model, x, loss, 0.9)
     planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss, measure_time=False,
                                       compiled=True)
     assert measure_memory(lambda: loss(planned(x)).backward()).peak_bytes \
@@ -520,9 +519,7 @@ def test_a_compiled_plan_runs_a_reconstructing_sequence_as_it_is():
     model = StemStageHead().double()
     x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
     loss = lambda out: out.square().mean()  # noqa: E731
-    stored = revnets.predict_memory(lambda m: loss(m(x)).backward(), model).peak_bytes
-    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    planned = revnets.auto_checkpoint(model, x, int(state + 0.92 * (stored - state)),
+    planned = revnets.auto_checkpoint(model, x, budget_keeping(model, x, loss, 0.92),
                                       loss_fn=loss, measure_time=False, compiled=True)
     assert isinstance(model.stage.memory, revnets.Reconstruct), planned.memory_plan
     around = [step for step in PlannedModel.plan_of(planned)
