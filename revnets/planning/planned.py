@@ -32,8 +32,9 @@ __all__ = ["PlanChain", "PlannedModel"]
 # prediction, are unchanged. A plain checkpoint among them keeps the values at its cuts again,
 # and where its steps keep no product (a norm, an addition, an activation) it keeps and
 # recomputes what a selective one does: plans for a compiled model make it selective
-# (chain.selective_when_free), which took ResNet-50's plan at a 70 % keep from 227.7 to 222.7
-# MiB compiled, below compile's own 0.7 budget (224.3 MiB; benchmarks/frontier.py).
+# (compiled_costs.selective_when_free), which took ResNet-50's plan at a 70 % keep from 227.7
+# to 222.7 MiB compiled, below compile's own 0.7 budget (224.3 MiB; benchmarks/frontier.py).
+# So are a plan's stored runs where that costs nothing (NOTE [ Stored runs under compile ]).
 
 
 class PlanChain(nn.Sequential):
