@@ -27,7 +27,7 @@ from revnets.planning.chain import SELECTIVE, modelled_peaks, selective_plans
 from revnets.planning.compiled_costs import selective_stored_runs
 from revnets.planning.planned import PlanChain, PlannedModel
 from revnets.planning.profile import profile_chain
-from revnets.planning.search import Option
+from revnets.planning.search import Option, floors
 
 from conftest import conv_unit, max_grad_error, rel_error, twin
 
@@ -544,3 +544,16 @@ def test_where_storing_everything_fits_a_compiled_plan_is_the_model_itself():
             planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss,
                                               measure_time=False, compiled=compiled)
             assert planned is model, planned.memory_plan
+
+
+def test_the_search_orders_plans_that_differ_only_in_how_a_segment_recomputes():
+    """Of plans modelled alike, the search's floors take one by its segments. A selective
+    segment where another plan had a plain or stored one made the two unorderable (a str
+    against a bool): planning i-RevNet-163 for compile failed with a TypeError instead of
+    naming its smallest budget."""
+    def option(first, second):
+        return Option(frozenset(), ((0, 2, first), (2, 4, second)), cost=0.0, modelled=100)
+
+    plain, selective, stored = option(True, False), option(SELECTIVE, False), option(False, True)
+    for options in ([plain, selective, stored], [selective, stored, plain]):
+        assert floors(options) == [stored]  # the first segment stored, then checkpointed

@@ -87,7 +87,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from revnets.planning.chain import Segment
+from revnets.planning.chain import SELECTIVE, Segment
 from revnets.planning.nested import NestedSchedule
 
 __all__ = [
@@ -173,6 +173,15 @@ def _guesses(
     return best
 
 
+def _comparable(segments: Segments) -> tuple[tuple[int, int, int], ...]:
+    """``segments`` as a key that orders any two plans: how a segment recomputes (stored,
+    checkpointed, selective) as a number. Plans of equal modelled peak, one with a selective
+    segment where the other had a plain one, made the tuples themselves unorderable (a str
+    against a bool)."""
+    return tuple((a, b, 2 if recompute == SELECTIVE else int(recompute))
+                 for a, b, recompute in segments)
+
+
 def floors(options: Sequence[Option]) -> list[Option]:
     """Each choice's option of least modelled peak among those chosen on sizes alone, and the
     one that recomputes nothing (where activations are few, checkpoints can cost more than
@@ -183,13 +192,13 @@ def floors(options: Sequence[Option]) -> list[Option]:
     for option in options:
         if not option.sized:
             continue
-        key = (option.modelled, option.segments)
+        key = (option.modelled, _comparable(option.segments))
         held = best.get(option.reconstructed)
-        if held is None or key < (held.modelled, held.segments):
+        if held is None or key < (held.modelled, _comparable(held.segments)):
             best[option.reconstructed] = option
         held = cheapest.get(option.reconstructed)
         if not any(recompute for _, _, recompute in option.segments) and (
-                held is None or key < (held.modelled, held.segments)):
+                held is None or key < (held.modelled, _comparable(held.segments))):
             cheapest[option.reconstructed] = option
     both = dict.fromkeys([*best.values(), *cheapest.values()])  # in a fixed order
     return sorted(both, key=lambda o: (o.cost, o.modelled))
@@ -213,7 +222,7 @@ def near_floors(options: Sequence[Option], peaks: dict[Option, int]) -> list[Opt
     near = [option for option in options if option.sized and option not in lowest
             and option.modelled + error[option.reconstructed] < least]
     near.sort(key=lambda option: (option.modelled + error[option.reconstructed],
-                                  sorted(option.reconstructed), option.segments))
+                                  sorted(option.reconstructed), _comparable(option.segments)))
     # One of each modelled peak: plans alike to the model differ in a cut or two, and peaked
     # alike (timm's efficientvit_m0: four near floors modelled as a floor, each predicted at
     # its peak, half a second apiece).
