@@ -4,6 +4,7 @@ module, keep exactly what the note says (measured and predicted to the byte), an
 uses them where measured times say recomputing everything costs more."""
 
 import copy
+import math
 from dataclasses import replace
 
 import pytest
@@ -557,3 +558,22 @@ def test_the_search_orders_plans_that_differ_only_in_how_a_segment_recomputes():
     plain, selective, stored = option(True, False), option(SELECTIVE, False), option(False, True)
     for options in ([plain, selective, stored], [selective, stored, plain]):
         assert floors(options) == [stored]  # the first segment stored, then checkpointed
+
+
+def test_a_compiled_plan_without_measured_times_shows_no_recompute_time():
+    """Unmeasured, a compiled model's steps cost their operations (NOTE [ Compiled costs ]),
+    which its plan showed as milliseconds (2,097,152,000 ms for an attention block); it shows
+    none, as an eager plan unmeasured does. Measured, it shows seconds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(block() for _ in range(4)))
+    x = torch.randn(8, 32, WIDTH)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    budget = budget_keeping(model, x, loss, 0.3)
+    for measured in (False, True):
+        plan = revnets.auto_checkpoint(model, x, budget, loss_fn=loss, measure_time=measured,
+                                       compiled=True).memory_plan
+        seconds = [part.recompute_seconds for part in plan.parts
+                   if isinstance(part.decision, Checkpoint) and not part.decision.selective]
+        assert seconds, plan
+        assert all(s > 0 and s < 1 for s in seconds) if measured else \
+            all(math.isnan(s) for s in seconds), plan

@@ -240,6 +240,7 @@ class _Planner:
         times = (measure_time.of(chain) if isinstance(measure_time, ForwardTimes)
                  else chain_times(chain, example_input).seconds
                  if measure_time and _device(example_input).type != "meta" else None)
+        self.timed = times is not None
         if times is not None:
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=seconds)
@@ -310,7 +311,8 @@ class _Planner:
         profiles = self._assign(found.reconstructed)
         planned = self._apply(found.segments)
         plan = describe_plan(self.chain, self.sequences, self.original, self.input_state,
-                             found.segments, profiles, found.reconstructed, peaks[found], budget)
+                             found.segments, self._shown(profiles), found.reconstructed,
+                             peaks[found], budget)
         return planned, plan
 
     def _refined(self, found: Option, peaks: dict[Option, int], budget: int) -> Option:
@@ -363,7 +365,7 @@ class _Planner:
         a budget at all (the floors, and the smallest budget a refusal names) depends on those
         only, so that it is the same from run to run; measured times order the candidates and
         add selective ones (NOTE [ Modelled search, exact acceptance ])."""
-        unmeasured = [replace(p, forward_seconds=math.nan) for p in profiles]
+        unmeasured = _unmeasured(profiles)
         sized = {
             self._cut_around([(a, b, number < len(plan) - 1) for number, (a, b) in enumerate(plan)],
                              reconstructed)
@@ -428,9 +430,7 @@ class _Planner:
         layers, grouped = group_chain(list(self.chain), profiles, NESTED_GROUPS)
         # Steps counted rather than timed: the schedules are the same in every run, so the
         # budget a refusal names plans when asked, whatever the times measured then.
-        counted = group_chain(list(self.chain),
-                              [replace(p, forward_seconds=math.nan) for p in profiles],
-                              NESTED_GROUPS)[1]
+        counted = group_chain(list(self.chain), _unmeasured(profiles), NESTED_GROUPS)[1]
         frugal = most_frugal_schedule(grouped)
         # No plan keeping the groups whole holds less, at some moment, than the chain model's
         # least for them. Where the lowest floor, as predicted and as modelled, is within
@@ -451,12 +451,16 @@ class _Planner:
             if peak < low_peak:
                 low_peak, how = peak, f"nested checkpoints {schedule.tree}"
             raise no_fit(budget, low_peak, how)
-        parts = [*self._sequence_parts(profiles, reconstructed),
+        parts = [*self._sequence_parts(self._shown(profiles), reconstructed),
                  PartPlan(f"nested checkpoints {schedule.tree}", Checkpoint(),
                           recompute_seconds=math.nan)]
         return schedule.apply(layers), memory_plan(parts, reconstructed, True, peak, budget)
 
     # -- the plan as an object --------------------------------------------------------------
+    def _shown(self, profiles: list[LayerProfile]) -> list[LayerProfile]:
+        """As a plan shows them: no seconds unmeasured (not operations: NOTE [ Compiled costs ])."""
+        return profiles if self.timed else _unmeasured(profiles)
+
     def _sequence_parts(
         self, profiles: list[LayerProfile], reconstructed: frozenset[int]
     ) -> list[PartPlan]:
@@ -467,6 +471,10 @@ class _Planner:
                      measured_seconds(profiles, range(i, i + 1)) if i in reconstructed else 0.0)
             for i in self.sequences
         ]
+
+
+def _unmeasured(profiles: Sequence[LayerProfile]) -> list[LayerProfile]:
+    return [replace(p, forward_seconds=math.nan) for p in profiles]
 
 
 def _grid_rooms(low: float, high: float) -> list[int]:
