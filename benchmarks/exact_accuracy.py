@@ -80,7 +80,7 @@ def model(kind: str, in_channels: int, seed: int) -> nn.Module:
     else:
         blocks = [ReversibleBlock(conv_gn_relu(width // 2), conv_gn_relu(width // 2))
                   for _ in range(6)]
-        body = ReversibleSequence(blocks, Reconstruct(exact=kind == "revnet exact"))
+        body = ReversibleSequence(blocks, Reconstruct(), exact=kind == "revnet exact")
     return nn.Sequential(
         nn.Conv2d(in_channels, width, 3, padding=1), body, nn.AdaptiveAvgPool2d(4),
         nn.Flatten(), nn.Linear(16 * width, 10),

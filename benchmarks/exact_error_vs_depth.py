@@ -55,7 +55,7 @@ def error(depth: int, precision: str, exact: bool) -> float:
     sequence = stack(depth, exact)
     x = torch.randn(2, 8, 4, 4, generator=torch.Generator().manual_seed(1))
     dtype = PRECISIONS[precision]
-    sequence.memory = Reconstruct(exact=exact)
+    sequence.memory = Reconstruct()
     reversible = gradients(sequence, x, dtype)
     sequence.memory = Store()  # the same arithmetic, ordinary autograd
     stored = gradients(sequence, x, dtype)

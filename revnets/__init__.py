@@ -28,6 +28,7 @@ from revnets.reversible import (
     ExactAdditiveCoupling,
     ReversibleBlock,
     ReversibleSequence,
+    SequenceOptions,
 )
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "ReconstructionReport",
     "ReversibleBlock",
     "ReversibleSequence",
+    "SequenceOptions",
     "SpaceToDepth",
     "Store",
     "allocator_peak",

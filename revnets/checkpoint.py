@@ -364,6 +364,11 @@ def _nested(
         yield
 
 
+# Options of earlier spellings, refused by name as keywords and as attributes: the value of
+# ``memory`` that says the same.
+_RENAMED = {"enabled": "revnets.Store() (for enabled=False)"}
+
+
 class Checkpointed(nn.Module):
     """Wrap any module so that, in training with grad enabled, its forward stores only its inputs
     and its internals are recomputed in backward.
@@ -394,7 +399,7 @@ class Checkpointed(nn.Module):
             )
         if renamed:
             name = next(iter(renamed))
-            hint = ": use memory=revnets.Store() for enabled=False" if name == "enabled" else ""
+            hint = f": use memory={_RENAMED[name]}" if name in _RENAMED else ""
             raise TypeError(f"Checkpointed got an unexpected keyword argument {name!r}{hint}")
         self.module = module
         self.memory = memory
@@ -403,6 +408,13 @@ class Checkpointed(nn.Module):
     @property
     def memory(self) -> Checkpoint | Store:
         return self._memory
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _RENAMED:
+            raise AttributeError(
+                f"Checkpointed has no option {name!r}: set checkpointed.memory = {_RENAMED[name]}"
+            )
+        super().__setattr__(name, value)
 
     @memory.setter
     def memory(self, memory: Checkpoint | Store) -> None:

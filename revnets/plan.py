@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import get_type_hints
 
 __all__ = [
+    "EXACT_HOME",
     "PRESETS",
     "Checkpoint",
     "Decision",
@@ -81,17 +82,29 @@ class Checkpoint:
         return f"checkpoint({', '.join(options)})" if options else "checkpoint"
 
 
+# Where a plan meets the arithmetic: ``exact`` is how a reversible sequence computes (its grid), not
+# what it keeps, so it is the sequence's alone and no decision carries it.
+EXACT_HOME = (
+    "exact is the arithmetic of a reversible sequence, not a memory decision, and a plan never "
+    "changes it: set it on the sequence (revnets.ReversibleSequence(blocks, exact=True), or "
+    "sequence.exact = True), on a zoo model when it is built (timm.create_model(name, "
+    "exact=True)), or in the trainer as model.exact=true"
+)
+
+
 @dataclass(frozen=True)
 class Reconstruct:
     """Recompute a reversible part's inputs from its outputs in backward (see
-    :class:`~revnets.ReversibleSequence` for ``store_last_blocks``, ``keep_input_every`` and
-    ``exact``: grid arithmetic that makes reconstruction exact to the bit in any precision)."""
+    :class:`~revnets.ReversibleSequence` for ``store_last_blocks`` and ``keep_input_every``).
+    The sequence's arithmetic (``exact``) is the sequence's own: no decision changes it."""
 
     store_last_blocks: int = 0
     keep_input_every: int | None = None
-    exact: bool = False
+    exact: InitVar[object] = None  # refused by name: EXACT_HOME
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, exact: object) -> None:
+        if exact is not None:
+            raise TypeError(f"Reconstruct(exact={exact!r}): {EXACT_HOME}")
         if isinstance(self.store_last_blocks, bool) or not isinstance(self.store_last_blocks, int) \
                 or self.store_last_blocks < 0:
             raise ValueError(
@@ -106,15 +119,11 @@ class Reconstruct:
                 "Reconstruct: keep_input_every must be a positive integer or None, got "
                 f"{self.keep_input_every!r}"
             )
-        if not isinstance(self.exact, bool):
-            raise ValueError(f"Reconstruct: exact must be True or False, got {self.exact!r}")
 
     def __str__(self) -> str:
         options = [f"store_last_blocks={self.store_last_blocks}"] if self.store_last_blocks else []
         if self.keep_input_every is not None:
             options.append(f"keep_input_every={self.keep_input_every}")
-        if self.exact:
-            options.append("exact=True")
         return "reconstruct" + (f"({', '.join(options)})" if options else "")
 
 
@@ -233,6 +242,8 @@ def plan_from_options(preset: str, **options: object) -> MemoryPlan:
     plan = _preset(preset)
     valid = tuple(f.name for f in fields(plan.stages))
     unknown = [key for key in options if key not in valid]
+    if "exact" in unknown:
+        raise ValueError(f"memory plan {plan.name!r} has no option 'exact': {EXACT_HOME}")
     if unknown:
         takes = f"its options: {', '.join(valid)}" if valid else "it takes no options"
         raise ValueError(f"memory plan {plan.name!r} has no option {unknown[0]!r}; {takes}")
@@ -272,6 +283,9 @@ def parse_memory_plan(value: str | MemoryPlan) -> MemoryPlan:
         key, _, text = item.partition("=")
         if key in options:
             raise ValueError(f"memory plan {value!r}: option {key!r} given twice")
+        if key not in {f.name for f in fields(decision)}:
+            options[key] = text  # refused by plan_from_options, naming the options there are
+            continue
         try:
             options[key] = _option_value(decision, key, text)
         except ValueError as error:

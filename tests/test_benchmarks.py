@@ -53,7 +53,7 @@ def test_exact_scripts_quick_runs():
     out = run_quick("exact_error_vs_depth.py")
     assert "'precision': 'bf16', 'exact': True, 'relative_error': 0.0}" in out
     assert "'precision': 'fp16', 'exact': True, 'relative_error': 0.0}" in out
-    assert "'plan': 'reversible(exact=true)'" in run_quick("exact_step_time.py")
+    assert "'plan': 'reversible, exact=True'" in run_quick("exact_step_time.py")
 
 
 @pytest.mark.slow

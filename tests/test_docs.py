@@ -113,9 +113,8 @@ EXPECTED = {
     "python train.py model=resnet32 memory=checkpoint memory.segments=4 memory.selective=true "
     "trainer.max_steps=2":
         "memory plan of resnet32: stages=checkpoint(segments=4, selective=true), rest=store",
-    "python train.py memory=reversible memory.exact=true trainer.precision=bf16 "
-    "trainer.max_steps=2":
-        "memory plan of revnet38: stages=reconstruct(exact=True), rest=store",
+    "python train.py model.exact=true trainer.precision=bf16 trainer.max_steps=2":
+        "memory plan of revnet38: reversible, exact arithmetic",
 }
 RUN = [command for command in shell_commands() if command not in NOT_RUN]
 

@@ -61,12 +61,12 @@ def reversible_vs_stored(
     """Relative error (global norm) of the reversible path's gradients against ordinary
     autograd's of the same sequence, in the same arithmetic."""
     exact = sequence.exact
-    sequence.memory = Reconstruct(exact=exact)
+    sequence.memory = Reconstruct()
     reversible = gradients(sequence, x, precision)
     sequence.memory = Store()  # keeps the arithmetic: exact stays as it was
     assert sequence.exact == exact
     stored = gradients(sequence, x, precision)
-    sequence.memory = Reconstruct(exact=exact)
+    sequence.memory = Reconstruct()
     return relative_error(reversible, stored)
 
 
@@ -128,13 +128,12 @@ def test_a_weight_tied_across_blocks_gets_the_exact_sum_of_its_uses_gradients(pr
         gradients(tied, x, precision)
         return f[0].weight.grad.double()
 
-    assert relative_error(tied_gradient(Reconstruct(exact=True)), per_use_sum) <= 1e-6
+    assert relative_error(tied_gradient(Reconstruct()), per_use_sum) <= 1e-6
     assert relative_error(tied_gradient(Store()), per_use_sum) > 1e-4  # rounded to bf16/fp16
 
 
 @pytest.mark.parametrize(
-    "memory", [Reconstruct(store_last_blocks=2, exact=True),
-               Reconstruct(keep_input_every=4, exact=True)], ids=str)
+    "memory", [Reconstruct(store_last_blocks=2), Reconstruct(keep_input_every=4)], ids=str)
 def test_exact_with_stored_last_blocks_and_kept_inputs(memory):
     sequence = stack(16)
     x = torch.randn(2, 8, 4, 4)
@@ -228,7 +227,7 @@ def test_couplings_and_modules_without_an_exact_form_are_refused_by_name():
         ReversibleSequence([affine], exact=True)
     sequence = ReversibleSequence([affine])
     with pytest.raises(TypeError, match="AffineCoupling"):
-        sequence.set_memory(Reconstruct(exact=True))
+        sequence.exact = True
     assert not sequence.exact
 
     class Flip(revnets.Invertible):
@@ -244,22 +243,42 @@ def test_couplings_and_modules_without_an_exact_form_are_refused_by_name():
     ReversibleSequence([stack(1, exact=False)[0], revnets.SpaceToDepth(2)], exact=True)
 
 
-def test_exact_is_an_option_of_reconstruct_in_every_form_plans_come_in():
-    assert parse_memory_plan("reversible(exact=true)").stages == Reconstruct(exact=True)
-    assert str(Reconstruct(exact=True)) == "reconstruct(exact=True)"
+def test_exact_is_the_sequences_arithmetic_which_no_memory_decision_changes():
     sequence = stack(2, exact=False)
-    sequence.set_memory(Reconstruct(exact=True))
-    assert sequence.exact and type(sequence[0].coupling).__name__ == "ExactAdditiveCoupling"
-    sequence.set_memory(Store())
-    assert sequence.exact  # a Store keeps the arithmetic
-    sequence.set_memory(Reconstruct())
-    assert not sequence.exact and type(sequence[0].coupling).__name__ == "AdditiveCoupling"
+    sequence.exact = True
+    assert type(sequence[0].coupling).__name__ == "ExactAdditiveCoupling"
+    for decision in (Store(), Reconstruct(), Reconstruct(store_last_blocks=1)):
+        sequence.set_memory(decision)
+        assert sequence.exact and str(sequence.memory) == str(decision)
+    sequence.exact = False
+    assert type(sequence[0].coupling).__name__ == "AdditiveCoupling"
+    # Spelt as a memory option in any form plans come in, it is refused, naming its home.
+    home = "exact is the arithmetic of a reversible sequence"
+    with pytest.raises(TypeError, match=home):
+        Reconstruct(exact=True)
+    with pytest.raises(ValueError, match=home):
+        parse_memory_plan("reversible(exact=true)")
+    with pytest.raises(ValueError, match=home):
+        revnets.plan_from_options("reversible", exact=True)
+
+
+def test_a_model_cast_to_low_precision_is_refused_naming_autocast():
+    sequence = stack(2).bfloat16().train()
+    x = torch.randn(2, 8, 4, 4, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(TypeError, match=r"parameter blocks.0.f.0.weight is torch.bfloat16 .*"
+                                        r"model.float\(\).*torch.autocast"):
+        sequence(x)
+    sequence.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sequence(x).float().sum().backward()  # the remedy trains
 
 
 def test_exact_through_the_zoo_timm_keyword():
     torch.manual_seed(0)
-    model = timm.create_model("revnet38", num_classes=10, memory="reversible(exact=true)")
-    assert model.memory.stages == Reconstruct(exact=True)
+    model = timm.create_model("revnet38", num_classes=10, exact=True)
+    assert all(s.exact for s in model.modules() if isinstance(s, ReversibleSequence))
+    with pytest.raises(ValueError, match="resnet32 has no reversible sequence"):
+        timm.create_model("resnet32", exact=True)
     x = torch.randn(2, 3, 16, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16), revnets.check_reconstruction() as report:
         model(x).float().square().sum().backward()

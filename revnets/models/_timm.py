@@ -3,7 +3,9 @@ the model classes themselves.
 
 ``build`` is timm's ``build_model_with_cfg`` taking timm's ``device=`` and ``dtype=`` factory
 keywords (``timm.create_model(name, device="meta")``): the model is built on that device (as
-under ``with torch.device(...)``), then cast to that dtype.
+under ``with torch.device(...)``), then cast to that dtype; and ``exact=True``, the arithmetic of
+every reversible sequence of the model (NOTE [ Exact reversibility ]), which no memory plan
+changes.
 
 torch.fx (timm's ``create_feature_extractor`` and ``features_only=True, feature_cls="fx"``)
 keeps a :class:`~revnets.ReversibleSequence` whole, as one leaf of the graph: its forward
@@ -42,12 +44,25 @@ def build(
     pretrained: bool,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    exact: bool = False,
     **kwargs: Any,
 ) -> Model:
-    """``build_model_with_cfg(cls, variant, pretrained, **kwargs)`` on ``device`` in ``dtype``."""
+    """``build_model_with_cfg(cls, variant, pretrained, **kwargs)`` on ``device`` in ``dtype``,
+    its reversible sequences ``exact``."""
+    if not isinstance(exact, bool):
+        raise TypeError(f"{variant}: exact must be True or False, got {exact!r}")
     where = torch.device(device) if device is not None else contextlib.nullcontext()
     with where:
         model = build_model_with_cfg(cls, variant, pretrained, **kwargs)
     if dtype is not None:
         model.to(dtype=dtype)
+    if exact:
+        sequences = [m for m in model.modules() if isinstance(m, ReversibleSequence)]
+        if not sequences:
+            raise ValueError(
+                f"{variant} has no reversible sequence, so exact=True (exact reconstruction) "
+                f"has nothing to make exact; drop it, or choose a reversible model (a RevNet)"
+            )
+        for sequence in sequences:
+            sequence.exact = True
     return model

@@ -250,8 +250,7 @@ class IRevNet(SwitchableMemory, PooledClassifier, nn.Module):
         take, max_index = feature_take_indices(len(self.stage_ends), indices)
         stop = self.stage_ends[max_index]
         if stop < len(self.blocks):
-            self.blocks = ReversibleSequence(list(self.blocks)[:stop])
-            self.blocks.set_memory(self.memory.stages)
+            self.blocks = self.blocks.sliced(0, stop)
         self.stage_ends = self.stage_ends[: max_index + 1]
         if prune_norm or max_index < len(self.feature_info) - 1:
             self.final_act = nn.Identity()

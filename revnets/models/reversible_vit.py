@@ -417,8 +417,7 @@ class ReversibleVisionTransformer(SwitchableMemory, nn.Module):
         self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
     ) -> list[int]:
         take, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = ReversibleSequence(list(self.blocks)[: max_index + 1])
-        self.blocks.set_memory(self.memory.stages)
+        self.blocks = self.blocks.sliced(0, max_index + 1)
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:

@@ -10,7 +10,6 @@ from torch import Tensor
 
 from revnets.checkpoint import checkpoint, run_checkpointed_segments
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, parse_memory_plan
-from revnets.reversible import ReversibleSequence
 
 __all__ = ["SwitchableMemory"]
 
@@ -55,8 +54,7 @@ class SwitchableMemory:
         says (a slice runs as a sequence of its own: reversibly between feature taps)."""
         blocks = self.blocks
         if start != 0 or stop not in (None, len(blocks)):
-            blocks = ReversibleSequence(list(self.blocks)[start:stop])
-            blocks.set_memory(self.memory.stages)
+            blocks = self.blocks.sliced(start, stop)
         if isinstance(self.memory.stages, Checkpoint) and self._saving():
             segments = self.memory.stages.segments_for(len(blocks))
             return run_checkpointed_segments(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from revnets.models.switchable import SwitchableMemory
-from revnets.plan import PRESETS
+from revnets.plan import PRESETS, MemoryPlan, Reconstruct
 from revnets.planning.budget import LossFn, no_fit, training_step
 from revnets.planning.frozen import refuse_hooks
 from revnets.planning.graph_step import GraphStep
@@ -37,7 +37,8 @@ def planning_chain(model: nn.Module, caller: str = "auto_checkpoint") -> nn.Sequ
     zoo = isinstance(model, SwitchableMemory)
     original = model.memory if zoo else None
     if zoo:  # trace the model's plain code path; the planner decides the rest
-        model.set_memory(PRESETS["reversible" if _reconstructs(model) else "none"])
+        model.set_memory(_keeping(original, PRESETS["reversible" if _reconstructs(model)
+                                                     else "none"]))
     try:
         return as_graph_chain(model)
     except Exception as error:  # torch.fx raises many kinds on code it cannot trace
@@ -67,6 +68,14 @@ def sequence_of(step: nn.Module) -> ReversibleSequence | None:
     return None
 
 
+def _keeping(original: MemoryPlan, preset: MemoryPlan) -> MemoryPlan:
+    """``preset``, reconstructing as ``original`` does where both reconstruct: the planner
+    decides whether a stage reconstructs, never the options of its reconstruction."""
+    if isinstance(preset.stages, Reconstruct) and isinstance(original.stages, Reconstruct):
+        return replace(preset, stages=original.stages)
+    return preset
+
+
 def _reconstructs(model: SwitchableMemory) -> bool:
     return model.memory_problem(PRESETS["reversible"]) is None
 
@@ -86,12 +95,13 @@ def choose_preset(
     for name in ("none", "reversible", "checkpoint", "reversible+checkpoint"):
         if name not in model.memory_strategies:
             continue
-        model.set_memory(name)
+        plan = _keeping(original, PRESETS[name])
+        model.set_memory(plan)
         peaks[name] = predictor.predict(
             training_step, (model, example_input, loss_fn, optimizer), {}
         ).peak_bytes
         if peaks[name] <= budget:
-            model.memory_plan = replace(PRESETS[name], peak_bytes=peaks[name], budget=budget)
+            model.memory_plan = replace(plan, peak_bytes=peaks[name], budget=budget)
             return model
     model.set_memory(original)
     best = min(peaks, key=peaks.get)

@@ -7,18 +7,12 @@ error in the user's loss function, an interrupt), the model must be as it was ha
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from revnets.models.switchable import SwitchableMemory
-from revnets.reversible import ReversibleSequence
+from revnets.reversible import ReversibleSequence, SequenceOptions
 
 __all__ = ["ModelState"]
-
-# The attributes of a reversible sequence that say how it runs.
-_SEQUENCE_OPTIONS = ("memory", "preserve_rng_state", "reuse_memory")
-
 
 class ModelState:
     """How ``model`` and its modules run (memory plan, sequences' options, training flags), as
@@ -28,10 +22,8 @@ class ModelState:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.memory = model.memory if isinstance(model, SwitchableMemory) else None
-        self.sequences: list[tuple[ReversibleSequence, dict[str, Any]]] = [
-            (m, {k: getattr(m, k) for k in _SEQUENCE_OPTIONS if hasattr(m, k)})
-            for m in model.modules()
-            if isinstance(m, ReversibleSequence)
+        self.sequences: list[tuple[ReversibleSequence, SequenceOptions]] = [
+            (m, m.options) for m in model.modules() if isinstance(m, ReversibleSequence)
         ]
         self.training = [(m, m.training) for m in model.modules()]
 
@@ -39,7 +31,6 @@ class ModelState:
         if self.memory is not None and self.model.memory is not self.memory:
             self.model.set_memory(self.memory)
         for sequence, options in self.sequences:
-            for key, value in options.items():
-                setattr(sequence, key, value)
+            sequence.options = options  # the record whole (SequenceOptions)
         for module, training in self.training:
             module.training = training

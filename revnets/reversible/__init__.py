@@ -43,7 +43,7 @@ from revnets.reversible.coupling import (
     Coupling,
     ExactAdditiveCoupling,
 )
-from revnets.reversible.sequence import ReversibleSequence
+from revnets.reversible.sequence import ReversibleSequence, SequenceOptions
 
 __all__ = [
     "AdditiveCoupling",
@@ -52,4 +52,5 @@ __all__ = [
     "ExactAdditiveCoupling",
     "ReversibleBlock",
     "ReversibleSequence",
+    "SequenceOptions",
 ]

@@ -5,7 +5,7 @@ that reconstruction is exact to the bit at any depth and in any autocast precisi
 
 In float arithmetic ``y = x + h`` rounds, so ``y - h`` is not ``x``; the error is carried into
 every block below and grows fast in bfloat16 or float16. ``ReversibleSequence(exact=True)``
-(``Reconstruct(exact=True)``) computes a slightly different function whose inverse is exact:
+computes a slightly different function whose inverse is exact:
 
 1. The streams (both halves) are kept in a *stream dtype* with enough mantissa: float64 for a
    float64 input, float32 otherwise (also under autocast, and for a bfloat16 or float16 input).
@@ -117,8 +117,10 @@ def _peak(t: Tensor) -> Tensor:
 
 
 def _values_unknown(t: Tensor) -> bool:
-    # predict_memory runs on fake tensors, the meta device has no values: nothing to check.
-    return t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor)
+    # predict_memory runs on fake tensors (and a real tensor a predicted closure holds meets
+    # them under the fake mode), the meta device has no values: nothing to check.
+    return (t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor)
+            or torch._guards.detect_fake_mode() is not None)
 
 
 def _range_error(peak: float, dtype: torch.dtype, where: str) -> OverflowError:

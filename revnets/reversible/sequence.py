@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,13 +19,63 @@ from revnets.reversible.function import ReversibleFunction
 from revnets.reversible.steps import BlockPlan
 from revnets.transforms import func_transforms
 
-__all__ = ["ReversibleSequence"]
+__all__ = ["ReversibleSequence", "SequenceOptions"]
 
+# Options of earlier spellings (revnets' own, MemCNN's and revlib's habits), refused by name as
+# keywords and as attributes: the value of ``memory`` that says the same.
 _RENAMED = {
-    "memory_efficient": "memory=revnets.Store() (for memory_efficient=False)",
-    "store_last_blocks": "memory=revnets.Reconstruct(store_last_blocks=k)",
-    "keep_input_every": "memory=revnets.Reconstruct(keep_input_every=k)",
+    "memory_efficient": "revnets.Store() (for memory_efficient=False)",
+    "store_last_blocks": "revnets.Reconstruct(store_last_blocks=k)",
+    "keep_input_every": "revnets.Reconstruct(keep_input_every=k)",
 }
+
+
+@dataclass(frozen=True)
+class SequenceOptions:
+    """How a :class:`ReversibleSequence` runs, as one record (the constructor's keywords of the
+    same names say what each does). ``sequence.options`` reads it whole, and assigning a record
+    sets it whole, checked before anything changes; each field is also an attribute of the
+    sequence. Whoever switches a sequence for a while (the planner, a zoo model's memory plan)
+    changes only the field it decides, ``replace(sequence.options, memory=...)``, and puts the
+    record it found back whole, so no option is lost on the way."""
+
+    memory: Reconstruct | Store = Reconstruct()
+    exact: bool = False
+    preserve_rng_state: bool = True
+    reuse_memory: bool = True
+    compile_transforms: bool | str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory, (Reconstruct, Store)):
+            hint = (
+                "; a Checkpoint is carried out around the sequence (set_memory runs the blocks "
+                "with Store() for it)" if isinstance(self.memory, Checkpoint) else ""
+            )
+            raise TypeError(
+                "ReversibleSequence: memory must be revnets.Reconstruct(...) or revnets.Store(), "
+                f"got {self.memory!r}{hint}"
+            )
+        for name in ("exact", "preserve_rng_state", "reuse_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"ReversibleSequence: {name} must be True or False, got "
+                    f"{getattr(self, name)!r}"
+                )
+        if not isinstance(self.compile_transforms, (bool, str, type(None))):
+            raise TypeError(
+                "ReversibleSequence: compile_transforms must be None, True, False or a backend's "
+                f"name, got {self.compile_transforms!r}"
+            )
+
+
+def _option(name: str, doc: str) -> property:
+    def get(sequence: ReversibleSequence) -> Any:
+        return getattr(sequence._options, name)
+
+    def put(sequence: ReversibleSequence, value: Any) -> None:
+        sequence.options = replace(sequence._options, **{name: value})
+
+    return property(get, put, doc=doc)
 
 
 class ReversibleSequence(nn.Module):
@@ -114,7 +164,7 @@ class ReversibleSequence(nn.Module):
             name = next(iter(renamed))
             raise TypeError(
                 f"ReversibleSequence got an unexpected keyword argument {name!r}"
-                + (f": use {_RENAMED[name]}" if name in _RENAMED else "")
+                + (f": use memory={_RENAMED[name]}" if name in _RENAMED else "")
             )
         if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
             raise TypeError(
@@ -132,55 +182,56 @@ class ReversibleSequence(nn.Module):
             )
         self.blocks = nn.ModuleList(blocks)
         self.split_dim = split_dims.pop() if split_dims else 1
-        self._exact = False
-        self.memory = memory
-        if exact:
-            self.exact = True
-        self.preserve_rng_state = preserve_rng_state
-        self.reuse_memory = reuse_memory
-        self.compile_transforms = compile_transforms
+        self._options = SequenceOptions()
+        self.options = SequenceOptions(
+            memory, exact, preserve_rng_state, reuse_memory, compile_transforms
+        )
 
     @property
-    def memory(self) -> Reconstruct | Store:
-        """How the sequence saves memory in training: :class:`~revnets.Reconstruct` or
-        :class:`~revnets.Store`."""
-        return self._memory
+    def options(self) -> SequenceOptions:
+        """How the sequence runs, one record (:class:`SequenceOptions`), read and set whole."""
+        return self._options
 
-    @memory.setter
-    def memory(self, memory: Reconstruct | Store) -> None:
-        if not isinstance(memory, (Reconstruct, Store)):
-            hint = (
-                "; a Checkpoint is carried out around the sequence (set_memory runs the blocks "
-                "with Store() for it)" if isinstance(memory, Checkpoint) else ""
-            )
+    @options.setter
+    def options(self, options: SequenceOptions) -> None:
+        if not isinstance(options, SequenceOptions):
             raise TypeError(
-                "ReversibleSequence: memory must be revnets.Reconstruct(...) or revnets.Store(), "
-                f"got {memory!r}{hint}"
+                f"ReversibleSequence.options is a revnets.SequenceOptions, got {options!r}"
             )
-        if isinstance(memory, Reconstruct) and memory.exact != self._exact:
-            _make_exact(self.blocks, memory.exact)
-            self._exact = memory.exact
-        self._memory = memory
+        if options.exact != self._options.exact:
+            _make_exact(self.blocks, options.exact)  # refuses before changing anything
+        self._options = options
 
-    @property
-    def exact(self) -> bool:
-        """Grid arithmetic, exact reconstruction (NOTE [ Exact reversibility ]); a Reconstruct
-        memory's ``exact`` sets it, a Store keeps it."""
-        return self._exact
+    memory = _option("memory", """How the sequence saves memory in training:
+        :class:`~revnets.Reconstruct` or :class:`~revnets.Store`.""")
+    exact = _option("exact", """Grid arithmetic, exact reconstruction (NOTE [ Exact
+        reversibility ]): the sequence's own, which no memory decision changes.""")
+    preserve_rng_state = _option("preserve_rng_state", "Randomness replayed in backward.")
+    reuse_memory = _option("reuse_memory", "Backward adds into the gradient it is given.")
+    compile_transforms = _option("compile_transforms", "f and g compiled in the reversible path.")
 
-    @exact.setter
-    def exact(self, exact: bool) -> None:
-        _make_exact(self.blocks, exact)
-        self._exact = exact
-        if isinstance(self._memory, Reconstruct) and self._memory.exact != exact:
-            self._memory = replace(self._memory, exact=exact)
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _RENAMED:
+            raise AttributeError(
+                f"ReversibleSequence has no option {name!r}: set sequence.memory = "
+                f"{_RENAMED[name]}"
+            )
+        super().__setattr__(name, value)
 
     def set_memory(self, decision: Decision) -> ReversibleSequence:
         """Follow a plan's decision for this sequence: reconstruct (with its options), or run the
-        blocks with ordinary autograd, stored or checkpointed by whoever runs the sequence (in
-        the arithmetic in force: ``exact`` is kept)."""
+        blocks with ordinary autograd, stored or checkpointed by whoever runs the sequence. Only
+        ``memory`` changes: the arithmetic (``exact``) and every other option are kept."""
         self.memory = decision if isinstance(decision, Reconstruct) else Store()
         return self
+
+    def sliced(self, start: int, stop: int | None = None) -> ReversibleSequence:
+        """Blocks ``start:stop`` as a sequence of their own that runs as this one does (its
+        options and training mode): a zoo model's run between feature taps."""
+        part = ReversibleSequence(list(self.blocks)[start:stop])
+        part.options = self._options
+        part.training = self.training
+        return part
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -202,6 +253,7 @@ class ReversibleSequence(nn.Module):
         if not self.blocks:
             return x
         if self.exact:
+            _refuse_low_precision_parameters(self)
             x = grid.enter_grid(x)
         if not (isinstance(self.memory, Reconstruct) and self.training and torch.is_grad_enabled()):
             return self.forward_plain(x, *context)
@@ -248,8 +300,7 @@ class ReversibleSequence(nn.Module):
         return self.merge(y1, y2)
 
     def extra_repr(self) -> str:
-        exact = ", exact=True" if self.exact and not isinstance(self.memory, Reconstruct) else ""
-        return f"memory={self.memory}{exact}"
+        return f"memory={self.memory}" + (", exact=True" if self.exact else "")
 
 
 @torch.compiler.disable
@@ -292,6 +343,21 @@ def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:
                 block.coupling = ExactAdditiveCoupling()
             elif not exact and type(block.coupling) is ExactAdditiveCoupling:
                 block.coupling = AdditiveCoupling()
+
+
+def _refuse_low_precision_parameters(sequence: ReversibleSequence) -> None:
+    # The grid keeps the streams in float32 (NOTE [ Exact reversibility ]); a model cast to
+    # bfloat16 or float16 would meet them with low-precision weights.
+    low = (torch.bfloat16, torch.float16)
+    if any(p.dtype in low for p in sequence.parameters()):
+        name, p = next((n, p) for n, p in sequence.named_parameters() if p.dtype in low)
+        raise TypeError(
+            f"ReversibleSequence(exact=True): parameter {name} is {p.dtype} (a model cast with "
+            f".bfloat16() or .half()), while exact arithmetic keeps the streams on a float32 "
+            f"grid. Keep the parameters in float32 (model.float()) and train in low precision "
+            f"under torch.autocast(device_type, dtype=...), which exact reconstruction is made "
+            f"for, or drop exact=True"
+        )
 
 
 def _refuse_backward_hooks(blocks: Iterable[nn.Module]) -> None:

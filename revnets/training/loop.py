@@ -130,11 +130,12 @@ class Trainer:
         self.autocast = autocast_for(cfg.trainer.precision, self.device)
         self.step = self.epoch = self.position = 0
         self.writer = self._tensorboard()
-        plan = self.model.memory
+        plan, exact = self.model.memory, bool(cfg.model.get("exact", False))
         self._log({"event": "memory_plan", "plan": plan.name, "stages": str(plan.stages),
-                   "rest": str(plan.rest)})
+                   "rest": str(plan.rest), "exact": exact})
         if self.dist.is_main:
-            print(f"memory plan of {cfg.model.name}: {plan}", flush=True)
+            arithmetic = ", exact arithmetic" if exact else ""
+            print(f"memory plan of {cfg.model.name}: {plan}{arithmetic}", flush=True)
         if cfg.trainer.resume:
             self._resume(cfg.trainer.resume)
         self.net: nn.Module = self.model

@@ -98,6 +98,11 @@ def check_memory_overrides(overrides: Sequence[str]) -> None:
         except Exception:  # not an override (a flag's value): Hydra reports it
             continue
         group, _, option = key.partition(".")
+        if group == "memory" and option == "exact":
+            raise MemoryConfigError(
+                "memory.exact: exact is the arithmetic of the model's reversible stages, not a "
+                "memory option, and no memory plan changes it: set model.exact=true"
+            )
         if group == "memory" and option and option not in known:
             close = difflib.get_close_matches(option, known, n=1)
             hint = f"; did you mean memory.{close[0]}?" if close else "."
