@@ -1,9 +1,9 @@
 """Where the CUDA allocator's peak and the prediction part: what holds the allocator's peak.
 
 ``predict_memory`` counts tensor storages in the caching allocator's 512-byte blocks (NOTE [ Bytes
-the CUDA allocator counts ] in revnets/memory.py); ``measure_memory`` on CUDA reads the allocator.
-Memory no tensor holds (a cuDNN workspace) is in the second and not the first. This script finds
-it, in two parts:
+the CUDA allocator counts ] in revnets/memory/measure.py); ``measure_memory`` on CUDA reads the
+allocator. Memory no tensor holds (a cuDNN workspace) is in the second and not the first. This
+script finds it, in two parts:
 
 - ``record`` (on a GPU): for each planner-zoo case, one warm-up step, then the step predicted and
   measured (printed), then one more step under ``torch.cuda.memory._record_memory_history`` with

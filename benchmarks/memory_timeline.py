@@ -3,7 +3,7 @@
     python benchmarks/memory_timeline.py   # writes results/memory_timeline-cpu-pt<ver>-fp32.png
 
 One SGD step (momentum 0.9) at batch 32 on CIFAR-shaped input, measured on this CPU as live tensor
-storage after every operator (revnets.timeline.record_timeline), split into parameters,
+storage after every operator (revnets.memory.record_timeline), split into parameters,
 gradients, optimizer state, the batch, and activations by the top-level module whose forward made
 them; both panels on one scale. The trainer draws the same picture for its first step.
 """
@@ -15,7 +15,7 @@ import sys
 import timm
 import torch
 
-from revnets.timeline import plot_timelines, record_timeline
+from revnets.memory import plot_timelines, record_timeline
 
 from common import (
     RESULTS,

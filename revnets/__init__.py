@@ -1,11 +1,16 @@
 """revnets: reversible networks and checkpointing for models that do not fit in memory."""
 
 from revnets import models  # registers the zoo with timm
-from revnets.allocator import allocator_peak
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets.compiling import compile_model, compile_options
 from revnets.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
-from revnets.memory import MemoryReport, MemoryTracker, measure_memory
+from revnets.memory import (
+    MemoryReport,
+    MemoryTracker,
+    allocator_peak,
+    measure_memory,
+    predict_memory,
+)
 from revnets.models import ResidualNet
 from revnets.plan import (
     PRESETS,
@@ -18,7 +23,6 @@ from revnets.plan import (
     plan_from_options,
 )
 from revnets.planning import ForwardTimes, PlanningError, auto_checkpoint, forward_times
-from revnets.prediction import predict_memory
 from revnets.reconstruction import BlockDrift, ReconstructionReport, check_reconstruction
 from revnets.replay import is_recomputing
 from revnets.reversible import (

@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 import revnets
-from revnets.memory import MemoryTracker, measure_memory
-from revnets.prediction import predict_memory
+from revnets.memory import MemoryTracker, measure_memory, predict_memory
 
 from conftest import make_stack
 

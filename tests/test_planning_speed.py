@@ -14,7 +14,7 @@ from torch import nn
 
 import revnets
 import revnets.planning.auto as auto
-from revnets.memory import measure_memory
+from revnets.memory import Predictor, measure_memory
 from revnets.planning import chain as chain_module
 from revnets.planning import step_times
 from revnets.planning.chain import SELECTIVE
@@ -31,7 +31,6 @@ from revnets.planning.search import (
     search,
     search_nested,
 )
-from revnets.prediction import Predictor
 
 from conftest import activation_budget, make_stack, train_step
 

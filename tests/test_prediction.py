@@ -14,10 +14,14 @@ from torch import nn
 from torch._prims_common import suggest_memory_format
 
 import revnets
-from revnets.memory import measure_memory
+from revnets.memory import (
+    Predictor,
+    measure_memory,
+    predict_memory,
+    predict_timeline,
+    record_timeline,
+)
 from revnets.planning import as_graph_chain
-from revnets.prediction import Predictor, predict_memory
-from revnets.timeline import predict_timeline, record_timeline
 
 from conftest import conv_unit, make_stack
 

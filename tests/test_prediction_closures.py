@@ -1,8 +1,8 @@
 """predict_memory against measure_memory where the call reaches state outside the model and
 inputs it is given: tensors a closure holds (written too), scalars it makes from numbers, a
 learning-rate scheduler, a GradScaler. NOTE [ Real tensors in a prediction ] in
-revnets/fake_device.py is the rule these check: the prediction writes none of the user's tensors
-and counts each as a real run does."""
+revnets/memory/fake_device.py is the rule these check: the prediction writes none of the user's
+tensors and counts each as a real run does."""
 
 import copy
 import io
@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 import revnets
-from revnets.memory import measure_memory
-from revnets.prediction import Predictor, predict_memory
+from revnets.memory import Predictor, measure_memory, predict_memory
 
 
 def test_a_prediction_writes_no_real_tensor_a_closure_holds():

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import revnets
-from revnets.timeline import plot_timelines, predict_timeline, record_timeline
+from revnets.memory import plot_timelines, predict_timeline, record_timeline
 
 KiB = 1024
 

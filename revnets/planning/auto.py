@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from revnets.checkpoint import Checkpointed
-from revnets.fake_copies import held_elsewhere
+from revnets.memory import Predictor
+from revnets.memory.fake_copies import held_elsewhere
 from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import (
     LossFn,
@@ -72,7 +73,6 @@ from revnets.planning.search import (
 )
 from revnets.planning.step_times import ForwardTimes, chain_times, input_device
 from revnets.planning.untouched import ModelState
-from revnets.prediction import Predictor
 from revnets.replay import forked_rng, generators_held
 from revnets.reversible import ReversibleSequence
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from revnets.call_arguments import refuse_uninitialised
+from revnets.memory.call_arguments import refuse_uninitialised
 
 __all__ = [
     "LossFn", "PlanningError", "check_loss", "check_optimizer", "check_request", "default_loss",

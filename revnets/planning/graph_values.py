@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from revnets.rebuilt import rebuilt
+from revnets.memory.call_arguments import rebuilt
 
 __all__ = ["Attr", "Ref", "resolve", "substitute"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from revnets.cpu_kernels import CPU_OUTPUTS
-from revnets.rebuilt import rebuilt
+from revnets.memory.call_arguments import rebuilt
+from revnets.memory.cpu_kernels import CPU_OUTPUTS
 
 __all__ = ["MetaMemo", "all_meta"]
 

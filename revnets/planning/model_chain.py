@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from revnets.memory import Predictor
 from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, MemoryPlan, Reconstruct
 from revnets.planning.budget import LossFn, no_fit, training_step
 from revnets.planning.frozen import refuse_hooks
 from revnets.planning.graph_step import GraphStep
 from revnets.planning.trace import as_graph_chain
-from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["Untraceable", "choose_preset", "plain_sequential", "planning_chain", "sequence_of"]

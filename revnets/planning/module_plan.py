@@ -18,12 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from revnets.checkpoint import checkpoint_forward
+from revnets.memory import Predictor
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, no_fit, training_step
 from revnets.planning.model_view import ModelView
 from revnets.planning.profile import _address, _flops
 from revnets.planning.traced import Attributes, _version
-from revnets.prediction import Predictor
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["CheckpointedModules", "ModuleProfile", "plan_modules"]

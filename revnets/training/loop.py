@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import revnets  # noqa: F401  (registers the zoo with timm)
 from revnets.compiling import compile_model
-from revnets.timeline import cuda_allocator_history, record_timeline
+from revnets.memory import cuda_allocator_history, record_timeline
 from revnets.training.data import build_loaders
 from revnets.training.distributed import (
     Distributed,

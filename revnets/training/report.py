@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from revnets.memory import MemoryReport
+from revnets.memory import MemoryReport, MemoryTimeline, plot_timelines, predict_timeline
 from revnets.plan import PRESETS, MemoryPlan
-from revnets.timeline import MemoryTimeline, plot_timelines, predict_timeline
 from revnets.training.factory import create_model
 from revnets.training.optim import build_optimizer
 

@@ -35,8 +35,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
-from revnets.call_arguments import device_of, owners_in, refuse_uninitialised
-from revnets.fake_copies import (
+from revnets.memory.call_arguments import device_of, owners_in, rebuilt, refuse_uninitialised
+from revnets.memory.fake_copies import (
     held_elsewhere,
     is_cpu_scalar,
     kept_as_found,
@@ -51,12 +51,11 @@ from revnets.fake_copies import (
     stand_ins_of,
     tensor_to_fake,
 )
-from revnets.fake_device import LikeTheDevice, layout_of
-from revnets.memory import MemoryReport, Watch, _measure
-from revnets.rebuilt import rebuilt
+from revnets.memory.fake_device import LikeTheDevice, layout_of
+from revnets.memory.measure import MemoryReport, Watch, measure_call
 from revnets.replay.state import forked_rng
 
-__all__ = ["predict_memory"]
+__all__ = ["Predictor", "predict_call", "predict_memory"]
 
 
 def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
@@ -69,12 +68,14 @@ def predict_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
     count) is fine. For very large models, build the model on the meta device to begin with
     (``with torch.device("meta"): ...``): it is then predicted with the meta device's kernels.
     """
-    return _predict(fn, args, kwargs)
+    return predict_call(fn, args, kwargs)
 
 
-def _predict(
+def predict_call(
     fn: Callable[..., Any], args: tuple, kwargs: dict, watch: Watch | None = None
 ) -> MemoryReport:
+    """predict_memory's work, with ``watch`` as :func:`~revnets.memory.measure.measure_call`
+    takes it (a timeline's)."""
     return Predictor().predict(fn, args, kwargs, watch)
 
 
@@ -131,8 +132,8 @@ class Predictor:
         try:
             with (kept_as_found(optimizers, like.active), real_modules_kept(like.active),
                   forked_rng(device), mode, like):
-                report = _measure(fn, fake_args, fake_kwargs, predicted=True, watch=watch,
-                                  stand_ins=like.stand_ins)
+                report = measure_call(fn, fake_args, fake_kwargs, predicted=True, watch=watch,
+                                      stand_ins=like.stand_ins)
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
             raise ValueError(
                 f"predict_memory: the call reads the value of a tensor ({error.func}: .item(), "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from revnets.memory import (
+from revnets.memory.measure import (
     ACTIVATIONS,
     GRADIENTS,
     INPUTS,
@@ -29,9 +29,10 @@ from revnets.memory import (
     PARAMETERS,
     MemoryReport,
     MemoryTracker,
-    _measure,
+    MiB,
+    measure_call,
 )
-from revnets.prediction import _predict
+from revnets.memory.predict import predict_call
 
 __all__ = [
     "MemoryTimeline",
@@ -41,7 +42,6 @@ __all__ = [
     "record_timeline",
 ]
 
-MiB = 2**20
 OTHER = "backward and other"
 
 
@@ -74,7 +74,7 @@ def record_timeline(
     """Run ``fn(*args, **kwargs)`` once, as :func:`revnets.measure_memory` does, and return its
     report with the timeline of the call."""
     trackers: list[MemoryTracker] = []
-    report = _measure(fn, args, kwargs, watch=_watching(trackers))
+    report = measure_call(fn, args, kwargs, watch=_watching(trackers))
     return report, _timeline(trackers[0])
 
 
@@ -84,7 +84,7 @@ def predict_timeline(
     """The timeline of ``fn(*args, **kwargs)`` on fake tensors, as
     :func:`revnets.predict_memory` predicts its memory: nothing is computed."""
     trackers: list[MemoryTracker] = []
-    report = _predict(fn, args, kwargs, watch=_watching(trackers))
+    report = predict_call(fn, args, kwargs, watch=_watching(trackers))
     return report, _timeline(trackers[0])
 
 

@@ -1,17 +1,21 @@
 """What a measured or predicted call is given: the modules and optimizers among its arguments,
-the device they name, and lazy modules with nothing yet to count, refused by name."""
+the device they name, and lazy modules with nothing yet to count, refused by name; and its lists
+and tuples rebuilt with other elements, their type kept, for the walks over arguments and outputs
+that replace tensors in place (fakes, meta tensors, real ones, graph values)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["device_of", "owners_in", "refuse_uninitialised"]
+__all__ = ["device_of", "owners_in", "rebuilt", "refuse_uninitialised"]
+
+S = TypeVar("S", list, tuple)
 
 
 def owners_in(args: tuple, kwargs: dict) -> list[nn.Module | torch.optim.Optimizer]:
@@ -48,3 +52,12 @@ def refuse_uninitialised(caller: str, modules: Iterable[Any]) -> None:
                     f"that has not made its parameters yet (a lazy module makes them in its "
                     f"first call). Run one forward of the model first, with torch.no_grad()"
                 )
+
+
+def rebuilt(value: S, items: Iterable[Any]) -> S:
+    """``items`` in a container of ``value``'s type. A namedtuple's constructor takes its fields
+    one by one, as torch's pytree rebuilds it (``type(value)(items)`` raised a TypeError there);
+    lists, tuples, their subclasses and torch's return types take one iterable."""
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return type(value)(*items)
+    return type(value)(items)

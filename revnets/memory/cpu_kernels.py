@@ -1,7 +1,7 @@
 """Outputs of the CPU's kernels where their meta kernels allocate otherwise, and the kernels
 whose memory no fake kernel knows.
 
-A prediction (:mod:`revnets.prediction`) runs each operator's meta kernel on fake tensors; for
+A prediction (:mod:`revnets.memory.predict`) runs each operator's meta kernel on fake tensors; for
 the operators below, the CPU kernel's outputs differ in dtype, size or number, or the meta
 kernel is a slow decomposition. Each maps an operator to its outputs as the CPU allocates them.
 A prediction refuses the operators in ``UNKNOWN_KERNELS`` by name.
@@ -17,7 +17,7 @@ from torch import Tensor
 from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import _disable_current_modes
 
-from revnets.rebuilt import rebuilt
+from revnets.memory.call_arguments import rebuilt
 
 __all__ = ["CPU_KERNELS", "CPU_OUTPUTS", "UNKNOWN_KERNELS"]
 

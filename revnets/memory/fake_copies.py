@@ -1,10 +1,10 @@
 """Fake copies of what a prediction is given, and the training state it reaches otherwise.
 
-:mod:`revnets.prediction` runs a call on fake tensors. Tensors, optimizers, learning-rate
+:mod:`revnets.memory.predict` runs a call on fake tensors. Tensors, optimizers, learning-rate
 schedulers and GradScalers among its arguments are copied here over fake tensors, so the call
 steps the copies; optimizers and schedulers it reaches any other way (a closure) are kept as
 found. The arguments' tensors stand in for the real ones where the call reaches those otherwise
-(NOTE [ Real tensors in a prediction ] in revnets/fake_device.py has the tensors' rules).
+(NOTE [ Real tensors in a prediction ] in fake_device.py has the tensors' rules).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from revnets.rebuilt import rebuilt
+from revnets.memory.call_arguments import rebuilt
 from revnets.replay.held import modules_held, reached
 from revnets.replay.state import _own_attributes
 
@@ -316,7 +316,7 @@ class StandIns:
     """The argument modules' parameters and buffers, each with the fake that stands for it where
     the call reaches it some other way (a closure). Both are held weakly: a fake the call drops
     (a buffer it reassigns) is freed where the real one would be (NOTE [ Real tensors in a
-    prediction ], 7 in revnets/fake_device.py)."""
+    prediction ], 7 in fake_device.py)."""
 
     def __init__(self) -> None:
         self._fakes = WeakIdKeyDictionary()

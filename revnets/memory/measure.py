@@ -4,7 +4,7 @@ On CPU, process RSS says little (freed memory stays in the heap), so revnets cou
 storage instead: a ``TorchDispatchMode`` sees every tensor every operator returns and touches,
 holds a weak reference to each storage, and notes when it is freed. That is exact and repeatable on
 any device, including fake tensors, where nothing is computed: running a step on them *predicts*
-its peak memory (:mod:`revnets.prediction`), which is how 1000-layer, large-batch figures are
+its peak memory (:mod:`revnets.memory.predict`), which is how 1000-layer, large-batch figures are
 obtained on a small machine. On CUDA the allocator's own peak statistic gives the total.
 
 Memory that kernels allocate privately (workspaces, im2col buffers) is not tensor storage and is
@@ -18,7 +18,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,13 +26,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from revnets.call_arguments import device_of, owners_in, refuse_uninitialised
+from revnets.memory.call_arguments import device_of, owners_in, refuse_uninitialised
+from revnets.memory.fake_copies import StandIns
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
-if TYPE_CHECKING:
-    from revnets.fake_copies import StandIns
-
-__all__ = ["MemoryReport", "MemoryTracker", "measure_memory"]
+__all__ = ["MemoryReport", "MemoryTracker", "Watch", "measure_call", "measure_memory"]
 
 MiB = 2**20
 
@@ -400,13 +398,13 @@ def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryR
     are left out, as they are on CPU. The model-state categories still come from storage
     tracking.
     """
-    return _measure(fn, args, kwargs)
+    return measure_call(fn, args, kwargs)
 
 
 Watch = Callable[["MemoryTracker", list], contextlib.AbstractContextManager]
 
 
-def _measure(
+def measure_call(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: dict,

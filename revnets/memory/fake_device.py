@@ -1,5 +1,5 @@
 """The dispatch mode under which a prediction's fake tensors act as the real device's tensors
-(:mod:`revnets.prediction` runs a call under it): real tensors the call reaches outside its
+(:mod:`revnets.memory.predict` runs a call under it): real tensors the call reaches outside its
 arguments, scalars that keep their values, the CPU's own kernels' outputs and workspaces, and
 views computed by the view kernels themselves."""
 
@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from revnets.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
-from revnets.fake_copies import StandIns, is_cpu_scalar, replaced, scalar_to_fake
-from revnets.rebuilt import rebuilt
+from revnets.memory.call_arguments import rebuilt
+from revnets.memory.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
+from revnets.memory.fake_copies import StandIns, is_cpu_scalar, replaced, scalar_to_fake
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 __all__ = ["LikeTheDevice", "layout_of"]
