@@ -134,7 +134,7 @@ def _storage_freed(tracker: weakref.ref, key: int, index: int, _ref: weakref.ref
         return
     record = self._history[index]
     if record.freed is None:  # a storage resized in place ended its old allocation already
-        record.freed = self._clock
+        record.freed = self.clock
     if self._storages.get(key) is record:
         del self._storages[key]
 
@@ -165,7 +165,7 @@ class MemoryTracker(TorchDispatchMode):
         # None: the tracker's own device if it is CUDA (named, or found at the first tensor).
         self.allocator_devices: list[torch.device] | None = None
         self._allocator_peaks: dict[torch.device, tuple[int, int]] = {}
-        self._clock = 0
+        self.clock = 0  # operators seen so far: a record's ticks count them
         self._storages: dict[int, _Storage] = {}  # by id of the live storage object
         self._history: list[_Storage] = []
         self._start_labels: dict[int, str] = {}
@@ -203,14 +203,14 @@ class MemoryTracker(TorchDispatchMode):
             if isinstance(args[0], FakeTensor):
                 return args[0].device
             return func(*args, **(kwargs or {}))
-        self._clock += 1
+        self.clock += 1
         for t in () if func in _LIFTS else operator_tensors(args, kwargs):
             # An unknown storage here was made outside the dispatcher (torch.get_rng_state,
             # from_numpy) or before tracking began; it counts from its first use.
-            self._see(t, allocated=self._clock, found=True)
+            self._see(t, allocated=self.clock, found=True)
         out = func(*args, **(kwargs or {}))
         for t in operator_tensors(out):
-            self._see(t, allocated=self._clock)
+            self._see(t, allocated=self.clock)
         devices = self.allocator_devices
         if devices is None:
             cuda = self.device is not None and self.device.type == "cuda"
@@ -220,7 +220,7 @@ class MemoryTracker(TorchDispatchMode):
             # step peaked, and that is the moment the categories are split at.
             peak = torch.cuda.max_memory_allocated(device)
             if peak > self._allocator_peaks.get(device, (0, 0))[0]:
-                self._allocator_peaks[device] = (peak, self._clock)
+                self._allocator_peaks[device] = (peak, self.clock)
         return out
 
     def allocator_peak_tick(self, device: torch.device) -> int:
@@ -258,7 +258,7 @@ class MemoryTracker(TorchDispatchMode):
         if record is not None and record.nbytes == _counted(storage, device, record.allocated):
             return record
         if record is not None:  # resized in place: the old allocation ends here
-            record.freed = self._clock
+            record.freed = self.clock
         nbytes = _counted(storage, device, allocated)
         if self.device is None:
             self.device = _indexed(tensor.device)
@@ -275,28 +275,32 @@ class MemoryTracker(TorchDispatchMode):
         return record
 
     # -- reporting -------------------------------------------------------------------------------
-    def _label(self, record: _Storage) -> str:
+    def label(self, record: _Storage) -> str:
+        """The category a record counts in: its owner's (parameters, gradients, optimizer state)
+        at the start or else at the end, else inputs if alive at the start, else activations."""
         label = self._start_labels.get(id(record)) or self._end_labels.get(id(record))
         if label is None:
             label = INPUTS if record.allocated == 0 else ACTIVATIONS
         return label
 
-    def _records(self, labels: Iterable[str] | None = None) -> list[_Storage]:
+    def records(self, labels: Iterable[str] | None = None) -> list[_Storage]:
+        """The storages seen on the tracker's device, in the order met, only those in
+        ``labels`` if given."""
         wanted = set(labels) if labels is not None else None
         return [
             r
             for r in self._history
             if (self.device is None or r.device == self.device)
-            and (wanted is None or self._label(r) in wanted)
+            and (wanted is None or self.label(r) in wanted)
         ]
 
     def peak(self, labels: Iterable[str] | None = None) -> tuple[int, int]:
         """(peak live bytes, the clock tick reaching it), counting only ``labels`` if given."""
-        return _peak_of(self._records(labels))
+        return _peak_of(self.records(labels))
 
     def bytes_at_start(self) -> int:
         """What the owners and inputs held when tracking began."""
-        return sum(r.nbytes for r in self._records() if r.allocated == 0)
+        return sum(r.nbytes for r in self.records() if r.allocated == 0)
 
     def report(self, result: Any = None, at: int | None = None) -> MemoryReport:
         """The peak and its split by category, at the peak of live tensor storage or at the
@@ -304,13 +308,13 @@ class MemoryTracker(TorchDispatchMode):
         peak, peak_at = self.peak()
         at = peak_at if at is None else at
         by_label = dict.fromkeys((PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, ACTIVATIONS), 0)
-        for r in self._records():
+        for r in self.records():
             if r.allocated <= at and (r.freed is None or r.freed >= at):
-                by_label[self._label(r)] += r.nbytes
+                by_label[self.label(r)] += r.nbytes
         working_peak, _ = self.peak((INPUTS, ACTIVATIONS))
         retained = sum(
             r.nbytes
-            for r in self._records((ACTIVATIONS,))
+            for r in self.records((ACTIVATIONS,))
             if r.freed is None and r.ref() is not None
         )
         device = str(self.device) if self.device is not None else "cpu"
@@ -460,7 +464,7 @@ def measure_call(
     # The allocator's rise leaves out what was allocated before the call: the arguments' tensors,
     # and those a closure holds, which count from their first use as they do on CPU and in a
     # prediction; one freed before the peak lowered the rise by its size.
-    found = sum(r.nbytes for r in tracker._records() if r.found and r.allocated <= at)
+    found = sum(r.nbytes for r in tracker.records() if r.found and r.allocated <= at)
     peak = (torch.cuda.max_memory_allocated(device) - starts[device] + tracker.bytes_at_start()
             + found)
     rest = report.model_state_bytes + report.inputs

@@ -130,11 +130,11 @@ def _leave(tracker: MemoryTracker):
 
 
 def _timeline(tracker: MemoryTracker) -> MemoryTimeline:
-    ticks = tracker._clock + 1
+    ticks = tracker.clock + 1
     layers = [PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS]
     changes: dict[str, list[int]] = {}
-    for record in tracker._records():
-        label = tracker._label(record)
+    for record in tracker.records():
+        label = tracker.label(record)
         if label == ACTIVATIONS:
             label = f"{ACTIVATIONS}: {record.module or OTHER}"
         if label not in changes:
