@@ -371,6 +371,23 @@ def test_old_keywords_are_refused_with_the_new_spelling():
         revnets.ReversibleSequence(make_stack(1).blocks, revnets.Checkpoint())
 
 
+@pytest.mark.parametrize("name, spelling", [
+    ("memory_efficient", r"sequence.memory = revnets.Store\(\)"),
+    ("store_last_blocks", r"sequence.memory = revnets.Reconstruct\(store_last_blocks=k\)"),
+    ("keep_input_every", r"sequence.memory = revnets.Reconstruct\(keep_input_every=k\)"),
+])
+def test_old_options_assigned_as_attributes_are_refused_with_the_new_spelling(name, spelling):
+    sequence = make_stack(2)
+    with pytest.raises(AttributeError, match=f"no option '{name}': set {spelling}"):
+        setattr(sequence, name, False)
+    assert sequence.memory == revnets.Reconstruct() and name not in vars(sequence)
+    checkpointed = revnets.Checkpointed(nn.Linear(2, 2))
+    with pytest.raises(AttributeError, match=r"no option 'enabled': set checkpointed.memory = "
+                                             r"revnets.Store\(\)"):
+        checkpointed.enabled = False
+    assert checkpointed.memory == revnets.Checkpoint()
+
+
 # -- neighbouring cases (found by review): each exact, or refused by name -----------------------
 
 

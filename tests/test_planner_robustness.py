@@ -158,10 +158,25 @@ def test_a_model_whose_own_forward_depends_on_its_mode_trains_with_the_branch_it
         planned(x)
     with pytest.raises(revnets.planning.NotAChainError, match="self.training.*eval mode"):
         as_graph_chain(ModeInItsOwnForward().eval())
-    # Its own forward runs in a plan of whole modules, which the warning says, and why.
-    assert revnets.forward_times(ModeInItsOwnForward().eval(), x).steps == ()
-    with pytest.warns(UserWarning, match="ModeInItsOwnForward.*eval mode.*whole modules"):
-        revnets.auto_checkpoint(ModeInItsOwnForward().eval(), x, 10**9)
+    # Planning is for training: a model left in eval mode is refused, naming model.train().
+    plans = (lambda m: revnets.forward_times(m, x),
+             lambda m: revnets.auto_checkpoint(m, x, 10**9))
+    for plan in plans:
+        with pytest.raises(ValueError, match=r"In.*Forward is in eval mode .*model.train\(\)"):
+            plan(ModeInItsOwnForward().eval())
+
+
+def test_a_model_left_in_eval_mode_is_refused_naming_train_mode_not_a_budget():
+    """Its eval-mode step keeps no activations a plan could save: refused at once, whatever the
+    budget, naming eval mode and model.train(), never advising a reversible architecture."""
+    model = timm.create_model("revnet38", num_classes=10, units=(2, 2), channels=(8, 8, 16))
+    x = torch.randn(2, 3, 8, 8)
+    budget = revnets.predict_memory(lambda m, x: m(x).sum().backward(), model, x).peak_bytes
+    model.eval()
+    with pytest.raises(ValueError, match=r"ResidualNet is in eval mode .*model.train\(\)"):
+        revnets.auto_checkpoint(model, x, budget)
+    assert not model.training
+    assert revnets.auto_checkpoint(model.train(), x, budget) is model  # fits as it is
 
 
 class ReadsItsNormsMode(TanhBlocks):

@@ -263,6 +263,14 @@ def real_modules_kept(predicting: Callable[[], bool]) -> Iterator[None]:
             table[name] = old
 
 
+# Optimizers whose step reads tensors' values (NOTE [ Real tensors in a prediction ]: a fake
+# tensor has none), refused by name: what each reads.
+_STEPS_READ_VALUES = {
+    torch.optim.LBFGS: "reads values with .item() (its line search and convergence tests)",
+    torch.optim.Adafactor: "reads its step count's value with .item()",
+}
+
+
 @contextlib.contextmanager
 def kept_as_found(
     optimizers: list[torch.optim.Optimizer], predicting: Callable[[], bool]
@@ -278,6 +286,14 @@ def kept_as_found(
     attributes = [copy.deepcopy(vars(s), memo) for s in schedulers]
 
     def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        reads = next((why for kind, why in _STEPS_READ_VALUES.items()
+                      if isinstance(optimizer, kind)), None)
+        if reads is not None and predicting():
+            raise ValueError(
+                f"predict_memory: the call steps torch.optim.{type(optimizer).__name__}, whose "
+                f"step {reads}, which a prediction on fake tensors does not compute; measure it "
+                f"with revnets.measure_memory instead, or predict it with another optimizer"
+            )
         if optimizer not in _COPIES and predicting():
             raise ValueError(
                 f"predict_memory: the call steps a {type(optimizer).__name__} it reaches "

@@ -46,6 +46,13 @@ def check_request(caller: str, model: Any, example_input: Any, budget: Any = 0) 
     if not isinstance(model, nn.Module):
         raise TypeError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
     refuse_uninitialised(caller, [model])
+    if not model.training:
+        raise ValueError(
+            f"{caller}: the {type(model).__name__} is in eval mode (model.training is False). "
+            f"Plans are made for training steps, which keep activations for backward and run "
+            f"dropout and batch norm as training does: call model.train() before planning (a "
+            f"planned model evaluates as the model itself after model.eval())"
+        )
     if example_input is None:
         raise TypeError(f"{caller}: example_input is None; pass an input the model's forward "
                         f"takes, at the batch size to plan for")
