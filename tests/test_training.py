@@ -31,6 +31,7 @@ from revnets.training.loop import Trainer
 from revnets.training.memory_options import MemoryConfigError, MemoryOptions, check_memory_overrides
 from revnets.training.optim import build_optimizer
 from revnets.training.progress import Progress
+from revnets.training.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -47,6 +48,12 @@ SMALL = [
 def config(*overrides: str):
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIGS)):
         return compose("config", overrides=list(overrides))
+
+
+def model_of(cfg, device="meta"):
+    """The model a run's settings make (the trainer resolves its config once, so do we)."""
+    settings = cfg if isinstance(cfg, Settings) else Settings.of(cfg)
+    return create_model(settings.model, settings.data.num_classes, device, settings.memory)
 
 
 def run_train_py(*args: str, cwd: Path, launcher=(sys.executable,)) -> subprocess.CompletedProcess:
@@ -68,14 +75,14 @@ def test_every_config_composes_and_instantiates(group):
     for option in sorted(p.stem for p in (CONFIGS / group).glob("*.yaml")):
         if group == "memory" and option != "default":
             continue  # checked below against the models that accept them
-        cfg = config(f"{group}={option}")
-        model = create_model(cfg, "meta")
-        assert build_optimizer(cfg.optim, model).param_groups
+        settings = Settings.of(config(f"{group}={option}"))
+        model = model_of(settings)
+        assert build_optimizer(settings.optim, model).param_groups
 
 
 @pytest.mark.parametrize("strategy", ["none", "checkpoint", "reversible", "reversible_checkpoint"])
 def test_memory_options_instantiate(strategy):
-    model = create_model(config("model=revnet38", f"memory={strategy}"), "meta")
+    model = model_of(config("model=revnet38", f"memory={strategy}"))
     assert model.memory.name == strategy.replace("_", "+")
 
 
@@ -89,7 +96,7 @@ def test_default_run_reports_memory_against_baseline(tmp_path, capsys):
     assert (tmp_path / "checkpoint.pt").is_file()
     assert "memory plan of revnet38: reversible" in out
     assert {"event": "memory_plan", "plan": "reversible", "stages": "reconstruct",
-            "rest": "store"} in records
+            "rest": "store", "exact": False} in records
 
 
 @pytest.mark.parametrize("overrides, plan", [
@@ -105,7 +112,7 @@ def test_default_run_reports_memory_against_baseline(tmp_path, capsys):
     (["memory=default"], revnets.PRESETS["reversible"]),  # a RevNet's own plan
 ])
 def test_memory_options_given_as_keys_reach_the_model(overrides, plan):
-    model = create_model(config("model=revnet38", *overrides), "meta")
+    model = model_of(config("model=revnet38", *overrides))
     assert model.memory == plan
     if isinstance(plan.stages, revnets.Reconstruct):
         assert model.stages[1].reversible.memory == plan.stages
@@ -116,9 +123,7 @@ def test_every_option_of_every_preset_is_a_memory_key():
     decision_fields = {f for options in revnets.plan.preset_options().values() for f in options}
     schema_fields = {f.name for f in dataclasses.fields(MemoryOptions)}
     assert schema_fields == {"preset"} | decision_fields
-    assert decision_fields == {
-        "segments", "selective", "store_last_blocks", "keep_input_every", "exact"
-    }
+    assert decision_fields == {"segments", "selective", "store_last_blocks", "keep_input_every"}
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -133,7 +138,7 @@ def test_every_option_of_every_preset_is_a_memory_key():
 ])
 def test_memory_options_a_plan_cannot_take_are_refused_naming_them(overrides, message):
     with pytest.raises(MemoryConfigError, match=re.escape(message)):
-        create_model(config("model=revnet38", *overrides), "meta")
+        model_of(config("model=revnet38", *overrides))
 
 
 def test_misspelt_memory_keys_are_refused_before_hydra_naming_the_valid_ones():
@@ -413,7 +418,6 @@ def test_an_image_size_the_model_cannot_take_is_refused_before_a_step(overrides,
 
 
 def test_image_sizes_a_model_takes_pass_the_check():
-    from revnets.training import create_model
     from revnets.training.settings import check_image_size
 
     for overrides in (["model=irevnet163", "data.image_size=8"], ["data.image_size=7"],
@@ -421,7 +425,8 @@ def test_image_sizes_a_model_takes_pass_the_check():
                        "+model.dynamic_img_size=true"]):
         cfg = config(*overrides)
         # the ResNets and RevNets take any size
-        check_image_size(cfg, create_model(cfg, "meta"), cfg.data.image_size)
+        settings = Settings.of(cfg)
+        check_image_size(settings, model_of(settings), cfg.data.image_size)
 
 
 def test_cifar_images_a_model_cannot_take_are_refused_before_a_step(cifar, tmp_path):
@@ -561,13 +566,11 @@ def test_the_first_step_draws_its_memory_timeline_beside_the_baseline(tmp_path):
 def test_model_keys_beyond_the_name_reach_the_builder():
     """``+model.units=[2,2,2]`` builds a shallower zoo model; a misspelt key is an error, not
     silently dropped."""
-    from revnets.training import create_model
-
-    model = create_model(config("model=irevnet163", "+model.units=[2,2,2]"))
+    model = model_of(config("model=irevnet163", "+model.units=[2,2,2]"))
     # A coupling of two i-RevNet blocks per stage, after space to depth in the strided ones.
     assert len(model.blocks) == 5
     with pytest.raises(TypeError, match="chanels"):
-        create_model(config("model=revnet38", "+model.chanels=[1]"))
+        model_of(config("model=revnet38", "+model.chanels=[1]"))
 
 
 def test_two_process_fsdp_equals_one_process_and_resumes_exactly_from_its_shards(tmp_path):

@@ -74,7 +74,8 @@ class Stage(SwitchableMemory, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.memory.stages, Checkpoint) and self._saving():
             # Reversible blocks run here as ordinary modules, grouped with the other units.
-            units = [*self.units, *(self.reversible.blocks if self.reversible is not None else ())]
+            plain = self.reversible.plain_units() if self.reversible is not None else []
+            units = [*self.units, *plain]
             segments = self.memory.stages.segments_for(len(units))
             return run_checkpointed_segments(
                 units, x, segments, checkpoint_last=not self.last,

@@ -56,9 +56,9 @@ class SwitchableMemory:
         if start != 0 or stop not in (None, len(blocks)):
             blocks = self.blocks.sliced(start, stop)
         if isinstance(self.memory.stages, Checkpoint) and self._saving():
-            segments = self.memory.stages.segments_for(len(blocks))
+            segments = self.memory.stages.segments_for(len(blocks.plain_units()))
             return run_checkpointed_segments(
-                list(blocks), x, segments, selective=self.memory.stages.selective
+                blocks.plain_units(), x, segments, selective=self.memory.stages.selective
             )
         return blocks(x)
 

@@ -110,6 +110,14 @@ def enter_grid(x: Tensor) -> Tensor:
     return x
 
 
+class GridEntry(torch.nn.Module):
+    """:func:`enter_grid` as a module: what an exact sequence does first, for its blocks run as
+    consecutive modules (:meth:`ReversibleSequence.plain_units`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return enter_grid(x)
+
+
 def _peak(t: Tensor) -> Tensor:
     # aminmax is one vectorised pass; an infinity norm is many times slower on CPU. NaN stays NaN.
     low, high = torch.aminmax(t.detach())

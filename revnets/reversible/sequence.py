@@ -233,6 +233,12 @@ class ReversibleSequence(nn.Module):
         part.training = self.training
         return part
 
+    def plain_units(self) -> list[nn.Module]:
+        """The sequence as consecutive modules that compute what :meth:`forward_plain` does (its
+        blocks, led by the grid's entry where it is exact), for whoever checkpoints it in
+        segments: a Checkpoint keeps the arithmetic."""
+        return [grid.GridEntry(), *self.blocks] if self.exact else list(self.blocks)
+
     def __len__(self) -> int:
         return len(self.blocks)
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from revnets.training.settings import DataSettings
+
 __all__ = ["DataMismatchError", "DataNotFoundError", "Loaders", "ResumableSampler", "build_loaders"]
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -130,7 +132,7 @@ def _checked_classes(dataset: Dataset, cfg: Any) -> Dataset:
     return dataset
 
 
-def build_datasets(cfg: Any, seed: int) -> tuple[Dataset, Dataset]:
+def build_datasets(cfg: DataSettings, seed: int) -> tuple[Dataset, Dataset]:
     if cfg.name == "synthetic":
         return (
             synthetic(cfg.train_size, cfg.num_classes, cfg.image_size, seed, split=0),
@@ -145,7 +147,7 @@ def build_datasets(cfg: Any, seed: int) -> tuple[Dataset, Dataset]:
     )
 
 
-def build_loaders(cfg: Any, seed: int, world_size: int = 1, rank: int = 0) -> Loaders:
+def build_loaders(cfg: DataSettings, seed: int, world_size: int = 1, rank: int = 0) -> Loaders:
     """Loaders whose ``batch_size`` is the global batch, split evenly across processes."""
     if cfg.batch_size % world_size:
         raise ValueError(

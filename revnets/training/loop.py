@@ -4,7 +4,6 @@ resume."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import shutil
 import signal
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,7 +37,7 @@ from revnets.training.report import (
     summary_table,
     write_timelines,
 )
-from revnets.training.settings import check_image_size, check_settings
+from revnets.training.settings import Settings, check_image_size, check_settings
 from revnets.training.state import (
     CHECKPOINT_NAME,
     capture_rng,
@@ -109,40 +108,45 @@ class _StopRequest:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, output_dir: str | Path) -> None:
-        self.cfg = cfg
+    """One run: ``settings`` (or a config, resolved once into them) say what to train."""
+
+    def __init__(self, settings: Settings | DictConfig, output_dir: str | Path) -> None:
+        if not isinstance(settings, Settings):
+            settings = Settings.of(settings)
+        self.settings = settings
+        trainer = settings.trainer
         self.output_dir = Path(output_dir)
-        self.dist = setup_distributed(cfg.trainer.distributed)
-        check_settings(cfg, self.dist.world_size)
-        self.device = resolve_device(cfg.trainer.device, self.dist)
-        torch.manual_seed(cfg.seed)
-        self.loaders = build_loaders(cfg.data, cfg.seed, self.dist.world_size, self.dist.rank)
-        self.model = create_model(cfg, self.device)
-        check_image_size(cfg, self.model, self.loaders.image_size)  # before a step fails in it
+        self.dist = setup_distributed(trainer.distributed)
+        check_settings(settings, self.dist.world_size)
+        self.device = resolve_device(trainer.device, self.dist)
+        torch.manual_seed(settings.seed)
+        self.loaders = build_loaders(settings.data, settings.seed, self.dist.world_size,
+                                     self.dist.rank)
+        self.model = create_model(settings.model, settings.data.num_classes, self.device,
+                                  settings.memory)
+        check_image_size(settings, self.model, self.loaders.image_size)  # before a step fails
         if self.dist.mode == "fsdp":
             shard_model(self.model)  # before the optimizer: sharding replaces the parameters
-        self.optimizer = build_optimizer(cfg.optim, self.model)
+        self.optimizer = build_optimizer(settings.optim, self.model)
         self.total_steps = self._total_steps()
-        self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
-        self.scaler = torch.amp.GradScaler(
-            self.device.type, enabled=cfg.trainer.precision == "fp16"
-        )
-        self.autocast = autocast_for(cfg.trainer.precision, self.device)
+        self.scheduler = build_scheduler(settings.optim, self.optimizer, self.total_steps)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=trainer.precision == "fp16")
+        self.autocast = autocast_for(trainer.precision, self.device)
         self.step = self.epoch = self.position = 0
         self.writer = self._tensorboard()
-        plan, exact = self.model.memory, bool(cfg.model.get("exact", False))
+        plan, exact = self.model.memory, settings.model.exact
         self._log({"event": "memory_plan", "plan": plan.name, "stages": str(plan.stages),
                    "rest": str(plan.rest), "exact": exact})
         if self.dist.is_main:
             arithmetic = ", exact arithmetic" if exact else ""
-            print(f"memory plan of {cfg.model.name}: {plan}{arithmetic}", flush=True)
-        if cfg.trainer.resume:
-            self._resume(cfg.trainer.resume)
+            print(f"memory plan of {settings.model.name}: {plan}{arithmetic}", flush=True)
+        if trainer.resume:
+            self._resume(trainer.resume)
         self.net: nn.Module = self.model
         if self.dist.mode == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=ids)
-        if cfg.trainer.compile:
+        if trainer.compile:
             self.net = compile_model(self.net)  # NOTE [ Layout under torch.compile ]
         self.step_times: list[float] = []
         self.throughput = Throughput()
@@ -151,7 +155,7 @@ class Trainer:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _total_steps(self) -> int:
-        trainer = self.cfg.trainer
+        trainer = self.settings.trainer
         if trainer.epochs is not None:
             return trainer.epochs * len(self.loaders.train)
         return trainer.max_steps
@@ -172,7 +176,7 @@ class Trainer:
         self._log({"event": "resumed", "from": str(run_dir), "step": self.step})
 
     def _tensorboard(self):
-        if not (self.cfg.trainer.tensorboard and self.dist.is_main):
+        if not (self.settings.trainer.tensorboard and self.dist.is_main):
             return None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -188,7 +192,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over ``trainer.accumulate`` micro-batches, then one update."""
         optimizer.zero_grad(set_to_none=True)
-        parts = self.cfg.trainer.accumulate
+        parts = self.settings.trainer.accumulate
         total_loss = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device, dtype=torch.long)
         for i in range(parts):
@@ -227,15 +231,15 @@ class Trainer:
             torch.distributed.all_gather_object(gathered, report.peak_bytes)
             rank_peaks = tuple(gathered)
         if self.dist.is_main:
-            baseline, baseline_timeline = predict_baseline(self.cfg, self.train_step_meta,
+            baseline, baseline_timeline = predict_baseline(self.settings, self.train_step_meta,
                                                            x.shape)
             unsharded = None
             if self.dist.mode == "fsdp":
-                unsharded, _ = predict_baseline(self.cfg, self.train_step_meta, x.shape,
+                unsharded, _ = predict_baseline(self.settings, self.train_step_meta, x.shape,
                                                 plan=self.model.memory)
             self.memory = MemoryComparison(report, baseline, timeline, baseline_timeline,
                                            rank_peaks, unsharded)
-            write_timelines(self.cfg, self.model.memory, self.memory,
+            write_timelines(self.settings, self.model.memory, self.memory,
                             self.output_dir / TIMELINE_NAME)
         return report.result
 
@@ -250,7 +254,7 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        cfg = self.cfg.trainer
+        trainer = self.settings.trainer
         start_step = self.step
         self.progress = Progress(self.total_steps, start_step, enabled=self.dist.is_main)
         with _StopRequest() as stop:
@@ -262,7 +266,7 @@ class Trainer:
                     y = y.to(self.device, non_blocking=True)
                     self.net.train()
                     begin = time.perf_counter()
-                    if self.step == start_step and cfg.memory_report:
+                    if self.step == start_step and trainer.memory_report:
                         loss, correct = self._measured_step(x, y)
                     else:
                         loss, correct = self.train_step(self.net, self.optimizer, x, y)
@@ -275,11 +279,11 @@ class Trainer:
                     self.step += 1
                     self.position += 1
                     self.progress.step()
-                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    if self.step % trainer.log_every == 0 or self.step == self.total_steps:
                         self._log_step(loss, correct, len(y))
-                    if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    if trainer.eval_every and self.step % trainer.eval_every == 0:
                         self._log(self.evaluate())
-                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    if trainer.checkpoint_every and self.step % trainer.checkpoint_every == 0:
                         self.save()
                     if stop.signal is not None or self.step >= self.total_steps:
                         break
@@ -336,7 +340,7 @@ class Trainer:
                 "epoch": self.epoch,
                 "position": self.position,
                 "rng": rng,
-                "config": OmegaConf.to_container(self.cfg, resolve=True),
+                "config": dict(self.settings.config),
             }
             previous = self._checkpoint_shards() if "sharded" in state else None
             save_checkpoint(self.output_dir / CHECKPOINT_NAME, state)
@@ -383,7 +387,7 @@ class Trainer:
 
     def summary(self, result: dict[str, Any]) -> str:
         step_time = statistics.median(self.step_times) if self.step_times else float("nan")
-        return summary_table(self.cfg, self.model.memory, self.memory, step_time, result)
+        return summary_table(self.settings, self.model.memory, self.memory, step_time, result)
 
     def close(self) -> None:
         if self.progress is not None:
@@ -395,7 +399,7 @@ class Trainer:
 
 def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says, writing metrics and checkpoints to ``output_dir``; print a summary."""
-    trainer = Trainer(copy.deepcopy(cfg), output_dir)
+    trainer = Trainer(Settings.of(cfg), output_dir)
     try:
         result = trainer.fit()
         if trainer.progress is not None:

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from revnets.memory import MemoryReport, MemoryTimeline, plot_timelines, predict_timeline
 from revnets.plan import PRESETS, MemoryPlan
 from revnets.training.factory import create_model
 from revnets.training.optim import build_optimizer
+from revnets.training.settings import Settings
 
 __all__ = ["MemoryComparison", "predict_baseline", "summary_table", "write_timelines"]
 
@@ -37,37 +37,37 @@ class MemoryComparison:
 
 
 def predict_baseline(
-    cfg: DictConfig,
+    settings: Settings,
     step: Callable[..., Any],
     batch_shape: torch.Size,
     plan: MemoryPlan = PRESETS["none"],
 ) -> tuple[MemoryReport, MemoryTimeline]:
     """Peak memory of one step of the same model in one process, on meta tensors, and its
     timeline: with every memory saving off, or under ``plan``."""
-    model = create_model(cfg, "meta", memory=plan)
-    optimizer = build_optimizer(cfg.optim, model)
-    micro_batch = (batch_shape[0] // cfg.trainer.accumulate, *batch_shape[1:])
+    model = create_model(settings.model, settings.data.num_classes, "meta", memory=plan)
+    optimizer = build_optimizer(settings.optim, model)
+    micro_batch = (batch_shape[0] // settings.trainer.accumulate, *batch_shape[1:])
     x = torch.empty(micro_batch, device="meta")
     y = torch.empty(micro_batch[0], dtype=torch.long, device="meta")
     return predict_timeline(step, model, optimizer, x, y)
 
 
 def write_timelines(
-    cfg: DictConfig, plan: MemoryPlan, memory: MemoryComparison, path: Path
+    settings: Settings, plan: MemoryPlan, memory: MemoryComparison, path: Path
 ) -> Path:
     """The measured step's timeline beside the baseline's, on one scale, as a PNG."""
     return plot_timelines(
         {
-            f"{cfg.model.name} ({plan.name}), measured": memory.timeline,
-            f"{cfg.model.name} (none), predicted": memory.baseline_timeline,
+            f"{settings.model.name} ({plan.name}), measured": memory.timeline,
+            f"{settings.model.name} (none), predicted": memory.baseline_timeline,
         },
         path,
-        title=f"memory of one training step, batch {cfg.data.batch_size}",
+        title=f"memory of one training step, batch {settings.data.batch_size}",
     )
 
 
 def summary_table(
-    cfg: DictConfig,
+    settings: Settings,
     plan: MemoryPlan,
     memory: MemoryComparison | None,
     step_time: float,
@@ -82,7 +82,7 @@ def summary_table(
     else:
         peak = base = ratio = "-"
     row = [
-        cfg.model.name,
+        settings.model.name,
         plan.name,
         peak,
         base,
@@ -103,11 +103,12 @@ def summary_table(
             f"({memory.report.method}); activations above model state: "
             f"{memory.report.above_model_state_bytes / MiB:.1f} MiB vs baseline "
             f"{memory.baseline.above_model_state_bytes / MiB:.1f} MiB (baseline predicted on the "
-            "meta device" + (", in float32" if cfg.trainer.precision != "fp32" else "") + ")"
+            "meta device" + (", in float32" if settings.trainer.precision != "fp32" else "")
+            + ")"
         )
         if memory.rank_peaks:
             peaks = ", ".join(f"rank {r}: {b / MiB:.1f}" for r, b in enumerate(memory.rank_peaks))
-            lines.append(f"peak per rank ({cfg.trainer.distributed}), MiB: {peaks}")
+            lines.append(f"peak per rank ({settings.trainer.distributed}), MiB: {peaks}")
         if memory.unsharded is not None:
             saved = memory.unsharded.peak_bytes - max(memory.rank_peaks)
             # Negative for small models: FSDP's gathered copies and communication buffers
