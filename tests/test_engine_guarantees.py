@@ -441,7 +441,7 @@ class DataSwap(Linear4):
 
 def test_a_buffer_whose_data_is_swapped_in_the_forward_is_refused_by_name():
     model = linear_sequence(DataSwap)
-    with pytest.raises(RuntimeError, match=r"blocks\.0\.f\.|avg's .data was replaced"):
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.f\.avg's \.data was replaced"):
         model(torch.randn(5, 8, dtype=torch.float64, requires_grad=True))
 
 

@@ -93,6 +93,7 @@ from revnets.replay.state import (
     state_tensors,
     submodules,
 )
+from revnets.replay.unchanged import changed_since
 from revnets.replay.watch import Watch
 
 __all__ = [
@@ -134,8 +135,10 @@ class Recording:
         root_owner: str | None = None,
         chain: RecordingChain | None = None,
         device: torch.device | None = None,
+        prefix: str = "",
     ) -> None:
         self.modules = list(modules)
+        self.prefix = prefix  # the modules' dotted name, for what the run is refused for
         self.preserve_rng = preserve_rng
         self.keep_left_state = keep_left_state
         self.root_owner = root_owner
@@ -215,9 +218,8 @@ class Recording:
             self.chain.cut()
             return
         if watch.params_written:
-            names = module_names(self.modules)
             raise RuntimeError(
-                f"{watch.params_written[0].name(names)} was written in place during the forward "
+                f"{self._name(watch.params_written[0])} was written in place during the forward "
                 "pass; its gradient would be taken with respect to a value it no longer has. "
                 "Change it outside the forward (before or after the training step)."
             )
@@ -254,10 +256,10 @@ class Recording:
             if now is s.tensor and copy is None:
                 if s.storage is not None and _storage_key(now) != s.storage:
                     raise RuntimeError(
-                        f"{s.name(module_names(self.modules))}'s .data was replaced during the "
-                        "forward pass, which no operator shows: the replay in backward could not "
-                        "see the value the forward found. Assign the tensor instead (self.x = "
-                        "...) or update it in place (self.x.copy_(...))."
+                        f"{self._name(s)}'s .data was replaced during the forward pass, which "
+                        "no operator shows: the replay in backward could not see the value the "
+                        "forward found. Assign the tensor instead (self.x = ...) or update it in "
+                        "place (self.x.copy_(...))."
                     )
                 continue
             s.found = copy if copy is not None else s.tensor
@@ -295,11 +297,14 @@ class Recording:
         lazy = next((s for s in slots if isinstance(s.tensor, UninitializedTensorMixin)), None)
         if lazy is not None:
             raise RuntimeError(
-                f"{lazy.name(module_names(self.modules))} is a lazy module's parameter or "
-                f"buffer, made in its first call from torch's random generators, which a "
-                f"recomputation would not draw again. Run one forward of the model first "
-                f"(with torch.no_grad()), or register the module as a submodule"
+                f"{self._name(lazy)} is a lazy module's parameter or buffer, made in its first "
+                f"call from torch's random generators, which a recomputation would not draw "
+                f"again. Run one forward of the model first (with torch.no_grad()), or register "
+                f"the module as a submodule"
             )
+
+    def _name(self, s: _Slot) -> str:
+        return self.prefix + s.name(module_names(self.modules))
 
     # -- before a replay -----------------------------------------------------------------------
     def check(self, owner: str, remedy: str, prefix: str = "") -> None:
@@ -320,28 +325,7 @@ class Recording:
 
     def _refuse(self, s: _Slot, now: Any, owner: str, remedy: str, prefix: str) -> None:
         name = prefix + s.name(module_names(self.modules))
-        if now is s.tensor and now.requires_grad != s.requires_grad:
-            raise RuntimeError(
-                f"{owner}: {name}.requires_grad was {s.requires_grad} in the forward pass and "
-                f"is {now.requires_grad} now, so the recomputation would differentiate other "
-                "weights than the forward used. Freeze or unfreeze weights before the forward "
-                f"pass or after backward. {remedy}"
-            )
-        if now is not s.tensor:
-            raise RuntimeError(
-                f"{owner}: {name} is not the tensor the forward pass used, so recomputing in "
-                "backward would differentiate other weights than the forward used. Something "
-                "swapped the module's parameters or buffers between forward and backward "
-                "(torch.func.functional_call and other stateless calls swap them for the "
-                f"forward call only). {remedy}"
-            )
-        raise RuntimeError(
-            f"{owner}: {name} was modified in place between the forward pass and backward "
-            "(an optimizer step, a manual update, a frozen weight or an eval-mode statistic "
-            "changed by hand), so the recomputation would not see what the forward saw. "
-            "Ordinary autograd refuses the same for the tensors it saves. Run backward before "
-            "changing it, or change it out of place. " + remedy
-        )
+        raise changed_since(owner, name, s.tensor, s.requires_grad, now, remedy)
 
     # -- the replay ----------------------------------------------------------------------------
     def replayed(self) -> contextlib.AbstractContextManager[None]:

@@ -34,7 +34,7 @@ class InvertibleStep(BlockStep):
         self.layout = Layout.of(x)
         self.recording = Recording(
             [self.module], run.preserve_rng, keep_left_state=True, root_owner=where,
-            chain=run.chain,
+            chain=run.chain, prefix=f"blocks.{self.index}.",
         )
         with self.recording:
             if self.plan.hooked:

@@ -318,6 +318,7 @@ class CouplingStep(_CouplingBackward):
         self.layouts[name] = Layout.of(half)
         recording = self.runs[name] = Recording(
             [getattr(self.block, name)], run.preserve_rng, chain=run.chain,
+            prefix=f"blocks.{self.index}.{name}.",
             # Context that is not plain is watched (NOTE [ Known calls ]).
             device=run.device if not context or plain(context) else None,
         )
