@@ -13,7 +13,9 @@ or restores state.
 #    operator draws from a generator (the device's default one, or any torch.Generator passed to
 #    it, wherever user code keeps it), that generator's state is kept. The replay restores each of
 #    them, and Python's ``random`` (the module's and the ``random.Random`` objects modules hold as
-#    attributes), then puts every generator back as it found it.
+#    attributes), then puts every generator back as it found it. One whose state cannot be
+#    taken (random.SystemRandom) is refused by name where the run draws from it (NOTE
+#    [ Generators without state ], stateless.py).
 # 2. Module state, by slot. A slot is a parameter, buffer or tensor attribute of a module. The
 #    recording notes what each slot held and, at the dispatcher, copies a buffer just before the
 #    run first writes into it (copy on write). A slot the run reassigned keeps its old tensor
@@ -93,6 +95,7 @@ from revnets.replay.state import (
     state_tensors,
     submodules,
 )
+from revnets.replay.stateless import StatelessDraws
 from revnets.replay.unchanged import changed_since
 from revnets.replay.watch import Watch
 
@@ -159,6 +162,7 @@ class Recording:
         self.loose: list[_Loose] = []  # tensors in containers and plain objects it read
         self.assigned: list[_Slot] = []  # tensor attributes the run created or reassigned
         self._run: contextlib.ExitStack | None = None
+        self._draws: StatelessDraws | None = None  # NOTE [ Generators without state ]
         self._census: Census | None = None
         self.walked: list[nn.Module] = []  # every module below ``modules``, once
         self.hook_serial = 0  # the id the next hook registered anywhere gets
@@ -184,6 +188,10 @@ class Recording:
             self._watch, self._hooks = known, None
             return self
         self._refuse_uninitialised(census.slots)
+        self._draws = StatelessDraws(census.stateless) if census.stateless else None
+        if self._draws is not None:
+            self._draws.refuse_unseen(module_names(self.modules), self.prefix)
+            self._run.enter_context(self._draws)
         # Running statistics of training-mode BatchNorms are left alone by the replay (rule 2),
         # so nothing else may read them; the name is found only for the error message.
         exempt: dict[int, tuple[nn.Module, str] | None] = {
@@ -217,6 +225,8 @@ class Recording:
         if exc[0] is not None:
             self.chain.cut()
             return
+        if self._draws is not None:
+            self._draws.refuse_drawn(module_names(self.modules), self.prefix)
         if watch.params_written:
             raise RuntimeError(
                 f"{self._name(watch.params_written[0])} was written in place during the forward "

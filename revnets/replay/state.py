@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from revnets.replay.containers import ContainerCopy
 from revnets.replay.held import AttributesCopy, path_to, reached, state_copies
+from revnets.replay.stateless import has_state
 from revnets.replay.structure import structure_of
 
 __all__ = ["forked_rng", "state_tensors"]
@@ -288,10 +289,13 @@ class Census:
     containers: list[ContainerCopy | AttributesCopy]
     # Tensors held in those containers and plain objects, checked where the run read them.
     loose: list[_Loose]
+    # Generators whose state cannot be taken: (holder, path, generator), NOTE [ Generators
+    # without state ] in stateless.py.
+    stateless: list[tuple[nn.Module, str | None, Any]]
 
     @classmethod
     def take(cls, roots: Sequence[nn.Module], generators: bool, reach: bool = False) -> Census:
-        found = cls([], [], [], [], {}, [], [], [], [])
+        found = cls([], [], [], [], {}, [], [], [], [], [])
         kinds: tuple[type, ...] = (random.Random,)
         numpy = sys.modules.get("numpy") if generators else None
         if generators:
@@ -447,9 +451,13 @@ class _HeldWalk:
                 self.census.loose.append(
                     _Loose(owner, v, _version(v), _storage_key(v), v.requires_grad))
             elif self.kinds is not None and isinstance(v, self.kinds):
-                self.census.python[id(v)] = (
-                    v if isinstance(v, random.Random) else _NumpyGenerator(v)
-                )
+                g = v if isinstance(v, random.Random) else _NumpyGenerator(v)
+                if type(v) is random.Random or has_state(g):
+                    self.census.python[id(v)] = g
+                else:
+                    d = vars(owner)
+                    where = path_to(v, d, _own_attributes(tuple(d)))
+                    self.census.stateless.append((owner, where, v))
             else:  # a container's elements, a plain object's attributes
                 self.census.containers += state_copies(v)
 
