@@ -33,10 +33,15 @@ or restores state.
 #    recorded one (a parent), only its own numbers, containers and tensors (Census, state.py).
 # 3. Anything else the run read must be unchanged when the replay runs, by identity and version
 #    counter and requires_grad: a parameter updated in place, swapped (an optimizer step,
-#    functional_call) or frozen is refused by name. A run that writes into a parameter is refused
-#    too. A module held unregistered may be another part's (a neighbour the run never calls): a
-#    tensor of it that the run read (as the watch saw) is to the replay what a saved tensor is to
-#    autograd: the replay reads that tensor, refused if written since, wherever its slot points.
+#    functional_call) or frozen is refused by name. A run that writes into a parameter after
+#    reading it, or into part of it, is refused too. One that overwrites a parameter whole
+#    before reading it (ActNorm's data-dependent initialisation: copy_, fill_ under no_grad or
+#    through .data) computes it: every read sees the parameter as the run left it, so the check
+#    compares with that, the inverse reads it and the replay runs on a copy made with autograd
+#    (its write dropped, its gradient the parameter's: computed.py). A module held unregistered
+#    may be another part's (a neighbour the run never calls): a tensor of it that the run read
+#    (as the watch saw) is to the replay what a saved tensor is to autograd: the replay reads
+#    that tensor, refused if written since, wherever its slot points.
 # 4. Forward hooks fire once, in the recorded run. A hook that replaced a module's output or
 #    changed it in place is part of the computation: the replay runs it again (it can tell, with
 #    :func:`is_recomputing`); every other forward hook is silenced. Forward pre-hooks always run
@@ -67,6 +72,7 @@ from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from revnets.replay.autocast import AutocastState, uncached_parametrizations
+from revnets.replay.computed import parameters_standing_in, written_after_read
 from revnets.replay.containers import ContainerCopy, as_found
 from revnets.replay.held import AttributesCopy, generators_held
 from revnets.replay.hooks import (
@@ -150,6 +156,7 @@ class Recording:
         self._python_found: dict[int, tuple[Any, Any]] = {}
         self.slots: list[_Slot] = []
         self.changed: list[_Slot] = []
+        self.computed: list[_Slot] = []  # parameters the run computed (rule 3)
         self.norms: list[nn.Module] = []
         self.generators: list[tuple[Any, Tensor | None]] = []
         self.python: list[tuple[random.Random, Any]] = []
@@ -228,11 +235,7 @@ class Recording:
         if self._draws is not None:
             self._draws.refuse_drawn(module_names(self.modules), self.prefix)
         if watch.params_written:
-            raise RuntimeError(
-                f"{self._name(watch.params_written[0])} was written in place during the forward "
-                "pass; its gradient would be taken with respect to a value it no longer has. "
-                "Change it outside the forward (before or after the training step)."
-            )
+            raise written_after_read(self._name(watch.params_written[0]))
         if watch.exempt_read is not None:
             module, key = watch.exempt_read
             name = module_names(self.modules).get(id(module), "") + key
@@ -271,6 +274,12 @@ class Recording:
                         "forward found. Assign the tensor instead (self.x = ...) or update it in "
                         "place (self.x.copy_(...))."
                     )
+                continue
+            if s.table == "_parameters" and s.storage in watch.computed:
+                if now is not s.tensor:  # computed, then another parameter put in its place
+                    raise written_after_read(self._name(s))
+                s.version = _version(now)  # checked as the run left it (rule 3)
+                self.computed.append(s)
                 continue
             s.found = copy if copy is not None else s.tensor
             self.changed.append(s)
@@ -425,6 +434,7 @@ class Recording:
     def drop(self) -> None:
         """Forget what the replay needed (the copies of changed state, the generators' states)."""
         self.changed, self.generators, self.python, self.slots = [], [], [], []
+        self.computed = []
         self.scalars, self.external, self.assigned, self.containers = [], [], [], []
         self.held, self.loose = [], []
 
@@ -457,6 +467,8 @@ class _Replay:
                 rare.enter_context(hooks_hidden_since(r.hook_serial, r.walked))
             if r.changed:
                 rare.enter_context(r._state_as(_found_copy))
+            if r.computed:
+                rare.enter_context(parameters_standing_in(r.computed, r._name))
             self.scalars = r._scalars_found()
             if r.norms:
                 self.frozen = frozen_running_stats(r.norms, tracked=True, uncounted=r.known)

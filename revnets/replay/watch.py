@@ -1,5 +1,5 @@
 """The dispatcher's view of a run: what it draws and what it writes (NOTE [ Replay ], rules 1
-and 2)."""
+to 3)."""
 
 from __future__ import annotations
 
@@ -66,13 +66,27 @@ _UPDATES_STATISTICS = {
 }
 
 
+# Operators that overwrite their first argument whole without reading it (copy_, fill_, zero_,
+# and the random fills nn.init calls): the first of a parameter's writes that may come before
+# any read of it (NOTE [ Replay ], rule 3). Arguments written as ``out=`` are overwritten too.
+_OVERWRITES = {
+    _aten.copy_.default, _aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default,
+    _aten.normal_.default, _aten.uniform_.default, _aten.bernoulli_.float,
+    _aten.bernoulli_.Tensor, _aten.random_.default, getattr(_aten.random_, "from"),
+    _aten.random_.to, _aten.exponential_.default, _aten.cauchy_.default,
+    _aten.log_normal_.default, _aten.geometric_.default,
+}
+
+
 @functools.cache
-def _facts(func: Any) -> tuple[bool, tuple[tuple[int, str], ...] | None, bool | int]:
+def _facts(func: Any) -> tuple[bool, tuple[tuple[int, str], ...] | None, bool | int,
+                               frozenset[int] | None]:
     """What the watch asks of an operator, once per operator: whether it is seeded, which
-    arguments it may write into (position and name; None: it writes nothing), and whether it may
+    arguments it may write into (position and name; None: it writes nothing), whether it may
     read batch norm's statistics other than as batch norm in training mode does (a view of them
     reads nothing; for batch norm itself, the position of its ``training`` flag: in eval mode
-    it reads them)."""
+    it reads them), and which of the written arguments it overwrites whole without reading them
+    (None: a view, which reads no values at all)."""
     schema = func._schema
     is_view = any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns)
     written = tuple(
@@ -81,11 +95,14 @@ def _facts(func: Any) -> tuple[bool, tuple[tuple[int, str], ...] | None, bool | 
         if a.alias_info is not None and a.alias_info.is_write
     )
     writes = schema.is_mutable or func in _UNDECLARED_WRITES
+    overwritten = frozenset(k for k, _ in written
+                            if (k == 0 and func in _OVERWRITES) or schema.arguments[k].kwarg_only)
     return (
         torch.Tag.nondeterministic_seeded in func.tags,
         written if writes else None,
         _training_flag(schema) if func in _READS_STATISTICS
         else func not in _UPDATES_STATISTICS and not is_view,
+        None if is_view else overwritten,
     )
 
 
@@ -109,8 +126,8 @@ def _draws(func: Any, args: tuple) -> bool:
 
 class Watch(TorchDispatchMode):
     """Sees every operator of one run: keeps each generator's state at its first draw (NOTE
-    [ Replay ], rule 1) and copies a watched slot's tensor before the run first writes into it
-    (rule 2)."""
+    [ Replay ], rule 1), copies a watched slot's tensor before the run first writes into it
+    (rule 2) and tells a parameter the run computes from one it reads and then writes (rule 3)."""
 
     def __init__(
         self,
@@ -131,6 +148,14 @@ class Watch(TorchDispatchMode):
         # storage as a flat tensor, and a copy made before the first write.
         self.external: dict[int, tuple[Tensor, Tensor]] = {}
         self.created: set[int] = set()
+        # Parameters by storage (rule 3): those the run has not touched yet; those it overwrote
+        # whole before reading them and has not read since (written still: being computed); all
+        # it overwrote first (``computed``); the slots of the first one written otherwise.
+        self.parameters = frozenset(k for k, slots in watched.items()
+                                    if any(s.table == "_parameters" for s in slots))
+        self.untouched = set(self.parameters)
+        self.computing: set[int] = set()
+        self.computed: set[int] = set()
         self.params_written: list[_Slot] = []
         self.exempt_read: tuple[nn.Module, str] | None = None
         # Storages of modules held unregistered (Census): which of them the run read.
@@ -141,9 +166,11 @@ class Watch(TorchDispatchMode):
         if func is DEVICE_QUERY and isinstance(args[0], FakeTensor):
             return args[0].device  # NOTE [ Device queries ]
         kwargs = kwargs or {}
-        seeded, written, reads_exempt = _facts(func)
+        seeded, written, reads_exempt, overwritten = _facts(func)
         if seeded and self.draws and _draws(func, args):
             self._note_draw(args, kwargs)
+        if (self.untouched or self.computing) and overwritten is not None:
+            self._note_parameter_use(written or (), overwritten, args, kwargs)
         if written is not None:
             self._note_writes(func, written, args, kwargs)
         if self.reads:
@@ -171,6 +198,40 @@ class Watch(TorchDispatchMode):
                 self.exempt_read = read
                 return
 
+    def _note_parameter_use(
+        self, written: tuple[tuple[int, str], ...], overwritten: frozenset[int], args: Any,
+        kwargs: dict,
+    ) -> None:
+        """Follow each parameter from the run's first touch of it (NOTE [ Replay ], rule 3): an
+        operator that overwrites it whole, reading it nowhere else, makes it one the run computes
+        (an in-place update after that still computes it), until an operator reads it; any other
+        first touch reads it."""
+        positions = {k for k, _ in written}
+        names = {name for _, name in written}
+        sources = [v for k, v in enumerate(args) if k not in positions]
+        sources += [v for name, v in kwargs.items() if name not in names]
+        read = {k for k in map(_storage_key, _tensors_in(sources))
+                if k in self.untouched or k in self.computing}
+        self.untouched -= read
+        self.computing -= read
+        for k, name in written:
+            value = args[k] if k < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                key = _storage_key(t) if isinstance(t, Tensor) else None
+                if key not in self.untouched or key in read:
+                    continue
+                self.untouched.discard(key)
+                if k in overwritten and self._covers(t, key):
+                    self.computing.add(key)
+                    self.computed.add(key)
+
+    def _covers(self, t: Tensor, key: int) -> bool:
+        """Whether ``t`` is the whole of the parameter whose storage is ``key``."""
+        p = next(s.tensor for s in self.watched[key] if s.table == "_parameters")
+        return t.storage_offset() == p.storage_offset() and t.numel() == p.numel() and (
+            (t.shape == p.shape and t.stride() == p.stride())
+            or (t.is_contiguous() and p.is_contiguous()))
+
     def _note_draw(self, args: Any, kwargs: dict) -> None:
         generator = next(
             (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Generator)), None
@@ -191,12 +252,13 @@ class Watch(TorchDispatchMode):
                 if not isinstance(t, Tensor):
                     continue
                 key = _storage_key(t)
+                if (key in self.parameters and key not in self.computing
+                        and not self.params_written):
+                    self.params_written = self.watched[key]  # read before (rule 3)
                 if key is None or key in self.written or key in self.external:
                     continue
                 if key in self.watched:
                     slots = self.watched[key]
-                    if any(s.table == "_parameters" for s in slots):
-                        self.params_written += slots
                     self.written[key] = slots[0].tensor.detach().clone()
                 elif key not in self.created and key not in self.exempt:
                     # A view, where ``set_`` would put a real storage under a fake tensor
