@@ -24,6 +24,8 @@ import re
 from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import get_type_hints
 
+from revnets.facts import MiB
+
 __all__ = [
     "EXACT_HOME",
     "PRESETS",
@@ -38,7 +40,6 @@ __all__ = [
     "preset_options",
 ]
 
-MiB = 2**20
 
 
 @dataclass(frozen=True)

@@ -138,9 +138,9 @@ def test_a_device_draws_from_its_own_default_generator(monkeypatch):
 
     modules = {"xpu": Accelerator(), "mps": SingleGenerator()}
     monkeypatch.setattr(replay.torch, "get_device_module", lambda kind: modules[kind])
-    assert replay._default_generator(torch.device("xpu", 1)) is generators[1]
-    assert replay._default_generator(torch.device("xpu")) is generators[0]
-    single = replay._default_generator(torch.device("mps"))
+    assert replay.default_generator(torch.device("xpu", 1)) is generators[1]
+    assert replay.default_generator(torch.device("xpu")) is generators[0]
+    single = replay.default_generator(torch.device("mps"))
     assert torch.equal(single.get_state(), torch.zeros(4, dtype=torch.uint8))
 
 

@@ -124,3 +124,22 @@ def test_options_are_set_whole_and_checked_before_anything_changes():
     sequence.options = SequenceOptions(Store(), exact=True, preserve_rng_state=False)
     assert (sequence.memory, sequence.exact, sequence.preserve_rng_state) == (Store(), True, False)
     assert type(sequence[0].coupling) is revnets.ExactAdditiveCoupling
+
+
+@pytest.mark.parametrize("name, keywords", [
+    ("revnet38", dict(units=(3, 3), channels=(8, 8, 16))), ("irevnet163", dict(units=(2, 2, 2)))])
+def test_every_plan_of_an_exact_zoo_model_computes_one_function(name, keywords):
+    """A checkpointed stage runs its blocks in segments, led by the grid's entry
+    (``plain_units``): the stage computes the exact function under every preset."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10, exact=True, **keywords).double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    out = reference(x)
+    loss_fn(out).backward()
+    for preset in model.memory_strategies:
+        planned = copy.deepcopy(model).set_memory(preset)
+        got = planned(x)
+        loss_fn(got).backward()
+        assert torch.equal(got, out), preset
+        assert max_grad_error(planned, reference) <= 1e-10, preset

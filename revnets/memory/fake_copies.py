@@ -29,9 +29,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from revnets.facts import storage_uses
 from revnets.memory.call_arguments import rebuilt
 from revnets.replay.held import modules_held, reached
-from revnets.replay.state import _own_attributes
+from revnets.replay.state import own_attributes
 
 
 def is_cpu_scalar(tensor: Tensor) -> bool:
@@ -103,7 +104,7 @@ def scalars_held(module: nn.Module) -> list[Tensor]:
     found, seen = [t for t in module.buffers() if is_cpu_scalar(t)], set()
     for m in module.modules():
         own = vars(m)
-        found += [v for key in _own_attributes(tuple(own)) for _, v in reached(own[key], seen)
+        found += [v for key in own_attributes(tuple(own)) for _, v in reached(own[key], seen)
                   if isinstance(v, Tensor) and is_cpu_scalar(v)]
     return found
 
@@ -383,15 +384,10 @@ def held_elsewhere(owners: list[Any], own: list[Tensor]) -> set[int]:
 
 
 def _references(tensors: dict[int, Tensor]) -> dict[int, tuple[int, int, int]]:
-    return {key: (sys.getrefcount(t), t._use_count(), _storage_references(t))
+    return {key: (sys.getrefcount(t), t._use_count(), storage_uses(t))
             for key, t in tensors.items()}
 
 
-def _storage_references(tensor: Tensor) -> int:
-    try:
-        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
-        return sys.maxsize  # held, as far as anyone can tell
 
 
 def stand_ins_of(owners: list[Any], memo: dict[int, Any]) -> StandIns:

@@ -26,13 +26,13 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
+from revnets.facts import MiB
 from revnets.memory.call_arguments import device_of, owners_in, refuse_uninitialised
 from revnets.memory.fake_copies import StandIns
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 __all__ = ["MemoryReport", "MemoryTracker", "Watch", "measure_call", "measure_memory"]
 
-MiB = 2**20
 
 # NOTE [ Bytes the CUDA allocator counts ]
 # The caching allocator hands out blocks in multiples of 512 bytes (a 4-byte tensor takes 512),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from revnets.facts import MiB
 from revnets.memory.measure import (
     ACTIVATIONS,
     GRADIENTS,
@@ -29,7 +30,6 @@ from revnets.memory.measure import (
     PARAMETERS,
     MemoryReport,
     MemoryTracker,
-    MiB,
     measure_call,
 )
 from revnets.memory.predict import predict_call

@@ -22,7 +22,7 @@ from revnets.replay.containers import MUTABLE
 from revnets.replay.held import attributes_of, reached
 from revnets.replay.hooks import hooked
 from revnets.replay.known import names_run_by
-from revnets.replay.state import _own_attributes
+from revnets.replay.state import own_attributes
 
 __all__ = ["Frozen", "refuse_hooks"]
 
@@ -190,7 +190,7 @@ def _paths(model: nn.Module) -> dict[int, str]:
     for name, module in model.named_modules():
         paths.setdefault(id(module), name)
         own = vars(module)
-        for key in _own_attributes(tuple(own)):
+        for key in own_attributes(tuple(own)):
             for where, v in reached(own[key], seen, f"{name + '.' if name else ''}{key}"):
                 if not isinstance(v, nn.Module):
                     paths.setdefault(id(v), where)

@@ -23,7 +23,7 @@ from revnets.replay.held import (
     state_copies,
 )
 from revnets.replay.known_calls import bound_arguments
-from revnets.replay.state import _NumpyGenerator
+from revnets.replay.state import NumpyGenerator
 from revnets.replay.structure import structure_of
 
 __all__ = [
@@ -255,7 +255,7 @@ class Draws:
         if torch.cuda.is_initialized():
             self.generators += list(torch.cuda.default_generators)
         numpy = sys.modules.get("numpy")
-        self.numpy = _NumpyGenerator(numpy.random) if numpy is not None else None
+        self.numpy = NumpyGenerator(numpy.random) if numpy is not None else None
         self.initial = self.states()
 
     def states(self) -> tuple[Any, Any, list[torch.Tensor]]:

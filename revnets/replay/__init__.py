@@ -71,6 +71,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
+from revnets.facts import storage_key, version_of
 from revnets.replay.autocast import AutocastState, uncached_parametrizations
 from revnets.replay.computed import parameters_standing_in, written_after_read
 from revnets.replay.containers import ContainerCopy, as_found
@@ -90,11 +91,9 @@ from revnets.replay.norms import frozen_running_stats
 from revnets.replay.state import (
     MISSING,
     Census,
+    Loose,
     RecordingChain,
-    _Loose,
-    _Slot,
-    _storage_key,
-    _version,
+    Slot,
     forked_rng,
     put_attribute,
     same_state,
@@ -154,9 +153,9 @@ class Recording:
         self.chain = chain if chain is not None else RecordingChain()
         self.device = device  # where the run's tensors are, for NOTE [ Known layers ]
         self._python_found: dict[int, tuple[Any, Any]] = {}
-        self.slots: list[_Slot] = []
-        self.changed: list[_Slot] = []
-        self.computed: list[_Slot] = []  # parameters the run computed (rule 3)
+        self.slots: list[Slot] = []
+        self.changed: list[Slot] = []
+        self.computed: list[Slot] = []  # parameters the run computed (rule 3)
         self.norms: list[nn.Module] = []
         self.generators: list[tuple[Any, Tensor | None]] = []
         self.python: list[tuple[random.Random, Any]] = []
@@ -165,9 +164,9 @@ class Recording:
         self.external: list[tuple[Tensor, Tensor]] = []
         # the modules' containers and plain objects' attributes, as found
         self.containers: list[ContainerCopy | AttributesCopy] = []
-        self.held: list[_Slot] = []  # tensors of modules held unregistered that the run read
-        self.loose: list[_Loose] = []  # tensors in containers and plain objects it read
-        self.assigned: list[_Slot] = []  # tensor attributes the run created or reassigned
+        self.held: list[Slot] = []  # tensors of modules held unregistered that the run read
+        self.loose: list[Loose] = []  # tensors in containers and plain objects it read
+        self.assigned: list[Slot] = []  # tensor attributes the run created or reassigned
         self._run: contextlib.ExitStack | None = None
         self._draws: StatelessDraws | None = None  # NOTE [ Generators without state ]
         self._census: Census | None = None
@@ -202,19 +201,19 @@ class Recording:
         # Running statistics of training-mode BatchNorms are left alone by the replay (rule 2),
         # so nothing else may read them; the name is found only for the error message.
         exempt: dict[int, tuple[nn.Module, str] | None] = {
-            _storage_key(b): (m, key) if key in ("running_mean", "running_var") else None
+            storage_key(b): (m, key) if key in ("running_mean", "running_var") else None
             for m in census.norms
             for key, b in m._buffers.items()
             if b is not None
         }
-        watched: dict[int, list[_Slot]] = {}
+        watched: dict[int, list[Slot]] = {}
         for s in self.slots:
             if s.storage is not None:
                 watched.setdefault(s.storage, []).append(s)
         self.chain.user_code_runs()
         self._python_found = self.chain.begin(census.python)
         reads = frozenset(s.storage for s in (*self.slots, *census.loose)
-                          if (s.reached if isinstance(s, _Slot) else True)
+                          if (s.reached if isinstance(s, Slot) else True)
                           and s.storage is not None)
         self._watch = Watch(watched, self.preserve_rng, exempt, reads)
         self._hooks = HookWatch(census.hooked, self.modules, self.root_owner)
@@ -267,7 +266,7 @@ class Recording:
             now = s.current()
             copy = watch.written.get(s.storage)
             if now is s.tensor and copy is None:
-                if s.storage is not None and _storage_key(now) != s.storage:
+                if s.storage is not None and storage_key(now) != s.storage:
                     raise RuntimeError(
                         f"{self._name(s)}'s .data was replaced during the forward pass, which "
                         "no operator shows: the replay in backward could not see the value the "
@@ -278,7 +277,7 @@ class Recording:
             if s.table == "_parameters" and s.storage in watch.computed:
                 if now is not s.tensor:  # computed, then another parameter put in its place
                     raise written_after_read(self._name(s))
-                s.version = _version(now)  # checked as the run left it (rule 3)
+                s.version = version_of(now)  # checked as the run left it (rule 3)
                 self.computed.append(s)
                 continue
             s.found = copy if copy is not None else s.tensor
@@ -309,7 +308,7 @@ class Recording:
         self.loose = [t for t in census.loose if t.storage in watch.read
                       and t.storage not in watch.written and t.storage not in watch.external]
 
-    def _refuse_uninitialised(self, slots: Sequence[_Slot]) -> None:
+    def _refuse_uninitialised(self, slots: Sequence[Slot]) -> None:
         # A lazy module draws its parameters' initial values in its first call, which a replay
         # would not: checkpoints run that call as it is, where they see the module
         # (checkpoint_forward, ReversibleSequence); one held unregistered is refused here.
@@ -322,7 +321,7 @@ class Recording:
                 f"the module as a submodule"
             )
 
-    def _name(self, s: _Slot) -> str:
+    def _name(self, s: Slot) -> str:
         return self.prefix + s.name(module_names(self.modules))
 
     # -- before a replay -----------------------------------------------------------------------
@@ -331,18 +330,18 @@ class Recording:
         ``requires_grad`` changed since (NOTE [ Replay ], rule 3); ``prefix`` is the module's
         dotted name, for the message."""
         for s in (*self.held, *self.loose):  # by version only: its place may be reassigned
-            if _version(s.tensor) != s.version or s.tensor.requires_grad != s.requires_grad:
+            if version_of(s.tensor) != s.version or s.tensor.requires_grad != s.requires_grad:
                 self._refuse(s, s.tensor, owner, remedy, prefix)
         for s in self.slots:
             now = s.current()
             if now is s.tensor and (now is None or (
-                (s.version is None or _version(now) == s.version)
+                (s.version is None or version_of(now) == s.version)
                 and now.requires_grad == s.requires_grad
             )):
                 continue
             self._refuse(s, now, owner, remedy, prefix)
 
-    def _refuse(self, s: _Slot, now: Any, owner: str, remedy: str, prefix: str) -> None:
+    def _refuse(self, s: Slot, now: Any, owner: str, remedy: str, prefix: str) -> None:
         name = prefix + s.name(module_names(self.modules))
         raise changed_since(owner, name, s.tensor, s.requires_grad, now, remedy)
 
@@ -494,6 +493,6 @@ class _Replay:
             self.rare.__exit__(*exc)
 
 
-def _found_copy(slot: _Slot) -> Tensor | None:
+def _found_copy(slot: Slot) -> Tensor | None:
     # A copy: whatever the replay writes into it is dropped (NOTE [ Replay ], rule 2).
     return None if slot.found is None else slot.found.clone()

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from revnets.replay.state import _version
+from revnets.facts import version_of
 
 __all__ = [
     "HookWatch",
@@ -77,10 +77,10 @@ class HookWatch:
         def watched(*args: Any) -> Any:
             target, output = args[0], args[-1]
             tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
-            versions = [_version(t) for t in tensors]
+            versions = [version_of(t) for t in tensors]
             result = hook(*args)
             replaced = result is not None and result is not output
-            edited = any(_version(t) != v for t, v in zip(tensors, versions))
+            edited = any(version_of(t) != v for t, v in zip(tensors, versions))
             if replaced or edited:
                 if self.root_owner is not None and id(target) in self.roots:
                     raise RuntimeError(

@@ -16,7 +16,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
 from revnets.replay.known_calls import CallKind, plain_parameters
-from revnets.replay.state import _CPU_STATE_BYTES, _default_generator
+from revnets.replay.state import CPU_STATE_BYTES, default_generator
 
 __all__ = [
     "KnownRun", "KnownWalk", "known_code", "known_composite", "known_run", "names_run_by",
@@ -338,8 +338,8 @@ def kept_generator_state(device: torch.device, generator: Any = None) -> tuple[A
     keeps it. Nothing is drawn on the meta device: there a placeholder the size of the CPU's
     state stands in, so that a prediction on meta counts what a real run keeps."""
     if device.type == "meta":
-        return None, torch.empty(_CPU_STATE_BYTES, dtype=torch.uint8, device="meta")
+        return None, torch.empty(CPU_STATE_BYTES, dtype=torch.uint8, device="meta")
     if generator is None:
-        generator = _default_generator(device)
+        generator = default_generator(device)
     # detach() shows the kept state to a memory tracker below (get_state is not an operator).
     return generator, generator.get_state().detach()

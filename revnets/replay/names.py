@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from revnets.replay.held import reached
-from revnets.replay.state import _own_attributes
+from revnets.replay.state import own_attributes
 
 __all__ = ["module_names"]
 
@@ -25,7 +25,7 @@ def module_names(modules: Sequence[nn.Module]) -> dict[int, str]:
             if id(m) in names:
                 continue
             names[id(m)] = path = f"{prefix}{name}." if name else prefix
-            pending += [(held, f"{where}.") for key in _own_attributes(tuple(vars(m)))
+            pending += [(held, f"{where}.") for key in own_attributes(tuple(vars(m)))
                         for where, held in reached(vars(m)[key], seen, path + key)
                         if isinstance(held, nn.Module) and id(held) not in names]
     return names

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from revnets.replay.state import _tracked_norms
+from revnets.replay.state import tracked_norms
 
 __all__ = ["frozen_running_stats"]
 
@@ -32,7 +32,7 @@ class frozen_running_stats:  # noqa: N801 (a context manager, named like context
     ) -> None:
         if isinstance(modules, nn.Module):
             modules = [modules]
-        self.norms = modules if tracked else _tracked_norms(modules)
+        self.norms = modules if tracked else tracked_norms(modules)
         self.frozen: list[tuple[Any, Tensor | None]] = []
         self.uncounted = uncounted
 

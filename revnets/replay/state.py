@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._pytree import tree_leaves
 
+from revnets.facts import storage_key, version_of
 from revnets.replay.containers import ContainerCopy
 from revnets.replay.held import AttributesCopy, path_to, reached, state_copies
 from revnets.replay.stateless import has_state
@@ -22,7 +22,7 @@ from revnets.replay.structure import structure_of
 __all__ = ["forked_rng", "state_tensors"]
 
 
-def _default_generator(device: torch.device) -> Any:
+def default_generator(device: torch.device) -> Any:
     """The generator an operator on ``device`` draws from when it is given none."""
     if device.type == "cpu":
         return torch.default_generator
@@ -46,10 +46,10 @@ class _ModuleGenerator:
         self.module.set_rng_state(state)
 
 
-_CPU_STATE_BYTES = torch.default_generator.get_state().numel()
+CPU_STATE_BYTES = torch.default_generator.get_state().numel()
 
 
-class _NumpyGenerator:
+class NumpyGenerator:
     """numpy's global generator (np.random.seed, np.random.rand) or a RandomState or Generator,
     behind Python's getstate/setstate."""
 
@@ -112,10 +112,10 @@ class RecordingChain:
 
 
 def same_state(generator: Any, a: Any, b: Any) -> bool:
-    return generator.same(a, b) if isinstance(generator, _NumpyGenerator) else a == b
+    return generator.same(a, b) if isinstance(generator, NumpyGenerator) else a == b
 
 
-def _device_of_op(args: Any, kwargs: dict) -> torch.device:
+def device_of_op(args: Any, kwargs: dict) -> torch.device:
     device = kwargs.get("device")
     if device is not None:
         return torch.device(device)
@@ -133,7 +133,7 @@ def forked_rng(
     generators ``held`` (a model's own: :func:`generators_held`); they are put back on exit."""
     generators = [torch.default_generator, *held]
     if device.type not in ("cpu", "meta"):
-        generators.append(_default_generator(device))
+        generators.append(default_generator(device))
     states = [g.get_state() for g in generators]
     python = random.getstate()
     try:
@@ -169,7 +169,7 @@ def state_tensors(
 
 
 @dataclass(slots=True)
-class _Slot:
+class Slot:
     """One place a module keeps a tensor: ``table`` is ``_parameters``, ``_buffers`` or
     ``__dict__`` (a plain tensor attribute)."""
 
@@ -202,14 +202,6 @@ def _table(module: nn.Module, table: str) -> dict:
     return vars(module) if table == "__dict__" else getattr(module, table)
 
 
-def _version(t: Tensor) -> int | None:
-    # Inference tensors keep no version counter; a lazy module's parameter before its first
-    # call has none to read (the recording refuses it by name: _refuse_uninitialised).
-    if isinstance(t, UninitializedTensorMixin) or t.is_inference():
-        return None
-    return t._version
-
-
 def submodules(root: nn.Module) -> list[nn.Module]:
     """``root`` and every module below it, each once, as ``root.modules()`` lists them, without
     building their names on the way (it runs for every block of every step)."""
@@ -232,7 +224,7 @@ def _is_tracked_norm(m: nn.Module) -> bool:
     )
 
 
-def _tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._NormBase]:
+def tracked_norms(modules: Iterable[nn.Module]) -> list[nn.modules.batchnorm._NormBase]:
     return [m for root in modules for m in submodules(root) if _is_tracked_norm(m)]
 
 
@@ -241,7 +233,7 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
 @dataclass(slots=True)
-class _Loose:
+class Loose:
     """A tensor a module holds in a container or a plain object (NOTE [ What a module holds ]):
     to the replay what a saved tensor is to autograd where the run read it (NOTE [ Replay ],
     rule 3), its place followed as the container's."""
@@ -254,7 +246,7 @@ class _Loose:
 
     def name(self, names: dict[int, str]) -> str:
         d = vars(self.module)
-        where = path_to(self.tensor, d, _own_attributes(tuple(d)))
+        where = path_to(self.tensor, d, own_attributes(tuple(d)))
         return names.get(id(self.module), f"{type(self.module).__name__}.") + (
             where or "(a tensor it holds)")
 
@@ -275,7 +267,7 @@ class Census:
 
     modules: list[nn.Module]
     norms: list[nn.modules.batchnorm._NormBase]  # BatchNorms in training mode (rule 2)
-    slots: list[_Slot]  # parameters, buffers and tensor attributes, BatchNorms' own left out
+    slots: list[Slot]  # parameters, buffers and tensor attributes, BatchNorms' own left out
     scalars: list[tuple[dict, str, Any]]  # plain numbers and flags, ``training`` among them
     # Python's and numpy's generators (the global ones and the modules' own), by the identity of
     # the generator object.
@@ -288,7 +280,7 @@ class Census:
     # attributes, as they were.
     containers: list[ContainerCopy | AttributesCopy]
     # Tensors held in those containers and plain objects, checked where the run read them.
-    loose: list[_Loose]
+    loose: list[Loose]
     # Generators whose state cannot be taken: (holder, path, generator), NOTE [ Generators
     # without state ] in stateless.py.
     stateless: list[tuple[nn.Module, str | None, Any]]
@@ -301,7 +293,7 @@ class Census:
         if generators:
             found.python[id(random._inst)] = random._inst
         if numpy is not None:
-            found.python[id(numpy.random)] = _NumpyGenerator(numpy.random)
+            found.python[id(numpy.random)] = NumpyGenerator(numpy.random)
             kinds += (numpy.random.RandomState, numpy.random.Generator)
         seen: set[int] = set()
         walk = _HeldWalk(found, kinds if generators else None) if reach else None
@@ -332,18 +324,18 @@ class Census:
             for key, t in table.items():
                 if t is not None:
                     kind = "_parameters" if table is m._parameters else "_buffers"
-                    self.slots.append(_Slot(
-                        m, kind, key, t, _version(t), _storage_key(t), t.requires_grad, reached
+                    self.slots.append(Slot(
+                        m, kind, key, t, version_of(t), storage_key(t), t.requires_grad, reached
                     ))
         d = vars(m)
         self.scalars.append((d, "training", d["training"]))
         candidates = []
         keys = tuple(d)
-        for key in _own_attributes(keys, structure_of(m)):
+        for key in own_attributes(keys, structure_of(m)):
             value = d[key]
             if isinstance(value, Tensor):
-                self.slots.append(_Slot(
-                    m, "__dict__", key, value, _version(value), _storage_key(value),
+                self.slots.append(Slot(
+                    m, "__dict__", key, value, version_of(value), storage_key(value),
                     value.requires_grad, reached,
                 ))
                 continue
@@ -363,15 +355,15 @@ class Census:
         forward's."""
         for table, kind in ((m._parameters, "_parameters"), (m._buffers, "_buffers")):
             self.slots += [
-                _Slot(m, kind, k, t, _version(t), _storage_key(t), t.requires_grad, True)
+                Slot(m, kind, k, t, version_of(t), storage_key(t), t.requires_grad, True)
                 for k, t in table.items() if t is not None
             ]
         d = vars(m)
-        for key in _own_attributes(tuple(d), structure_of(m)):
+        for key in own_attributes(tuple(d), structure_of(m)):
             value = d[key]
             if isinstance(value, Tensor):  # as a held module's: replayed where the run read it
-                self.slots.append(_Slot(
-                    m, "__dict__", key, value, _version(value), _storage_key(value),
+                self.slots.append(Slot(
+                    m, "__dict__", key, value, version_of(value), storage_key(value),
                     value.requires_grad, True,
                 ))
             elif type(value) in (bool, int, float):
@@ -379,7 +371,7 @@ class Census:
             elif not isinstance(value, nn.Module):
                 walk.scan(value, m, modules=False)
 
-    def new_tensor_attributes(self) -> list[_Slot]:
+    def new_tensor_attributes(self) -> list[Slot]:
         """Tensor attributes the run created: slots that did not exist before it."""
         created = []
         for m, d, keys, candidates in self.attributes:
@@ -388,7 +380,7 @@ class Census:
                 before = {s.key for s in self.slots if s.module is m and s.table == "__dict__"}
                 candidates = [k for k in candidates if k not in before]
             created += [
-                _Slot(m, "__dict__", k, None, None)
+                Slot(m, "__dict__", k, None, None)
                 for k in candidates
                 if isinstance(d.get(k), Tensor)
             ]
@@ -415,7 +407,7 @@ MISSING = object()  # an attribute that did not exist when the run began
 _OWN_ATTRIBUTES: dict[tuple[tuple[str, ...], frozenset[str]], tuple[str, ...]] = {}
 
 
-def _own_attributes(keys: tuple[str, ...],
+def own_attributes(keys: tuple[str, ...],
                     structure: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """The attribute names among ``keys`` (a module's, in order) that are not nn.Module's own
     internals, nor its class's ``structure`` (NOTE [ What runs never change ]); modules of one
@@ -449,14 +441,14 @@ class _HeldWalk:
                     self.held.append(v)
             elif isinstance(v, Tensor):
                 self.census.loose.append(
-                    _Loose(owner, v, _version(v), _storage_key(v), v.requires_grad))
+                    Loose(owner, v, version_of(v), storage_key(v), v.requires_grad))
             elif self.kinds is not None and isinstance(v, self.kinds):
-                g = v if isinstance(v, random.Random) else _NumpyGenerator(v)
+                g = v if isinstance(v, random.Random) else NumpyGenerator(v)
                 if type(v) is random.Random or has_state(g):
                     self.census.python[id(v)] = g
                 else:
                     d = vars(owner)
-                    where = path_to(v, d, _own_attributes(tuple(d)))
+                    where = path_to(v, d, own_attributes(tuple(d)))
                     self.census.stateless.append((owner, where, v))
             else:  # a container's elements, a plain object's attributes
                 self.census.containers += state_copies(v)
@@ -475,14 +467,6 @@ class _HeldWalk:
                 continue
             found.append(m)
         return found[::-1]
-
-
-def _storage_key(t: Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    # storage-less tensors (sparse, nested), a lazy module's parameter before its first call
-    except (RuntimeError, NotImplementedError, ValueError):
-        return None
 
 
 def put_attribute(attributes: dict, key: str, value: Any) -> None:

@@ -12,12 +12,12 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from revnets.facts import storage_key
 from revnets.replay.known import kept_generator_state
 from revnets.replay.state import (
-    _default_generator,
-    _device_of_op,
-    _Slot,
-    _storage_key,
+    Slot,
+    default_generator,
+    device_of_op,
 )
 
 __all__ = ["DEVICE_QUERY", "Watch", "operator_tensors"]
@@ -131,7 +131,7 @@ class Watch(TorchDispatchMode):
 
     def __init__(
         self,
-        watched: dict[int, list[_Slot]],
+        watched: dict[int, list[Slot]],
         draws: bool,
         exempt: dict[int, tuple[nn.Module, str] | None],
         reads: frozenset[int] = frozenset(),
@@ -156,7 +156,7 @@ class Watch(TorchDispatchMode):
         self.untouched = set(self.parameters)
         self.computing: set[int] = set()
         self.computed: set[int] = set()
-        self.params_written: list[_Slot] = []
+        self.params_written: list[Slot] = []
         self.exempt_read: tuple[nn.Module, str] | None = None
         # Storages of modules held unregistered (Census): which of them the run read.
         self.reads = reads
@@ -174,26 +174,26 @@ class Watch(TorchDispatchMode):
         if written is not None:
             self._note_writes(func, written, args, kwargs)
         if self.reads:
-            self.read.update(k for k in map(_storage_key, _tensor_arguments(args, kwargs))
+            self.read.update(k for k in map(storage_key, _tensor_arguments(args, kwargs))
                              if k in self.reads)
         if reads_exempt is not False and self.exempt and self.exempt_read is None:
             if reads_exempt is True or not _argument(args, kwargs, reads_exempt, "training"):
                 self._note_exempt_reads(args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
-            key = _storage_key(out)
+            key = storage_key(out)
             if key is not None:
                 self.created.add(key)
         else:
             for t in _tensors_in(out):
-                key = _storage_key(t)
+                key = storage_key(t)
                 if key is not None:
                     self.created.add(key)
         return out
 
     def _note_exempt_reads(self, args: Any, kwargs: dict) -> None:
         for t in _tensor_arguments(args, kwargs):
-            read = self.exempt.get(_storage_key(t))
+            read = self.exempt.get(storage_key(t))
             if read is not None:
                 self.exempt_read = read
                 return
@@ -210,14 +210,14 @@ class Watch(TorchDispatchMode):
         names = {name for _, name in written}
         sources = [v for k, v in enumerate(args) if k not in positions]
         sources += [v for name, v in kwargs.items() if name not in names]
-        read = {k for k in map(_storage_key, _tensors_in(sources))
+        read = {k for k in map(storage_key, _tensors_in(sources))
                 if k in self.untouched or k in self.computing}
         self.untouched -= read
         self.computing -= read
         for k, name in written:
             value = args[k] if k < len(args) else kwargs.get(name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
-                key = _storage_key(t) if isinstance(t, Tensor) else None
+                key = storage_key(t) if isinstance(t, Tensor) else None
                 if key not in self.untouched or key in read:
                     continue
                 self.untouched.discard(key)
@@ -236,8 +236,8 @@ class Watch(TorchDispatchMode):
         generator = next(
             (v for v in (*args, *kwargs.values()) if isinstance(v, torch.Generator)), None
         )
-        device = generator.device if generator is not None else _device_of_op(args, kwargs)
-        key = ("meta",) if device.type == "meta" else id(generator or _default_generator(device))
+        device = generator.device if generator is not None else device_of_op(args, kwargs)
+        key = ("meta",) if device.type == "meta" else id(generator or default_generator(device))
         if key not in self.generators:
             self.generators[key] = kept_generator_state(device, generator)
 
@@ -251,7 +251,7 @@ class Watch(TorchDispatchMode):
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if not isinstance(t, Tensor):
                     continue
-                key = _storage_key(t)
+                key = storage_key(t)
                 if (key in self.parameters and key not in self.computing
                         and not self.params_written):
                     self.params_written = self.watched[key]  # read before (rule 3)

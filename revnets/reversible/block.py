@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from revnets.facts import version_of
 from revnets.replay.known import KnownWalk, known_composite
 from revnets.reversible.coupling import KNOWN_COUPLINGS, Coupling, make_coupling
 
@@ -232,6 +233,4 @@ def _version(half: Tensor) -> int | None:
     engine runs eagerly (``torch.compiler.disable``), its checks included; stored and
     checkpointed blocks are ordinary autograd. Only a compiled ``block.inverse`` goes unchecked.
     """
-    if torch.compiler.is_dynamo_compiling() or half.is_inference():
-        return None
-    return half._version
+    return None if torch.compiler.is_dynamo_compiling() else version_of(half)

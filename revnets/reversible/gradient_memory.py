@@ -29,6 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+import revnets.facts as facts
+
 __all__ = ["GradientMemory", "calibration", "unshared"]
 
 
@@ -36,14 +38,14 @@ class GradientMemory:
     """The gradients one backward of a sequence may add into (NOTE [ Gradient memory ])."""
 
     def __init__(self, incoming: Tensor, halves: Sequence[Tensor], unshared: bool) -> None:
-        self.incoming = _storage_id(incoming)
+        self.incoming = facts.storage_key(incoming)
         self.halves = {_region(h) for h in halves} if unshared else set()
         self.handed: set[int] = set() if unshared else {self.incoming}
         self.handed_halves: set[tuple] = set()
 
     def hand_out(self, grad: Tensor) -> None:
         """``grad`` goes to autograd: neither it nor what shares its memory is written again."""
-        storage = _storage_id(grad)
+        storage = facts.storage_key(grad)
         if storage == self.incoming and _region(grad) in self.halves:
             self.handed_halves.add(_region(grad))
         else:
@@ -72,13 +74,14 @@ class GradientMemory:
         return a + b
 
     def _overlap(self, a: Tensor, b: Tensor) -> bool:
-        return _storage_id(a) == _storage_id(b) and self._regions_overlap(_region(a), _region(b))
+        return (facts.storage_key(a) == facts.storage_key(b)
+                and self._regions_overlap(_region(a), _region(b)))
 
     def _regions_overlap(self, a: tuple, b: tuple) -> bool:
         return a == b or not {a, b} <= self.halves
 
     def _writable(self, a: Tensor, *others: Tensor | None) -> bool:
-        storage = _storage_id(a)
+        storage = facts.storage_key(a)
         if storage in self.handed:
             return False
         if storage == self.incoming:
@@ -89,7 +92,7 @@ class GradientMemory:
 
     def _disjoint_elements(self, a: Tensor) -> bool:
         # A half of the incoming gradient is a strided view that the overlap test gives up on.
-        if _storage_id(a) == self.incoming and _region(a) in self.halves:
+        if facts.storage_key(a) == self.incoming and _region(a) in self.halves:
             return True
         return a._base is None and torch._debug_has_internal_overlap(a) == 0
 
@@ -109,7 +112,7 @@ def unshared(grad: Tensor, references: int, enabled: bool = True) -> bool:
     return (
         references <= gradient_refs
         and grad._use_count() == 1
-        and _storage_use_count(grad) == storage_uses
+        and facts.storage_uses(grad) == storage_uses
         and sys.getrefcount(grad.untyped_storage()) <= storage_refs
     )
 
@@ -126,7 +129,7 @@ def calibration() -> tuple[int, int, int] | None:
             unheld, held = _gradient_references(hold=False), _gradient_references(hold=True)
             fresh = torch.empty(1)
             storage_unheld = sys.getrefcount(fresh.untyped_storage())
-            storage_uses = _storage_use_count(fresh)
+            storage_uses = facts.storage_uses(fresh)
             kept = fresh.untyped_storage()  # noqa: F841  (held while measured)
             storage_held = sys.getrefcount(fresh.untyped_storage())
     if held <= unheld or storage_held <= storage_unheld:
@@ -154,14 +157,6 @@ def _gradient_references(hold: bool) -> int:
         y.register_hook(kept.append)
     (y * x).sum().backward()
     return node.references
-
-
-def _storage_id(tensor: Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
-def _storage_use_count(tensor: Tensor) -> int:
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 def _region(tensor: Tensor) -> tuple:

@@ -11,7 +11,7 @@ from revnets.replay import Recording
 from revnets.reversible.hooked import graph_start, hooks_own_graph, refuse_gradients
 from revnets.reversible.inverse_check import check_inverse_once
 from revnets.reversible.reach import GradRoot, check_reached
-from revnets.reversible.steps import _REMEDY, BlockPlan, BlockStep
+from revnets.reversible.steps import REMEDY, BlockPlan, BlockStep
 from revnets.reversible.tape import Layout
 
 __all__ = ["InvertibleStep"]
@@ -60,7 +60,7 @@ class InvertibleStep(BlockStep):
     def reverse(self, carry, back, need_input_grad):
         module, plan = self.module, self.plan
         recording = self.recording
-        recording.check("ReversibleSequence", _REMEDY, prefix=f"blocks.{self.index}.")
+        recording.check("ReversibleSequence", REMEDY, prefix=f"blocks.{self.index}.")
         kept = self.kept_input()
         if kept is not None:
             x = self.merge(*kept)

@@ -54,7 +54,7 @@ __all__ = [
     "StoredCouplingStep",
 ]
 
-_REMEDY = "Or run it with memory=revnets.Store() there (ordinary autograd)."
+REMEDY = "Or run it with memory=revnets.Store() there (ordinary autograd)."
 
 Pairs = list[tuple[nn.Parameter, Tensor]]
 
@@ -378,7 +378,7 @@ class CouplingStep(_CouplingBackward):
         return y1.detach(), y2.detach()
 
     def reverse(self, carry, back, need_input_grad):
-        pairs = compiled_reverse(self, carry, back.context, _REMEDY)
+        pairs = compiled_reverse(self, carry, back.context, REMEDY)
         return pairs if pairs is not None else super().reverse(carry, back, need_input_grad)
 
     def _outputs(self, carry):
@@ -392,7 +392,7 @@ class CouplingStep(_CouplingBackward):
 
     def _transform(self, name, half, back):
         recording = self.runs.pop(name)
-        recording.check("ReversibleSequence", _REMEDY, prefix=f"blocks.{self.index}.{name}.")
+        recording.check("ReversibleSequence", REMEDY, prefix=f"blocks.{self.index}.{name}.")
         backend = self.compiled.pop(name, None)
         call = None if backend is None else compiled_call.runner(backend)
         scale = self.scales.pop(name)

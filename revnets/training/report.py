@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from revnets.facts import MiB
 from revnets.memory import MemoryReport, MemoryTimeline, plot_timelines, predict_timeline
 from revnets.plan import PRESETS, MemoryPlan
 from revnets.training.factory import create_model
@@ -19,7 +20,6 @@ from revnets.training.settings import Settings
 
 __all__ = ["MemoryComparison", "predict_baseline", "summary_table", "write_timelines"]
 
-MiB = 2**20
 
 
 @dataclass(frozen=True)
