@@ -67,6 +67,12 @@ def actnorm_model(wrapper, flag="attribute", write="no_grad"):
     if wrapper == "inside_f":  # a plain module of a block's f
         f = nn.Sequential(ActNorm(4, flag, write), conv_unit(4))
         return revnets.ReversibleSequence([revnets.ReversibleBlock(f, conv_unit(4))]).double()
+    if wrapper == "nested checkpoints":
+        inner = revnets.Checkpointed(ActNorm(8, flag, write))
+        return nn.Sequential(revnets.Checkpointed(inner), conv_unit(8)).double()
+    if wrapper == "sequence in a checkpoint":  # as the planner nests them
+        blocks = [make_stack(1)[0], ActNorm(8, flag, write), make_stack(1)[0]]
+        return revnets.Checkpointed(revnets.ReversibleSequence(blocks)).double()
     return nn.Sequential(revnets.Checkpointed(ActNorm(8, flag, write)), conv_unit(8)).double()
 
 
@@ -79,9 +85,15 @@ def actnorms(model):
     return [m for m in model.modules() if isinstance(m, ActNorm)]
 
 
-@pytest.mark.parametrize("write", ["no_grad", "data"])
-@pytest.mark.parametrize("flag", ["attribute", "buffer"])
-@pytest.mark.parametrize("wrapper", ["invertible", "inside_f", "Checkpointed"])
+CASES = [(wrapper, flag, write) for wrapper in ("invertible", "inside_f", "Checkpointed")
+         for flag in ("attribute", "buffer") for write in ("no_grad", "data")]
+# Nested too: a watch's copy of the parameter, before the run overwrites it, is no read of the
+# run for the watch around it.
+CASES += [("nested checkpoints", "attribute", "no_grad"),
+          ("sequence in a checkpoint", "attribute", "no_grad")]
+
+
+@pytest.mark.parametrize("wrapper, flag, write", CASES)
 def test_actnorm_with_data_dependent_initialisation_trains_like_autograd(wrapper, flag, write):
     model = actnorm_model(wrapper, flag, write)
     reference = twin(model)

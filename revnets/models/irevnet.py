@@ -37,7 +37,7 @@ from revnets.models._timm import build
 from revnets.models.head import PooledClassifier, check_pool
 from revnets.models.residual import cifar_cfg, imagenet_cfg
 from revnets.models.switchable import SwitchableMemory
-from revnets.plan import PRESETS, MemoryPlan, Store
+from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Reconstruct, Store
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["IRevNet", "PadStreams"]
@@ -193,8 +193,12 @@ class IRevNet(SwitchableMemory, PooledClassifier, nn.Module):
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """timm's switch. Every block is reconstructed already; checkpointing would only add
-        recomputation, so ``enable`` switches to ``checkpoint`` and back to ``reversible``."""
-        self.set_memory("checkpoint" if enable else "reversible")
+        recomputation, so ``enable`` switches to ``checkpoint`` and back to ``reversible``, with
+        the options its reconstruction had."""
+        if isinstance(self.memory.stages, Reconstruct):
+            self._reconstruction = self.memory.stages
+        stages = Checkpoint() if enable else getattr(self, "_reconstruction", Reconstruct())
+        self.set_memory(MemoryPlan(stages, Store()))
 
     # -- timm interface -----------------------------------------------------------------------
     @torch.jit.ignore

@@ -3,6 +3,7 @@ to 3)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -166,6 +167,8 @@ class Watch(TorchDispatchMode):
         if func is DEVICE_QUERY and isinstance(args[0], FakeTensor):
             return args[0].device  # NOTE [ Device queries ]
         kwargs = kwargs or {}
+        if _COPYING:  # a nested watch's own copy: no operator of the run
+            return func(*args, **kwargs)
         seeded, written, reads_exempt, overwritten = _facts(func)
         if seeded and self.draws and _draws(func, args):
             self._note_draw(args, kwargs)
@@ -259,13 +262,30 @@ class Watch(TorchDispatchMode):
                     continue
                 if key in self.watched:
                     slots = self.watched[key]
-                    self.written[key] = slots[0].tensor.detach().clone()
+                    with _copying():
+                        self.written[key] = slots[0].tensor.detach().clone()
                 elif key not in self.created and key not in self.exempt:
                     # A view, where ``set_`` would put a real storage under a fake tensor
                     # in a prediction (which then writes the fake of it, never the user's).
                     flat = t.detach().as_strided(
                         (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
-                    self.external[key] = (flat, flat.clone())
+                    with _copying():
+                        self.external[key] = (flat, flat.clone())
+
+
+# A watch's copies of what a run writes (rule 2) are the watch's, not the run's: a watch around
+# it (a checkpoint inside a checkpoint, a sequence inside a checkpoint) does not see them, so that
+# a copy of a parameter is not taken for the run reading it (rule 3).
+_COPYING: list[bool] = []
+
+
+@contextlib.contextmanager
+def _copying() -> Iterator[None]:
+    _COPYING.append(True)
+    try:
+        yield
+    finally:
+        _COPYING.pop()
 
 
 def _tensor_arguments(args: Any, kwargs: dict) -> Iterator[Tensor]:

@@ -66,6 +66,13 @@ class SequenceOptions:
                 "ReversibleSequence: compile_transforms must be None, True, False or a backend's "
                 f"name, got {self.compile_transforms!r}"
             )
+        backends = (torch._dynamo.list_backends(exclude_tags=())
+                    if isinstance(self.compile_transforms, str) else ())
+        if isinstance(self.compile_transforms, str) and self.compile_transforms not in backends:
+            raise ValueError(
+                f"ReversibleSequence: compile_transforms={self.compile_transforms!r} is not a "
+                f"backend of torch.compile; its backends: {', '.join(backends)}"
+            )
 
 
 def _option(name: str, doc: str) -> property:
@@ -105,7 +112,10 @@ class ReversibleSequence(nn.Module):
             gradient), so that reconstruction is exact to the bit at any depth under any
             autocast precision, at no memory cost. It changes the function computed (by the
             rounding) whatever ``memory`` is: ``memory=Store(), exact=True`` is the reference
-            the reversible path equals. ``Reconstruct(exact=True)`` sets it too. Additive
+            the reversible path equals. It is the sequence's alone: no memory decision carries
+            or changes it (a plan switching ``memory`` keeps it). It puts the blocks' couplings
+            in their exact form, so blocks shared with another sequence are exact there too:
+            build a reference of copies (``copy.deepcopy``), not of the same blocks. Additive
             couplings only (others, and invertible modules without ``exact = True``, are refused
             by name); the output is in the stream dtype.
         preserve_rng_state: replay the random number generators so that dropout and any other
