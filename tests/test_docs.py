@@ -197,3 +197,38 @@ def test_shell_command_runs_as_typed(command, sandbox):
         records = [json.loads(line) for log in (folder / "outputs").rglob("metrics.jsonl")
                    for line in log.read_text().splitlines()]
         assert {"event": "resumed", "from": resumed[1], "step": 2} in records
+
+
+RESULTS = ROOT / "results"
+RESULT_LINK = re.compile(r"\]\((?:\.\./)?results/([^)#\s]+)")
+
+
+def cited_results() -> dict[str, list[str]]:
+    """results/ file name -> the pages (README.md, docs/*.md) that link to it."""
+    cited: dict[str, list[str]] = {}
+    for page in PAGES:
+        for name in RESULT_LINK.findall(page.read_text()):
+            cited.setdefault(name, []).append(page.relative_to(ROOT).as_posix())
+    return cited
+
+
+def test_every_results_link_names_a_file_that_exists():
+    missing = {name: pages for name, pages in cited_results().items()
+               if not (RESULTS / name).is_file()}
+    assert not missing, f"results/ links to files that do not exist: {missing}"
+
+
+def test_every_file_in_results_is_cited():
+    """A table's .md is linked from a page; its data (.csv, .png) goes with it: a data file is
+    cited if it is linked, or if the result .md whose name is the longest prefix of its own is."""
+    cited = cited_results()
+    reports = sorted((path.stem for path in RESULTS.glob("*.md")), key=len, reverse=True)
+    uncited = []
+    for path in sorted(RESULTS.iterdir()):
+        if path.name in cited:
+            continue
+        owner = next((stem for stem in reports if path.suffix != ".md"
+                      and (path.stem == stem or path.stem.startswith(stem + "-"))), None)
+        if owner is None or f"{owner}.md" not in cited:
+            uncited.append(path.name)
+    assert not uncited, f"results/ files no page cites: {uncited}"
