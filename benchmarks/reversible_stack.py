@@ -22,7 +22,7 @@ from torch import nn
 
 import revnets
 from revnets.checkpoint import segment_bounds
-from revnets.models.switchable import SwitchableMemory
+from revnets.plan.switchable import SwitchableMemory
 
 from common import (
     RESULTS,

@@ -81,7 +81,7 @@ def test_under_the_measuring_mode_autograd_sums_a_gradients_parts_out_of_place()
     adds the second into the first in place; under any TorchDispatchMode (torch's InputBuffer
     then takes every tensor for a subclass), as measure_memory and predict_memory run a step,
     into a new tensor: for a moment the value's gradient is there three times. The planner's
-    chain model counts that moment (NOTE [ Gradients in flight ] in planning/memory_model.py);
+    chain model counts that moment (NOTE [ Gradients in flight ] in planning/search/chain_model.py);
     a step nobody observes holds one value less there, which no dispatch mode can count."""
     x = torch.randn(64, 64, requires_grad=True)
     addresses: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""The chain model a search ranks plans by (revnets/planning/memory_model.py): on chains whose
+"""The chain model a search ranks plans by (revnets/planning/search/chain_model.py): on chains whose
 steps save what they are known to save, it is the exact peak less one constant, the same for
 every plan, so a search's first exact prediction calibrates it for all the others."""
 
@@ -8,9 +8,9 @@ from test_planning_speed import Pooled, conv_chain
 from torch import nn
 
 import revnets.planning.auto as auto
-from revnets.planning.chain import modelled_peaks
-from revnets.planning.memory_model import NO_MOMENT, SELECTIVE, ChainModel
-from revnets.planning.search import Option
+from revnets.planning.search.chain import modelled_peaks
+from revnets.planning.search.chain_model import NO_MOMENT, SELECTIVE, ChainModel
+from revnets.planning.search.options import Option
 
 
 def errors(model: nn.Sequential, x: torch.Tensor, plans: list[list[tuple[int, int]]],
@@ -181,9 +181,9 @@ def residual_errors(checkpoints: list[tuple[int, int]]) -> list:
 def test_a_gradient_an_addition_passes_on_to_both_operands_is_one_tensor():
     """An addition's backward hands its output's gradient to both operands (a view's to its
     input as a view): one tensor, until a part from elsewhere is summed into one of them
-    (gradients.py finds which steps pass gradients on, by one backward of each on the meta
-    device). Counted as a new tensor per operand, plans checkpointing the last addition alone
-    were modelled 23 kB apart from the others."""
+    (planning/costs/gradients.py finds which steps pass gradients on, by one backward of each on
+    the meta device). Counted as a new tensor per operand, plans checkpointing the last addition
+    alone were modelled 23 kB apart from the others."""
     assert len(set(residual_errors([(8, 9), (8, 10), (1, 5), (2, 7), (5, 10)]))) == 1
 
 

@@ -29,12 +29,12 @@ from revnets.planning import (
     segment_cost,
     sqrt_plan,
 )
-from revnets.planning import chain as chain_module
-from revnets.planning.chain import SELECTIVE
-from revnets.planning.meta_attention import may_attend
+from revnets.planning.costs.meta_attention import may_attend
+from revnets.planning.costs.profile import meta_like, on_meta
 from revnets.planning.model_chain import planning_chain
-from revnets.planning.nested import most_frugal_schedule
-from revnets.planning.profile import meta_like, on_meta
+from revnets.planning.search import chain as chain_module
+from revnets.planning.search.chain import SELECTIVE
+from revnets.planning.search.nested import most_frugal_schedule
 
 from conftest import conv_unit, max_grad_error, train_step
 
@@ -788,7 +788,7 @@ def test_sizes_are_profiled_on_meta_copies_of_the_models_own_tensors():
     """The planner profiles sizes with the model's own modules (no copy of it) on meta copies of
     their parameters and buffers: one copy for a tensor two layers share, parameters still
     parameters, and everything put back, also when the profile fails."""
-    from revnets.planning.profile import on_meta
+    from revnets.planning.costs.profile import on_meta
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
     model[2].weight = model[0].weight  # tied

@@ -1,6 +1,7 @@
 """How auto_checkpoint finds a plan quickly: candidate plans are ranked by a chain model of their
 peak, and exact predictions (a whole training step on fake tensors each) only accept or reject
-the few it picks (NOTE [ Modelled search, exact acceptance ] in revnets/planning/search.py)."""
+the few it picks (NOTE [ Modelled search, exact acceptance ] in
+revnets/planning/search/options.py)."""
 
 import copy
 import math
@@ -15,12 +16,12 @@ from torch import nn
 import revnets
 import revnets.planning.auto as auto
 from revnets.memory import Predictor, measure_memory
-from revnets.planning import chain as chain_module
-from revnets.planning import step_times
-from revnets.planning.chain import SELECTIVE
-from revnets.planning.nested import NestedSchedule
-from revnets.planning.profile import profile_chain
-from revnets.planning.search import (
+from revnets.planning.costs import step_times
+from revnets.planning.costs.profile import profile_chain
+from revnets.planning.search import chain as chain_module
+from revnets.planning.search.chain import SELECTIVE
+from revnets.planning.search.nested import NestedSchedule
+from revnets.planning.search.options import (
     LADDER_RATIO,
     MAX_GUESSES,
     Option,
@@ -509,7 +510,7 @@ def test_a_module_that_reads_its_mode_is_kept_whole_by_the_first_traces(monkeypa
     """A module without submodules whose forward reads ``training`` (stochastic depth in every
     block of most vision models) is one step from the first pair of traces, the model in each
     mode: two traces, where finding it by its mode-dependent code took a second pair."""
-    from revnets.planning import trace as trace_module
+    from revnets.graph import trace as trace_module
     traces = []
     trace = trace_module._Tracer.trace
 
@@ -530,7 +531,7 @@ def test_a_census_of_a_planned_chain_leaves_out_what_runs_never_change():
     recomputation; a traced step's names and lookups (its ``structure``) no run changes, and a
     census takes none of them: a planned chain's steps hold tens of thousands, and a prediction
     takes a census for every checkpoint it runs. What the step runs with is taken."""
-    from revnets.planning.graph_step import GraphStep
+    from revnets.graph.step import GraphStep
     from revnets.replay.state import Census
     chain = revnets.planning.as_graph_chain(ResidualWithDroppedPaths().train())
     steps = [step for step in chain if isinstance(step, GraphStep)]
@@ -546,7 +547,7 @@ def test_operators_repeated_on_the_meta_device_run_once_with_the_kernels_outputs
     planning); what it gives again is what the kernel gives: new tensors of the same sizes,
     strides, dtypes and storage, the written tensor itself for an in-place pointwise operator,
     and a view, an unannotated alias or a number run each time."""
-    from revnets.planning.meta_memo import MetaMemo
+    from revnets.planning.costs.meta_memo import MetaMemo
     aten = torch.ops.aten
     a = torch.empty(6, 4, device="meta").t()
     b = torch.empty(4, 5, device="meta")
@@ -608,7 +609,7 @@ def test_a_recurrent_chain_profiles_alike_with_its_repeated_operators_run_once(m
     x = torch.empty(2, 5, 8, device="meta")
     meta_layers = [copy.deepcopy(layer).to("meta") for layer in layers]
     remembered = profile_chain(meta_layers, x)
-    from revnets.planning import meta_memo
+    from revnets.planning.costs import meta_memo
     monkeypatch.setattr(meta_memo.MetaMemo, "_remembered",
                         lambda self, func, args, kwargs: func(*args, **kwargs))
 

@@ -23,12 +23,13 @@ import revnets
 from revnets import Checkpoint
 from revnets.memory import measure_memory
 from revnets.plan import Store, parse_memory_plan, plan_from_options
-from revnets.planning import auto, step_times
-from revnets.planning.chain import SELECTIVE, modelled_peaks, selective_plans
-from revnets.planning.compiled_costs import selective_stored_runs
+from revnets.planning import auto
+from revnets.planning.costs import step_times
+from revnets.planning.costs.profile import profile_chain
 from revnets.planning.planned import PlanChain, PlannedModel
-from revnets.planning.profile import profile_chain
-from revnets.planning.search import Option, floors
+from revnets.planning.search.chain import SELECTIVE, modelled_peaks, selective_plans
+from revnets.planning.search.compiled_costs import selective_stored_runs
+from revnets.planning.search.options import Option, floors
 
 from conftest import conv_unit, max_grad_error, rel_error, twin
 

@@ -1,5 +1,5 @@
 """Forward times measured once and passed to any number of plans (NOTE [ Times measured once ]
-in revnets/planning/step_times.py): plans made on them do not follow a new measurement's
+in revnets/planning/costs/step_times.py): plans made on them do not follow a new measurement's
 noise, a smaller budget never gets a higher measured peak, and measuring leaves the model as
 it was."""
 
@@ -16,7 +16,7 @@ from torch import nn
 
 import revnets
 from revnets.memory import measure_memory
-from revnets.planning import step_times
+from revnets.planning.costs import step_times
 
 from conftest import activation_budget, train_step
 

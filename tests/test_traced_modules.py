@@ -1,5 +1,5 @@
 """Modules the planner's trace goes through run as their traced graph in a planned training step
-(NOTE [ Traced modules run as their graph ] in revnets/planning/traced.py): what their forward
+(NOTE [ Traced modules run as their graph ] in revnets/graph/trace_state.py): what their forward
 does besides computing (hooks, state they hold, grad mode) keeps them whole, the trace leaves
 the model as it was, and what the graph froze is refused by name once it changes. Each case is
 compared with the same model trained without planning."""
@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import revnets
+from revnets.graph.reads import AttributesRead
 from revnets.planning import as_graph_chain
-from revnets.planning.trace_reads import AttributesRead
 
 from conftest import activation_budget, train_step
 
@@ -952,7 +952,7 @@ class SharedAndDirect(nn.Module):
 def test_the_trace_names_parameters_and_buffers_as_torch_fx_does(monkeypatch):
     """The planner's tracer finds a tensor's name by its identity, where torch.fx walks every
     parameter and buffer of the model at each access: both give the same graphs."""
-    from revnets.planning import trace
+    from revnets.graph import trace
 
     def graphs():
         seen = []

@@ -14,7 +14,7 @@ needs a gradient, which a symbolic trace cannot decide, and the Function is what
 memory. Features are therefore taken at the sequences' outputs (the zoo's ``feature_info``
 taps), and a traced model trains reversibly as the model does. Invertible modules (i-RevNet's
 space-to-depth stem) stay whole too: they check their input's shape in Python, naming what
-does not fit. The planner's tracer (:mod:`revnets.planning.trace`) keeps both whole as well.
+does not fit. The planner's tracer (:mod:`revnets.graph.trace`) keeps both whole as well.
 """
 
 from __future__ import annotations

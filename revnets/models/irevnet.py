@@ -36,8 +36,8 @@ from revnets.layers.irevnet import irevnet_bottleneck, irevnet_stage
 from revnets.models._timm import build
 from revnets.models.head import PooledClassifier, check_pool
 from revnets.models.residual import cifar_cfg, imagenet_cfg
-from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Reconstruct, Store
+from revnets.plan.switchable import SwitchableMemory
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["IRevNet", "PadStreams"]

@@ -44,8 +44,8 @@ from revnets.layers import (
 )
 from revnets.models._timm import build
 from revnets.models.head import PooledClassifier, check_pool
-from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Reconstruct, Store
+from revnets.plan.switchable import SwitchableMemory
 from revnets.reversible import ReversibleBlock, ReversibleSequence
 
 __all__ = ["ResidualNet"]

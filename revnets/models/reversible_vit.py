@@ -42,8 +42,8 @@ from torch import Tensor, _assert, nn
 
 from revnets.models._timm import build
 from revnets.models.head import new_classifier
-from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Store
+from revnets.plan.switchable import SwitchableMemory
 from revnets.replay.known import KnownWalk, known_composite
 from revnets.replay.known_calls import call_kind
 from revnets.reversible import ReversibleBlock, ReversibleSequence

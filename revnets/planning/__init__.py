@@ -1,7 +1,19 @@
-"""Choosing what to store: profiles, checkpoint plans and automatic selection under a budget."""
+"""Choosing what to store: profiles, checkpoint plans and automatic selection under a budget.
 
+Three floors, each importing only those below it (docs/layout.md): ``costs/`` (what each step of
+a chain costs: profiles, gradients in flight, forward times), ``search/`` (the chain model and
+the searches over it), and this package's own modules on top (``auto_checkpoint`` and what it
+orchestrates); the model's trace (``revnets.graph``) is below all three."""
+
+from revnets.graph.step import GraphStep
+from revnets.graph.trace import NotAChainError, as_graph_chain
 from revnets.planning.auto import PlannedModel, PlanningError, auto_checkpoint
-from revnets.planning.chain import (
+from revnets.planning.costs.layer_profile import LayerProfile
+from revnets.planning.costs.profile import profile_chain
+from revnets.planning.costs.step_times import ForwardTimes
+from revnets.planning.model_chain import forward_times
+from revnets.planning.module_plan import CheckpointedModules
+from revnets.planning.search.chain import (
     budget_plan,
     candidate_plans,
     forbidden_cuts,
@@ -14,13 +26,8 @@ from revnets.planning.chain import (
     selective_plans,
     sqrt_plan,
 )
-from revnets.planning.graph_step import GraphStep
-from revnets.planning.memory_model import ChainModel
-from revnets.planning.module_plan import CheckpointedModules
-from revnets.planning.nested import NestedSchedule, group_chain, nested_schedule
-from revnets.planning.profile import LayerProfile, profile_chain
-from revnets.planning.step_times import ForwardTimes, forward_times
-from revnets.planning.trace import NotAChainError, as_graph_chain
+from revnets.planning.search.chain_model import ChainModel
+from revnets.planning.search.nested import NestedSchedule, group_chain, nested_schedule
 
 __all__ = [
     "ChainModel",

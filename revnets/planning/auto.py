@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from revnets.checkpoint import Checkpointed
+from revnets.graph.step import sequence_of, step_name
 from revnets.memory import Predictor
 from revnets.memory.fake_copies import held_elsewhere
 from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
@@ -25,45 +26,44 @@ from revnets.planning.budget import (
     no_fit,
     training_step,
 )
-from revnets.planning.chain import (
-    SELECTIVE,
-    Segment,
-    candidate_plans,
-    modelled_peaks,
-    selective_plans,
-)
-from revnets.planning.collector import collector_paused
-from revnets.planning.compiled_costs import (
-    compiled_costs,
-    selective_stored_runs,
-    selective_when_free,
-)
-from revnets.planning.describe import (
-    checkpoint_decision,
-    describe_plan,
-    measured_seconds,
-    memory_plan,
-    step_name,
-)
-from revnets.planning.memory_model import ChainModel
-from revnets.planning.model_chain import Untraceable, choose_preset, planning_chain, sequence_of
-from revnets.planning.module_plan import plan_modules
-from revnets.planning.nested import (
-    group_bounds,
-    group_chain,
-    most_frugal_schedule,
-    nested_schedule,
-)
-from revnets.planning.planned import PlanChain, PlannedModel
-from revnets.planning.profile import (
-    LayerProfile,
+from revnets.planning.costs.layer_profile import LayerProfile
+from revnets.planning.costs.profile import (
     _device,
     _nbytes,
     meta_like,
     on_meta,
     profile_chain,
 )
-from revnets.planning.search import (
+from revnets.planning.costs.step_times import ForwardTimes, chain_times, input_device
+from revnets.planning.describe import (
+    checkpoint_decision,
+    describe_plan,
+    measured_seconds,
+    memory_plan,
+)
+from revnets.planning.model_chain import Untraceable, choose_preset, planning_chain
+from revnets.planning.module_plan import plan_modules
+from revnets.planning.planned import PlanChain, PlannedModel
+from revnets.planning.search.chain import (
+    SELECTIVE,
+    Segment,
+    candidate_plans,
+    modelled_peaks,
+    selective_plans,
+)
+from revnets.planning.search.chain_model import ChainModel
+from revnets.planning.search.compiled_costs import (
+    compiled_costs,
+    selective_stored_runs,
+    selective_when_free,
+)
+from revnets.planning.search.nested import (
+    group_bounds,
+    group_chain,
+    most_frugal_schedule,
+    nested_schedule,
+)
+from revnets.planning.search.options import (
     Option,
     Segments,
     lowest_floor,
@@ -71,8 +71,7 @@ from revnets.planning.search import (
     search,
     search_nested,
 )
-from revnets.planning.step_times import ForwardTimes, chain_times, input_device
-from revnets.planning.untouched import ModelState
+from revnets.planning.untouched import ModelState, collector_paused
 from revnets.replay import forked_rng, generators_held
 from revnets.reversible import ReversibleSequence
 
@@ -114,17 +113,18 @@ def auto_checkpoint(
     choices, are ordered by what they recompute (forward time measured once on at most 8 samples
     of ``example_input`` on its device when ``measure_time``, else steps counted); a chain model
     of their peaks picks the few that are predicted exactly, and only an exact prediction
-    accepts a plan (NOTE [ Modelled search, exact acceptance ] in ``planning/search.py``).
+    accepts a plan (NOTE [ Modelled search, exact acceptance ] in ``planning/search/options.py``).
     ``measure_time`` may also be the times :func:`revnets.forward_times` measured once: plans at
     several budgets made on them follow one measurement, so that a smaller budget gets no
     higher peak where the search ranks its candidates right (NOTE [ Times measured once ] in
-    ``planning/step_times.py``).
+    ``planning/costs/step_times.py``).
 
     ``compiled``: the model will train under ``torch.compile``, whose backward recomputes a
     checkpoint's cheap steps (norms, activations, additions) inside its fused kernels at next to
     no cost; plans are then ordered by what they recompute of matrix products, convolutions and
     attention alone (their floating-point operations: NOTE [ Compiled costs ] in
-    ``planning/compiled_costs.py``), so selective checkpoints come first. The budget keeps its
+    ``planning/search/compiled_costs.py``), so selective checkpoints come first. The budget
+    keeps its
     meaning (the eager step's exact peak): a compiled step's memory is the partitioner's to
     decide, and consecutive selective checkpoints run as one there
     (NOTE [ Selective segments under compile ] in ``planning/planned.py``).
@@ -245,7 +245,7 @@ class _Planner:
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = [replace(p, forward_seconds=seconds)
                                        for p, seconds in zip(profiles, times)]
-        if compiled:  # NOTE [ Compiled costs ] in compiled_costs.py
+        if compiled:  # NOTE [ Compiled costs ] in search/compiled_costs.py
             for kind, profiles in self.profiles.items():
                 self.profiles[kind] = compiled_costs(profiles, self.sequences)
         # What a step holds besides activations and parameter gradients (which the chain model
@@ -341,7 +341,7 @@ class _Planner:
                               budget: int) -> Option:
         """``found`` with its stored runs selective where that costs nothing, predicted and
         taken where it fits, if it checkpoints at all (NOTE [ Stored runs under compile ] in
-        compiled_costs.py)."""
+        search/compiled_costs.py)."""
         profiles = self._profiles_of(found.reconstructed)
         segments = selective_stored_runs(found.segments, profiles, found.reconstructed)
         if segments == found.segments or not any(r for _, _, r in found.segments):

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from revnets.graph.step import step_name
 from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
-from revnets.planning.chain import SELECTIVE, Recompute
-from revnets.planning.graph_step import GraphStep
-from revnets.planning.profile import LayerProfile
-from revnets.planning.search import Segments
+from revnets.planning.costs.layer_profile import LayerProfile
+from revnets.planning.search.chain import SELECTIVE, Recompute
+from revnets.planning.search.options import Segments
 from revnets.reversible import ReversibleSequence
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "describe_plan",
     "measured_seconds",
     "memory_plan",
-    "step_name",
 ]
 
 
@@ -101,7 +100,3 @@ def _span(names: list[str], start: int, stop: int) -> str:
 def measured_seconds(profiles: Sequence[LayerProfile], indices: Sequence[int]) -> float:
     """Forward seconds of some steps, NaN where they were not measured (on the meta device)."""
     return sum(profiles[i].forward_seconds for i in indices)
-
-
-def step_name(step: nn.Module, index: int) -> str:
-    return step.label if isinstance(step, GraphStep) else f"{index}:{type(step).__name__}"

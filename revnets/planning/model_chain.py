@@ -1,5 +1,5 @@
-"""The chain a model is planned as, and the memory plans left to zoo models that cannot be
-traced."""
+"""The chain a model is planned as, the forward times measured on it once (``forward_times``),
+and the memory plans left to zoo models that cannot be traced."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from revnets.graph.guard import refuse_hooks
+from revnets.graph.trace import as_graph_chain
+from revnets.graph.trace_state import Draws
 from revnets.memory import Predictor
-from revnets.models.switchable import SwitchableMemory
 from revnets.plan import PRESETS, MemoryPlan, Reconstruct
-from revnets.planning.budget import LossFn, no_fit, training_step
-from revnets.planning.frozen import refuse_hooks
-from revnets.planning.graph_step import GraphStep
-from revnets.planning.trace import as_graph_chain
-from revnets.reversible import ReversibleSequence
+from revnets.plan.switchable import SwitchableMemory
+from revnets.planning.budget import LossFn, check_request, no_fit, training_step
+from revnets.planning.costs.step_times import ForwardTimes, chain_times, input_device
+from revnets.planning.untouched import ModelState
+from revnets.replay import forked_rng, generators_held
 
-__all__ = ["Untraceable", "choose_preset", "plain_sequential", "planning_chain", "sequence_of"]
+__all__ = ["Untraceable", "choose_preset", "forward_times", "plain_sequential", "planning_chain"]
 
 
 class Untraceable(TypeError):
@@ -56,16 +58,6 @@ def plain_sequential(model: nn.Module) -> bool:
     forward of its own (scaling the output, a dropout) is traced as any model is: planned as
     its layers, it lost that forward."""
     return isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
-
-
-def sequence_of(step: nn.Module) -> ReversibleSequence | None:
-    """The reversible sequence a chain step runs, if it runs one."""
-    if isinstance(step, ReversibleSequence):
-        return step
-    if isinstance(step, GraphStep) and isinstance(getattr(step, "module", None),
-                                                    ReversibleSequence):
-        return step.module
-    return None
 
 
 def _keeping(original: MemoryPlan, preset: MemoryPlan) -> MemoryPlan:
@@ -106,3 +98,28 @@ def choose_preset(
     model.set_memory(original)
     best = min(peaks, key=peaks.get)
     raise no_fit(budget, peaks[best], f"memory plan {best!r}")
+
+
+def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
+    """Measure once the forward times ``auto_checkpoint(model, example_input, ...)`` would
+    measure (each step of the chain it plans ``model`` as, its reversible sequences storing, on
+    at most 8 samples of ``example_input``), to plan with at any number of budgets: plans at
+    several budgets then follow one measurement, and a smaller budget gets no higher peak where
+    the search ranks its candidates right (NOTE [ Times measured once ]). ``model`` is left as
+    it was (its buffers, and the random number generators too). A model torch.fx cannot trace
+    has no steps: its plans are ranked on sizes and counted costs alone (NOTE [ Plans of whole
+    modules ] in ``planning/module_plan.py``), and its times are empty."""
+    check_request("forward_times", model, example_input)
+    kept, draws = ModelState(model), Draws(model)
+    try:
+        with forked_rng(input_device(example_input), generators_held(model)):
+            try:
+                chain = planning_chain(model, caller="forward_times")
+            except Untraceable:
+                chain = None
+            if chain is None:  # planned on sizes and counted costs alone: no times to measure
+                return ForwardTimes((), ())
+            return chain_times(chain, example_input)
+    finally:
+        kept.restore()
+        draws.restore()  # numpy's generator too

@@ -18,12 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from revnets.checkpoint import checkpoint_forward
+from revnets.graph.trace_state import Attributes, _version
 from revnets.memory import Predictor
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, no_fit, training_step
+from revnets.planning.costs.profile import _address, _flops
 from revnets.planning.model_view import ModelView
-from revnets.planning.profile import _address, _flops
-from revnets.planning.traced import Attributes, _version
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["CheckpointedModules", "ModuleProfile", "plan_modules"]
@@ -52,7 +52,8 @@ __all__ = ["CheckpointedModules", "ModuleProfile", "plan_modules"]
 # the same way. For each depth of the call tree, its modules (and the leaves above it), ordered
 # by bytes saved per cost, give plans of growing prefixes; a modelled peak (the unplanned peak,
 # less what each saves, plus the largest recomputation) orders them, and an exact prediction
-# accepts one, as for chains (NOTE [ Modelled search, exact acceptance ] in search.py). The
+# accepts one, as for chains (NOTE [ Modelled search, exact acceptance ] in
+# planning/search/options.py). The
 # ``FLOORS`` plans of least modelled peak are predicted last, from the cheapest; where none
 # fits, a refusal names the least of their exact peaks, which they meet again when asked for.
 MAX_PREDICTIONS = 4  # exact predictions of plans within the budget as modelled, cheapest first

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from revnets.checkpoint import Checkpointed, checkpoint_forward
+from revnets.graph.guard import Frozen, refuse_hooks
+from revnets.graph.reads import TraceReads
+from revnets.graph.step import GraphStep
 from revnets.plan import Checkpoint, MemoryPlan
-from revnets.planning.frozen import Frozen, refuse_hooks
-from revnets.planning.graph_step import GraphStep
 from revnets.planning.model_view import ModelView
-from revnets.planning.trace_reads import TraceReads
 
 __all__ = ["PlanChain", "PlannedModel"]
 
@@ -127,7 +127,7 @@ class PlannedModel(ModelView):
 
     @staticmethod
     def reads_of(chain: nn.Sequential) -> TraceReads:
-        """What a chain's trace read (``revnets/planning/trace_reads.py``); of a plain
+        """What a chain's trace read (``revnets/graph/reads.py``); of a plain
         ``nn.Sequential`` planned as itself, nothing."""
         return getattr(chain, "trace_reads", TraceReads())
 

@@ -30,7 +30,8 @@ __all__ = [
 # there (``self.cfg.count += 1``, ``self.store["feats"].append(x)``) and calls modules held there
 # (``self.helpers[0]``, ``self.cfg.helper``) as it calls registered ones. One walk, ``reached``,
 # decides what that is for everyone that looks: the replay puts it back and checks it (Census,
-# state.py), the planner undoes and detects what a trace changed there (Attributes, traced.py),
+# state.py), the planner undoes and detects what a trace changed there (Attributes,
+# graph/trace_state.py),
 # generators are found there (generators_held) and refusals name modules by the path they are
 # held through (names.py). Walked by two rules, the replay and the planner would disagree, and
 # a module one of them does not see runs twice or changes state silently. A plain object's

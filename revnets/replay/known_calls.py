@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["CallKind", "bound_arguments", "call_kind", "plain", "plain_device", "plain_parameters"]
 
 # NOTE [ Known calls ]
-# A traced graph's step (revnets.planning.trace.GraphStep) calls a torch.nn layer, a function or
+# A traced graph's step (revnets.graph.trace.GraphStep) calls a torch.nn layer, a function or
 # a Tensor method. A function is known by identity: the graph holds the function object torch
 # made (a patch made after tracing does not reach it, one made before is another object). It
 # is known only if it is one of torch's compiled functions, an operator, or a function of

@@ -3,7 +3,8 @@
 # NOTE [ Times measured once ]
 # What fits a budget is decided on sizes alone; measured forward times only order the candidate
 # plans by what they recompute, and make the selective ones (NOTE [ Modelled search, exact
-# acceptance ] in search.py). Measured anew in every call of ``auto_checkpoint``, they bring that
+# acceptance ] in planning/search/options.py). Measured anew in every call of
+# ``auto_checkpoint``, they bring that
 # measurement's noise into the order: two calls at one budget can take different plans, and a
 # sweep of budgets can get a higher peak at a smaller one. Planned on one ``ForwardTimes``, every
 # call ranks the same plans the same way, and a smaller budget's candidates are the larger
@@ -25,16 +26,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from revnets.graph.step import sequence_of, step_name
+from revnets.graph.trace_state import Attributes
 from revnets.plan import Store
-from revnets.planning.budget import check_request
-from revnets.planning.describe import step_name
-from revnets.planning.model_chain import Untraceable, planning_chain, sequence_of
-from revnets.planning.profile import as_leaf, clock, timing_input, writable, writes_its_input
-from revnets.planning.traced import Attributes, Draws
-from revnets.planning.untouched import ModelState
-from revnets.replay import forked_rng, frozen_running_stats, generators_held
+from revnets.planning.costs.profile import as_leaf, clock, timing_input, writable, writes_its_input
+from revnets.replay import frozen_running_stats
 
-__all__ = ["ForwardTimes", "chain_times", "forward_times", "input_device"]
+__all__ = ["ForwardTimes", "chain_times", "input_device"]
 
 
 @dataclass(frozen=True)
@@ -74,31 +72,6 @@ class ForwardTimes:
     def __repr__(self) -> str:
         return (f"ForwardTimes({len(self.steps)} steps, "
                 f"{sum(self.seconds) * 1e3:.3f} ms forward)")
-
-
-def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
-    """Measure once the forward times ``auto_checkpoint(model, example_input, ...)`` would
-    measure (each step of the chain it plans ``model`` as, its reversible sequences storing, on
-    at most 8 samples of ``example_input``), to plan with at any number of budgets: plans at
-    several budgets then follow one measurement, and a smaller budget gets no higher peak where
-    the search ranks its candidates right (NOTE [ Times measured once ]). ``model`` is left as
-    it was (its buffers, and the random number generators too). A model torch.fx cannot trace
-    has no steps: its plans are ranked on sizes and counted costs alone (NOTE [ Plans of whole
-    modules ] in ``planning/module_plan.py``), and its times are empty."""
-    check_request("forward_times", model, example_input)
-    kept, draws = ModelState(model), Draws(model)
-    try:
-        with forked_rng(input_device(example_input), generators_held(model)):
-            try:
-                chain = planning_chain(model, caller="forward_times")
-            except Untraceable:
-                chain = None
-            if chain is None:  # planned on sizes and counted costs alone: no times to measure
-                return ForwardTimes((), ())
-            return chain_times(chain, example_input)
-    finally:
-        kept.restore()
-        draws.restore()  # numpy's generator too
 
 
 def chain_times(chain: nn.Sequential, example_input: Any) -> ForwardTimes:

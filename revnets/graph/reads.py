@@ -1,6 +1,6 @@
 """What a trace read, which a traced graph froze and a planned step must refuse to run once it
-has changed (NOTE [ Traced modules run as their graph ] in traced.py): the tensors whose values
-it read, and the modules' attributes its code read.
+has changed (NOTE [ Traced modules run as their graph ] in trace_state.py): the tensors whose
+values it read, and the modules' attributes its code read.
 
 torch.fx traces with proxies for the input and the parameters, but a buffer or a plain tensor
 attribute is the real tensor: ``self.flag.item()``, ``float(self.t)`` or ``if self.on:`` read its
@@ -10,7 +10,7 @@ tensor by name (NOTE [ A planned model is the model ]) cannot help: the graph ne
 again. So the trace runs under a dispatch mode that records, for every tensor an operator makes
 from real tensors, the tensors it came from; those a value was read of (``item``, ``bool``,
 ``equal``), and those a constant of the graph was made from, are the tensors read (checked by
-value under the name they were read by: frozen.py). A tensor the graph holds as itself (a plain
+value under the name they were read by: graph/guard.py). A tensor the graph holds as itself (a plain
 attribute in an expression) is a constant that follows writes into it, and is not counted, nor
 is a tensor a constant is a view of.
 

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from revnets.checkpoint import segment_bounds
-from revnets.planning.memory_model import (
+from revnets.planning.costs.layer_profile import LayerProfile
+from revnets.planning.search.chain_model import (
     NO_MOMENT,
     SELECTIVE,
     ChainModel,
@@ -25,7 +26,6 @@ from revnets.planning.memory_model import (
     forbidden_cuts,
     step_costs,
 )
-from revnets.planning.profile import LayerProfile
 
 __all__ = [
     "SELECTIVE",
@@ -181,7 +181,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     moments, summing = chain.moments, chain.summing
     if state_bytes[0] + chain.grads_after[0] > budget:  # the end of the backward does not fit
         return None
-    # The chain model's segment [i, k) (memory_model.py): once run, it holds
+    # The chain model's segment [i, k) (planning/search/chain_model.py): once run, it holds
     # saved[k] - saved[i] - Y(i, k); backpropagating its step j, backward[j] (then summing[j])
     # less saved[i] + Y(i, j + 1) (then Y(i, j)). So each point carries its kept bytes less
     # saved at its cut (base) and the most of those over its segment so far (top), which only

@@ -1,6 +1,6 @@
 """What a planned training step checks before it runs a traced graph: that what its trace read
 is as it was when planned, and that no hook is registered where it would not fire (NOTE [ Traced
-modules run as their graph ] in traced.py)."""
+modules run as their graph ] in graph/trace_state.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from revnets.planning.trace_reads import TraceReads
-from revnets.planning.traced import _MODE, _copy_of, _version
+from revnets.graph.reads import TraceReads
+from revnets.graph.trace_state import _MODE, _copy_of, _version
 from revnets.replay.containers import MUTABLE
 from revnets.replay.held import attributes_of, reached
 from revnets.replay.hooks import hooked
@@ -42,7 +42,7 @@ _SCALARS = (int, float, bool, str, complex, type(None))
 
 class Frozen:
     """What a traced graph froze (NOTE [ Traced modules run as their graph ]), found by what
-    its trace read (``reads``: trace_reads.py): every attribute its code looked up on a module
+    its trace read (``reads``: graph/reads.py): every attribute its code looked up on a module
     or a plain object (numbers, flags and strings by value, a numpy array, a partial or a
     function by its contents, anything else by identity, one absent then by its absence),
     modules aside; what the lists and dicts among them hold, and the plain objects whose

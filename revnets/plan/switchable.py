@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from revnets.checkpoint import checkpoint, run_checkpointed_segments
-from revnets.plan import PRESETS, Checkpoint, MemoryPlan, parse_memory_plan
+from revnets.plan.decisions import PRESETS, Checkpoint, MemoryPlan, parse_memory_plan
 
 __all__ = ["SwitchableMemory"]
 

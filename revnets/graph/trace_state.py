@@ -36,7 +36,8 @@ __all__ = [
 # A module the planner's trace goes through (any module with submodules that is not kept whole:
 # those the tracer entered, ``traced`` of as_graph_chain) is never called in a planned training
 # step: its steps run the nodes its forward recorded once, on proxies; a planned model also
-# watches every module its steps do not call (planned.py). Whatever else a traced forward does
+# watches every module its steps do not call (planning/planned.py). Whatever else a traced
+# forward does
 # would happen once, at planning time, with proxies, and never again. So a module stays whole
 # (called as itself by its step, its code run each time) where its forward does more than
 # compute values:
@@ -54,11 +55,11 @@ __all__ = [
 # globals are not. A hook registered on a traced
 # module after planning, on the model itself, or globally would not run either: a planned
 # training step refuses them by name, and so does it refuse what the graph froze that has
-# changed since (``Frozen``, frozen.py): every attribute the traced code looked up on a
+# changed since (``Frozen``, graph/guard.py): every attribute the traced code looked up on a
 # module or on a plain object the model holds, wherever that code is (a module's own forward,
 # a child reading its parent through a plain list, a function outside any class, a config's
 # property or method, ``getattr`` with a name made at run time; absent then too:
-# trace_reads.py), by value where it is a number, flag or string (a drop-path rate raised by
+# graph/reads.py), by value where it is a number, flag or string (a drop-path rate raised by
 # a schedule), by contents where it is a numpy array, a partial or a function (what it closes
 # over), else by identity, with what the lists and dicts among them hold (``self.scales[0] =
 # ...``), a constant of a traced module's class, a traced module's class and forward, and a
@@ -66,7 +67,7 @@ __all__ = [
 # ran (a helper only kept-whole blocks call) read nothing. A tensor it reads directly (a
 # parameter, a buffer, a plain attribute) is followed instead (NOTE [ A planned model is the
 # model ]); one whose value the trace read (``float(self.t)``, a branch on it:
-# trace_reads.py) is checked by value under the name it was read by, refused once another
+# graph/reads.py) is checked by value under the name it was read by, refused once another
 # value is there (written, replaced, cast with loss). Code
 # changing the grad mode or autocast keeps its module whole (trace.py), since a graph records
 # neither.

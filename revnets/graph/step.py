@@ -10,11 +10,12 @@ import torch
 import torch.fx
 from torch import nn
 
-from revnets.planning.graph_values import Attr, Ref, resolve
-from revnets.planning.traced import writes_in_place
+from revnets.graph.trace_state import writes_in_place
+from revnets.graph.values import Attr, Ref, resolve
 from revnets.replay.known import KnownWalk, known_composite
 from revnets.replay.known_calls import call_kind, plain, plain_parameters
 from revnets.replay.structure import structure_unchanged_by_runs
+from revnets.reversible import ReversibleSequence
 
 __all__ = ["GraphKey", "GraphStep"]
 
@@ -176,3 +177,18 @@ class GraphKey:
     """Names the graph a step's values belong to (copied once with a copied chain)."""
 
     __slots__ = ()
+
+
+def sequence_of(step: nn.Module) -> ReversibleSequence | None:
+    """The reversible sequence a chain step runs, if it runs one."""
+    if isinstance(step, ReversibleSequence):
+        return step
+    if isinstance(step, GraphStep) and isinstance(getattr(step, "module", None),
+                                                    ReversibleSequence):
+        return step.module
+    return None
+
+
+def step_name(step: nn.Module, index: int) -> str:
+    """A chain step's name: a graph step's label, else its place and class."""
+    return step.label if isinstance(step, GraphStep) else f"{index}:{type(step).__name__}"

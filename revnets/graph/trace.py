@@ -19,16 +19,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from revnets.invertible import Invertible
-from revnets.planning.graph_step import GraphKey, GraphStep
-from revnets.planning.graph_values import substitute
-from revnets.planning.trace_reads import (
+from revnets.graph.reads import (
     AttributesRead,
     TraceReads,
     ValuesRead,
     classes_closed_over,
 )
-from revnets.planning.traced import (
+from revnets.graph.step import GraphKey, GraphStep
+from revnets.graph.trace_state import (
     Attributes,
     Draws,
     code_by_module,
@@ -39,6 +37,8 @@ from revnets.planning.traced import (
     own_code,
     steering_defaults,
 )
+from revnets.graph.values import substitute
+from revnets.invertible import Invertible
 from revnets.replay.hooks import hooked
 from revnets.reversible import ReversibleSequence
 
@@ -62,7 +62,7 @@ class _Tracer(torch.fx.Tracer):
       between such units, not inside them, which keeps a 1000-layer chain short;
     - every module with hooks, and the modules named in ``whole``: those found untraceable,
       drawing random numbers or assigning attributes by an earlier trace (see
-      :func:`_trace`; NOTE [ Traced modules run as their graph ] in traced.py).
+      :func:`_trace`; NOTE [ Traced modules run as their graph ] in graph/trace_state.py).
     """
 
     def __init__(self, whole: frozenset[str], attributes: Attributes, locate: bool,
@@ -245,7 +245,7 @@ def _trace(
     model (its graph reads them), the mode the model's own code was traced in where it depends
     on it, else None, whether that code reads other modules' modes too (NOTE [ A mode frozen
     in the model's own code ]), the names of the modules the graph's trace went into, the
-    model's own ("") first, and what that trace read (trace_reads.py)."""
+    model's own ("") first, and what that trace read (graph/reads.py)."""
     whole: frozenset[str] = frozenset()
     locate = False  # check attributes after each module's trace, to find the one assigning
     draws, watched = Draws(model), False  # and the generators, to find the one drawing

@@ -7,9 +7,9 @@ import math
 from collections.abc import Container, Sequence
 from dataclasses import replace
 
-from revnets.planning.chain import segment_cost
-from revnets.planning.memory_model import SELECTIVE, Segment
-from revnets.planning.profile import LayerProfile
+from revnets.planning.costs.layer_profile import LayerProfile
+from revnets.planning.search.chain import segment_cost
+from revnets.planning.search.chain_model import SELECTIVE, Segment
 
 __all__ = ["compiled_costs", "selective_stored_runs", "selective_when_free"]
 
@@ -57,7 +57,7 @@ def selective_when_free(plan: Sequence[Segment],
                         profiles: Sequence[LayerProfile]) -> tuple[Segment, ...]:
     """``plan`` with each checkpoint of steps that keep no product made selective: it keeps and
     recomputes what it did, and under torch.compile it runs as one with the selective
-    checkpoints beside it (NOTE [ Selective segments under compile ] in planned.py)."""
+    checkpoints beside it (NOTE [ Selective segments under compile ] in planning/planned.py)."""
     return tuple((a, b, SELECTIVE if recompute is True
                   and not any(profiles[i].selective_bytes for i in range(a, b)) else recompute)
                  for a, b, recompute in plan)
@@ -68,7 +68,7 @@ def selective_when_free(plan: Sequence[Segment],
 # default budget, which keeps what its min-cut finds cheapest to keep (compile at budget 1.0
 # peaks above the eager step on ViT-S: frontier.py), and the values at the run's ends break
 # the selective checkpoints beside it, which otherwise run as one
-# (NOTE [ Selective segments under compile ] in planned.py). A selective checkpoint of the
+# (NOTE [ Selective segments under compile ] in planning/planned.py). A selective checkpoint of the
 # same run keeps its products, which the min-cut keeps anyway (it recomputes no matrix
 # product), and recomputes its norms, activations and additions inside fused kernels, which
 # costs nothing by NOTE [ Compiled costs ]. The eager step's peak, which the budget means, can

@@ -4,7 +4,7 @@ predictions decide.
 # NOTE [ Modelled search, exact acceptance ]
 # An exact prediction (``revnets.predict_memory`` on fake tensors) runs the whole training step:
 # tenths of a second for a small model, seconds for a thousand layers. A modelled peak is a sum
-# over the chain's profiles (memory_model.py: what each step saves, each storage once, the
+# over the chain's profiles (chain_model.py: what each step saves, each storage once, the
 # values live at each cut, the gradients in flight) and costs microseconds, but leaves out
 # transients (workspaces, what the loss's backward makes, a recomputation's own). So:
 #
@@ -18,7 +18,8 @@ predictions decide.
 # - candidates come from sizes alone (Chen's and optimal plans counting steps) and, where times were
 #   measured, from times too (selective plans: storing the slow steps, recomputing the cheap ones);
 #   only the first kind can be a floor. Selective plans are made for the rooms of one fixed grid
-#   (powers of ``ROOM_RATIO``, 2.9 % apart, in auto.py) within 10 % of the budget's room, never
+#   (powers of ``ROOM_RATIO``, 2.9 % apart, in planning/auto.py) within 10 % of the budget's
+#   room, never
 #   for the budget's own room: a smaller budget's candidates are then the same plans, or plans
 #   for smaller rooms of the same grid, each the cheapest within its room, so that the smaller
 #   budget gets no higher peak where the ranking above does not err (``budget_sweep.py
@@ -56,7 +57,7 @@ predictions decide.
 #   budget's did not, never a higher peak, and the budget a refusal names plans, in any run.
 #   A nested schedule keeps each group of steps it schedules whole. Where the lowest floor,
 #   both as predicted (less the model state) and as modelled, is within 0.1 % of its exact
-#   peak (``NESTED_MIN_GAIN`` in auto.py) of the least that any plan keeping those groups
+#   peak (``NESTED_MIN_GAIN`` in planning/auto.py) of the least that any plan keeping those groups
 #   whole holds at some moment in the chain model (``ChainModel.least_bytes``: the step's end,
 #   or a group's backward with all it saves, the gradients made by then and the input its
 #   caller holds), none is searched. Either alone misses plans: the prediction, where the
@@ -87,8 +88,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from revnets.planning.chain import SELECTIVE, Segment
-from revnets.planning.nested import NestedSchedule
+from revnets.planning.search.chain import SELECTIVE, Segment
+from revnets.planning.search.nested import NestedSchedule
 
 __all__ = [
     "LADDER", "LADDER_RATIO", "MAX_GUESSES", "Option", "Segments", "lowest_floor", "near_floors",

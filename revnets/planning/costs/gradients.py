@@ -1,21 +1,20 @@
 """The gradients of a chain's values in flight during its backward, whatever the plan: which a
 step's backward makes as new tensors and which it passes on (an addition hands its output's
 gradient to both operands, a view a view of it), and what exists of them while each step is
-backpropagated (NOTE [ Gradients in flight ] in memory_model.py)."""
+backpropagated (NOTE [ Gradients in flight ] in planning/search/chain_model.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-if TYPE_CHECKING:  # profiles carry what gradient_parts finds
-    from revnets.planning.profile import LayerProfile
+from revnets.planning.costs.layer_profile import LayerProfile
 
 __all__ = ["GradientFlow", "gradient_flow", "gradient_parts"]
 

@@ -1,7 +1,7 @@
 """The chain model: what a segmentation of a chain holds at its peak, from the chain's profiles.
 
 A search ranks plans by this model and exact predictions decide (NOTE [ Modelled search, exact
-acceptance ] in ``search.py``); the closer it follows the real step, the fewer predictions a
+acceptance ] in ``options.py``); the closer it follows the real step, the fewer predictions a
 search needs and the more alike its errors are from plan to plan.
 
 # NOTE [ A storage saved twice is held once ]
@@ -41,7 +41,7 @@ search needs and the more alike its errors are from plan to plan.
 # gradients of the values live after step j and the parts it makes of those it reads (a stem's
 # gradients inside a segment outweigh the one arriving at its end), each tensor once: an
 # addition hands its output's gradient to both operands, a view a view of it, and a residual
-# that step j only passes on has one gradient, not two (``gradient_flow`` in gradients.py,
+# that step j only passes on has one gradient, not two (``gradient_flow`` in costs/gradients.py,
 # plan-independent). A value several steps read gets its gradient in parts, the later
 # reader's first (a downsampling block's input: its shortcut's, then its first convolution's).
 # Under a TorchDispatchMode, as measure_memory and predict_memory run a step, autograd adds
@@ -69,8 +69,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from revnets.planning.gradients import NO_MOMENT, GradientFlow, gradient_flow
-from revnets.planning.profile import LayerProfile
+from revnets.planning.costs.gradients import NO_MOMENT, GradientFlow, gradient_flow
+from revnets.planning.costs.layer_profile import LayerProfile
 
 __all__ = ["NO_MOMENT", "SELECTIVE", "ChainModel", "Recompute", "Segment", "forbidden_cuts",
            "step_costs"]

@@ -27,8 +27,8 @@ import numpy as np
 from torch import nn
 
 from revnets.checkpoint import Checkpointed
-from revnets.planning.chain import forbidden_cuts
-from revnets.planning.profile import LayerProfile
+from revnets.planning.costs.layer_profile import LayerProfile
+from revnets.planning.search.chain import forbidden_cuts
 
 __all__ = [
     "NestedSchedule", "group_bounds", "group_chain", "most_frugal_schedule", "nested_schedule",
