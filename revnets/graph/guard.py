@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from revnets.graph.reads import TraceReads
-from revnets.graph.trace_state import _MODE, _copy_of, _version
+from revnets.graph.trace_state import FLIPPED_MODE, copy_of, version_of
 from revnets.replay.containers import MUTABLE
 from revnets.replay.held import attributes_of, reached
 from revnets.replay.hooks import hooked
@@ -160,7 +160,7 @@ def _tensor_state(tensor: Any) -> list:
     a fake one: a prediction's copy, nothing to compare)."""
     fake = isinstance(tensor, FakeTensor) or not isinstance(tensor, Tensor) or (
         tensor.device.type == "meta")
-    return [tensor, None if fake else _version(tensor), None if fake else _copy_of(tensor)]
+    return [tensor, None if fake else version_of(tensor), None if fake else copy_of(tensor)]
 
 
 def _check_tensor(path: str, holder: Any, key: str | None, now: Any, then: list) -> None:
@@ -168,7 +168,7 @@ def _check_tensor(path: str, holder: Any, key: str | None, now: Any, then: list)
     None: that tensor), holds another value now; one holding the same (the model cast without
     loss) is followed from then on."""
     tensor, version, value = then
-    if now is tensor and (version is None or _version(now) == version):
+    if now is tensor and (version is None or version_of(now) == version):
         return
     if not isinstance(now, Tensor):
         _refuse(path, holder, key or "", f"is {_named(now)}, a tensor whose value the trace "
@@ -179,7 +179,7 @@ def _check_tensor(path: str, holder: Any, key: str | None, now: Any, then: list)
             now.detach().to(value.device, value.dtype), value):
         _refuse(path, holder if key else now, key or "", "is a tensor whose value the trace "
                 "read (.item(), bool(), a constant made from it), changed since planning")
-    then[:] = [now, _version(now), value]
+    then[:] = [now, version_of(now), value]
 
 
 def _paths(model: nn.Module) -> dict[int, str]:
@@ -199,7 +199,7 @@ def _paths(model: nn.Module) -> dict[int, str]:
 
 # What a module's attribute lookup finds besides its own and its classes' attributes: torch's
 # (the Module machinery's state, the training flag, which is flipped on purpose).
-_MACHINERY_NAMES = frozenset(vars(nn.Module())) | {_MODE}
+_MACHINERY_NAMES = frozenset(vars(nn.Module())) | {FLIPPED_MODE}
 
 
 def _read(holder: Any, keys: frozenset[str]) -> list[tuple[str, Any]]:

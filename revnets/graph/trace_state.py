@@ -27,9 +27,10 @@ from revnets.replay.state import NumpyGenerator
 from revnets.replay.structure import structure_of
 
 __all__ = [
-    "Attributes", "Draws", "code_by_module", "drop_specialisation_checks",
+    "FLIPPED_MODE", "Attributes", "Draws", "code_by_module", "copy_of",
+    "drop_specialisation_checks",
     "grad_and_autocast", "modes_flipped", "mutated_argument", "own_code",
-    "steering_defaults", "writes_in_place",
+    "steering_defaults", "version_of", "writes_in_place",
 ]
 
 # NOTE [ Traced modules run as their graph ]
@@ -76,7 +77,7 @@ __all__ = [
 # step_times.chain_times).
 
 # Modes are flipped on purpose, to find code that depends on them (trace.py).
-_MODE = "training"
+FLIPPED_MODE = "training"
 
 
 class Attributes:
@@ -127,8 +128,8 @@ class Attributes:
                 if found is None:
                     if isinstance(v, Tensor):
                         found = [~len(self.tensors)]
-                        copy = None if id(v) in registered else _copy_of(v)
-                        self.tensors.append([module, v, _version(v), copy])
+                        copy = None if id(v) in registered else copy_of(v)
+                        self.tensors.append([module, v, version_of(v), copy])
                     else:  # a container's elements, a plain object's attributes
                         found = list(range(len(self.saved), len(self.saved) + len(
                             copies := state_copies(v))))
@@ -169,7 +170,7 @@ class Attributes:
             elif not saved.same():
                 return f"{name} (state it holds: {type(holder).__name__})"
         for module, tensor, version, _ in tensors:
-            if _version(tensor) != version:
+            if version_of(tensor) != version:
                 return f"{type(who or module).__name__} (a tensor it holds, written in place)"
         return None
 
@@ -184,25 +185,25 @@ class Attributes:
                 now = vars(module)
                 for key in [k for k in now if k not in saved and k not in self.tracer_names]:
                     del now[key]
-                now.update((k, v) for k, v in saved.items() if k != _MODE)
+                now.update((k, v) for k, v in saved.items() if k != FLIPPED_MODE)
             elif not saved.same():
                 saved.put_back()
         for entry in tensors:
             _, tensor, version, copy = entry
-            if _version(tensor) != version and copy is not None:
+            if version_of(tensor) != version and copy is not None:
                 with torch.no_grad():
                     tensor.copy_(copy)
-                entry[2] = _version(tensor)  # as found, at the version putting it back made
+                entry[2] = version_of(tensor)  # as found, at the version putting it back made
 
 
-def _copy_of(tensor: Tensor) -> Tensor | None:
+def copy_of(tensor: Tensor) -> Tensor | None:
     try:
         return tensor.detach().clone()
     except (RuntimeError, NotImplementedError):  # a tensor subclass that cannot be copied
         return None
 
 
-def _version(tensor: Tensor) -> int | None:
+def version_of(tensor: Tensor) -> int | None:
     try:
         return tensor._version
     except RuntimeError:  # an inference tensor has no version counter (nor can be written)
@@ -214,7 +215,7 @@ _MISSING = object()
 
 def _changed_key(now: dict, saved: dict, tracer_names: set[str]) -> str | None:
     for key in now.keys() | saved.keys():
-        if key == _MODE or (key in tracer_names and key not in saved):
+        if key == FLIPPED_MODE or (key in tracer_names and key not in saved):
             continue
         if now.get(key, _MISSING) is not saved.get(key, _MISSING):
             return key

@@ -28,8 +28,8 @@ from revnets.planning.budget import (
 )
 from revnets.planning.costs.layer_profile import LayerProfile
 from revnets.planning.costs.profile import (
-    _device,
-    _nbytes,
+    bytes_of,
+    device_of,
     meta_like,
     on_meta,
     profile_chain,
@@ -213,7 +213,7 @@ class _Planner:
                           if (s := sequence_of(step)) is not None}
         self.original = {i: _decision_of(s) for i, s in self.sequences.items()}
         meta_input = meta_like(example_input)
-        self.input_state = {_first_input(chain): _nbytes(meta_input)} if len(chain) else None
+        self.input_state = {_first_input(chain): bytes_of(meta_input)} if len(chain) else None
         # One profile with every reversible sequence stored, one with every one reconstructing
         # (when there are any); other steps profile the same in both. Sizes come from the meta
         # device, the chain's own modules running on meta copies of their tensors.
@@ -239,7 +239,7 @@ class _Planner:
         # Once: times only order the plans (NOTE [ Times measured once ]).
         times = (measure_time.of(chain) if isinstance(measure_time, ForwardTimes)
                  else chain_times(chain, example_input).seconds
-                 if measure_time and _device(example_input).type != "meta" else None)
+                 if measure_time and device_of(example_input).type != "meta" else None)
         self.timed = times is not None
         if times is not None:
             for kind, profiles in self.profiles.items():

@@ -18,11 +18,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from revnets.checkpoint import checkpoint_forward
-from revnets.graph.trace_state import Attributes, _version
+from revnets.graph.trace_state import Attributes, version_of
 from revnets.memory import Predictor
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, no_fit, training_step
-from revnets.planning.costs.profile import _address, _flops
+from revnets.planning.costs.profile import address_of, flops_of
 from revnets.planning.model_view import ModelView
 from revnets.reversible import ReversibleSequence
 
@@ -104,7 +104,7 @@ class _Profiler(TorchDispatchMode):
 
     def __call__(self, model: nn.Module, x: Any, loss_fn: LossFn,
                  optimizer: torch.optim.Optimizer | None) -> None:
-        self._state = {_address(t) for t in (*model.parameters(), *model.buffers())}
+        self._state = {address_of(t) for t in (*model.parameters(), *model.buffers())}
         handles = []
         for name, module in model.named_modules():
             if name and not isinstance(module, torch.jit.ScriptModule):  # no hooks there
@@ -135,9 +135,9 @@ class _Profiler(TorchDispatchMode):
             if self._stack:
                 self._stack[-1][0].leaf = False
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-            inputs = {_address(t): t.untyped_storage().nbytes() for t in tensors}
+            inputs = {address_of(t): t.untyped_storage().nbytes() for t in tensors}
             calls.kept += sum(inputs.values())
-            calls.inputs += [(weakref.ref(t), _version(t)) for t in tensors]
+            calls.inputs += [(weakref.ref(t), version_of(t)) for t in tensors]
             self._stack.append((calls, set(inputs)))
         return pre_hook
 
@@ -151,14 +151,14 @@ class _Profiler(TorchDispatchMode):
             return
         self._forward = False
         for calls in self.calls.values():
-            calls.written |= any(t is not None and _version(t) != version
+            calls.written |= any(t is not None and version_of(t) != version
                                  for t, version in ((ref(), v) for ref, v in calls.inputs))
             calls.written |= any(state.changed() is not None for state in calls.state)
             calls.inputs.clear()
             calls.state.clear()
 
     def _pack(self, t: Tensor) -> Tensor:
-        address = _address(t)
+        address = address_of(t)
         if address not in self._state:
             for calls, inputs in filter(None, self._stack):
                 if address not in inputs:
@@ -169,7 +169,7 @@ class _Profiler(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._forward and self._stack:
-            cost = _flops(func, args, kwargs, out) + sum(
+            cost = flops_of(func, args, kwargs, out) + sum(
                 t.numel() for t in tree_leaves(out) if isinstance(t, Tensor))
             for calls, _ in self._stack:
                 calls.cost += cost

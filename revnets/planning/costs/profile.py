@@ -26,8 +26,8 @@ from revnets.planning.costs.meta_attention import AttentionAsOn, may_attend
 from revnets.planning.costs.meta_memo import MetaMemo
 from revnets.replay import forked_rng, frozen_running_stats
 
-__all__ = ["as_leaf", "clock", "meta_like", "on_meta",
-           "profile_chain", "timing_input", "writable", "writes_its_input"]
+__all__ = ["address_of", "as_leaf", "bytes_of", "clock", "device_of", "flops_of", "meta_like",
+           "on_meta", "profile_chain", "timing_input", "writable", "writes_its_input"]
 
 
 def _passes_gradients(layer: nn.Module) -> bool:
@@ -38,12 +38,12 @@ def _passes_gradients(layer: nn.Module) -> bool:
     return isinstance(layer, GraphStep) and layer.op in ("call_function", "call_method")
 
 
-def _nbytes(output: Any) -> int:
+def bytes_of(output: Any) -> int:
     tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _device(value: Any) -> torch.device:
+def device_of(value: Any) -> torch.device:
     return next(t for t in tree_leaves(value) if isinstance(t, Tensor)).device
 
 
@@ -157,7 +157,7 @@ def _profile(
     params = {
         id(t.untyped_storage()) for layer in layers for t in (*layer.parameters(), *layer.buffers())
     }
-    device = _device(example_input)
+    device = device_of(example_input)
     timed = device.type != "meta"
     memo = MetaMemo()
     now = clock(device)
@@ -242,13 +242,13 @@ def _profile(
             LayerProfile(
                 index,
                 type(layer).__name__,
-                _nbytes(y),
+                bytes_of(y),
                 sum(saved.values()),
                 seconds if timed else math.nan,
                 inplace,
                 named,
                 getattr(layer, "mutates_from", min(
-                    (made_by.get(_address(t), index - 1) for t in _written(layer, leaf)),
+                    (made_by.get(address_of(t), index - 1) for t in _written(layer, leaf)),
                     default=index - 1) if inplace else None),
                 intermediate,
                 kept.nbytes(),
@@ -264,7 +264,7 @@ def _profile(
             )
         )
         for t, _ in kept.outputs:
-            kept_by_storage.setdefault(_address(t), index)
+            kept_by_storage.setdefault(address_of(t), index)
             held.append(t)
         leaf = tree_map(as_leaf, y)
         names = list(named)
@@ -317,11 +317,11 @@ class _SelectiveOutputs(TorchDispatchMode):
         if func in SELECTIVE_OPS:
             self.outputs += [(t, t._version) for t in tree_leaves(out)
                              if isinstance(t, Tensor)]
-            self.flops += _flops(func, args, kwargs, out)
+            self.flops += flops_of(func, args, kwargs, out)
         return out
 
     def nbytes(self) -> int:
-        return _nbytes([t for t, _ in self.outputs])
+        return bytes_of([t for t, _ in self.outputs])
 
     def intact(self) -> bool:
         return all(t._version == version for t, version in self.outputs)
@@ -332,7 +332,7 @@ _FLOP_FORMULAS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_atte
                   flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]}
 
 
-def _flops(func: Any, args: Any, kwargs: dict, out: Any) -> int:
+def flops_of(func: Any, args: Any, kwargs: dict, out: Any) -> int:
     formula = _FLOP_FORMULAS.get(func.overloadpacket)
     return 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
 
@@ -356,10 +356,10 @@ def writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
 
 def _keepers(kept_by_storage: dict[int, int], tensors: list[Tensor]) -> set[int]:
     """The layers whose kept outputs share storage with ``tensors``."""
-    return {kept_by_storage[a] for a in map(_address, tensors) if a in kept_by_storage}
+    return {kept_by_storage[a] for a in map(address_of, tensors) if a in kept_by_storage}
 
 
-def _address(tensor: Tensor) -> int:
+def address_of(tensor: Tensor) -> int:
     """The storage ``tensor`` is a view of, shared by its aliases (views, detached copies)."""
     return tensor.untyped_storage()._cdata
 
@@ -372,16 +372,16 @@ def _named_bytes(output: Any, names: Sequence[str] | None, index: int) -> dict[s
     values = output if isinstance(output, tuple) else (output,)
     if names is None or len(names) != len(values):
         names = [f"{index}.{j}" for j in range(len(values))]
-    return {name: _nbytes(value) for name, value in zip(names, values)}
+    return {name: bytes_of(value) for name, value in zip(names, values)}
 
 
 def _kept_values(output: Any, names: Sequence[str], kept: _SelectiveOutputs) -> dict[str, int]:
     """The bytes of each value of ``output`` (named ``names``) that ``kept`` keeps."""
-    storages = {_address(t) for t, _ in kept.outputs}
+    storages = {address_of(t) for t, _ in kept.outputs}
     values = output if isinstance(output, tuple) else (output,)
     found = {name: [t for t in tree_leaves(value) if isinstance(t, Tensor)
-                    and _address(t) in storages] for name, value in zip(names, values)}
-    return {name: _nbytes(tensors) for name, tensors in found.items() if tensors}
+                    and address_of(t) in storages] for name, value in zip(names, values)}
+    return {name: bytes_of(tensors) for name, tensors in found.items() if tensors}
 
 
 def _carriers(
@@ -394,7 +394,7 @@ def _carriers(
     for name, value in zip(names, values):
         tensors = [t for t in tree_leaves(value) if isinstance(t, Tensor)]
         for place, tensor in enumerate(tensors):
-            address = _address(tensor)
+            address = address_of(tensor)
             found.setdefault(address, carried.get(address, (name, place)))
     return found
 
