@@ -33,7 +33,7 @@ from revnets.planning.costs.meta_attention import may_attend
 from revnets.planning.costs.profile import meta_like, on_meta
 from revnets.planning.model_chain import planning_chain
 from revnets.planning.search import chain as chain_module
-from revnets.planning.search.chain import SELECTIVE
+from revnets.planning.search.chain_model import SELECTIVE
 from revnets.planning.search.nested import most_frugal_schedule
 
 from conftest import conv_unit, max_grad_error, train_step

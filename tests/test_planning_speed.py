@@ -19,7 +19,7 @@ from revnets.memory import Predictor, measure_memory
 from revnets.planning.costs import step_times
 from revnets.planning.costs.profile import profile_chain
 from revnets.planning.search import chain as chain_module
-from revnets.planning.search.chain import SELECTIVE
+from revnets.planning.search.chain_model import SELECTIVE
 from revnets.planning.search.nested import NestedSchedule
 from revnets.planning.search.options import (
     LADDER_RATIO,

@@ -27,7 +27,8 @@ from revnets.planning import auto
 from revnets.planning.costs import step_times
 from revnets.planning.costs.profile import profile_chain
 from revnets.planning.planned import PlanChain, PlannedModel
-from revnets.planning.search.chain import SELECTIVE, modelled_peaks, selective_plans
+from revnets.planning.search.chain import modelled_peaks, selective_plans
+from revnets.planning.search.chain_model import SELECTIVE
 from revnets.planning.search.compiled_costs import selective_stored_runs
 from revnets.planning.search.options import Option, floors
 

@@ -7,12 +7,13 @@ orchestrates); the model's trace (``revnets.graph``) is below all three."""
 
 from revnets.graph.step import GraphStep
 from revnets.graph.trace import NotAChainError, as_graph_chain
-from revnets.planning.auto import PlannedModel, PlanningError, auto_checkpoint
+from revnets.planning.auto import PlannedModel, auto_checkpoint
 from revnets.planning.costs.layer_profile import LayerProfile
 from revnets.planning.costs.profile import profile_chain
 from revnets.planning.costs.step_times import ForwardTimes
 from revnets.planning.model_chain import forward_times
 from revnets.planning.module_plan import CheckpointedModules
+from revnets.planning.search.budget import PlanningError
 from revnets.planning.search.chain import (
     budget_plan,
     candidate_plans,

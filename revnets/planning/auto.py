@@ -19,11 +19,9 @@ from revnets.memory.fake_copies import held_elsewhere
 from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import (
     LossFn,
-    PlanningError,
     check_optimizer,
     check_request,
     default_loss,
-    no_fit,
     training_step,
 )
 from revnets.planning.costs.layer_profile import LayerProfile
@@ -44,14 +42,9 @@ from revnets.planning.describe import (
 from revnets.planning.model_chain import Untraceable, choose_preset, planning_chain
 from revnets.planning.module_plan import plan_modules
 from revnets.planning.planned import PlanChain, PlannedModel
-from revnets.planning.search.chain import (
-    SELECTIVE,
-    Segment,
-    candidate_plans,
-    modelled_peaks,
-    selective_plans,
-)
-from revnets.planning.search.chain_model import ChainModel
+from revnets.planning.search.budget import fits, no_fit
+from revnets.planning.search.chain import candidate_plans, modelled_peaks, selective_plans
+from revnets.planning.search.chain_model import SELECTIVE, Action, ChainModel, Segment, listed
 from revnets.planning.search.compiled_costs import (
     compiled_costs,
     selective_stored_runs,
@@ -75,7 +68,7 @@ from revnets.planning.untouched import ModelState, collector_paused
 from revnets.replay import forked_rng, generators_held
 from revnets.reversible import ReversibleSequence
 
-__all__ = ["PlannedModel", "PlanningError", "auto_checkpoint"]
+__all__ = ["PlannedModel", "auto_checkpoint"]
 
 NESTED_GROUPS = 48  # nested schedules cost O(n^3): longer chains are grouped into this many runs
 NESTED_SLOTS = 512  # and O(slots): memory in 1/512ths of the room, each term rounded up
@@ -326,7 +319,7 @@ class _Planner:
             profiles, _grid_rooms(room / ROOM_RATIO, room)[-1:], self.input_state)}
         plans -= {o.segments for o in peaks if o.reconstructed == chosen}  # predicted already
         extra = sum(_seconds(profiles, i) for i in chosen)
-        plans = sorted(plans, key=repr)
+        plans = sorted(plans, key=listed)
         modelled = modelled_peaks(plans, profiles, self.input_state, whole_inputs=False)
         better = min((Option(chosen, plan, self._recompute(plan, profiles) + extra, peak,
                              sized=False)
@@ -335,7 +328,7 @@ class _Planner:
         if better is None or better.cost >= found.cost:
             return found
         peaks[better] = self._predict(better)
-        return better if peaks[better] <= budget else found
+        return better if fits(peaks[better], budget) else found
 
     def _selective_throughout(self, found: Option, peaks: dict[Option, int],
                               budget: int) -> Option:
@@ -349,7 +342,7 @@ class _Planner:
         modelled = modelled_peaks([segments], profiles, self.input_state, whole_inputs=False)[0]
         option = replace(found, segments=segments, modelled=modelled, sized=False)
         peaks[option] = self._predict(option)
-        return option if peaks[option] <= budget else found
+        return option if fits(peaks[option], budget) else found
 
     def _predict(self, option: Option) -> int:
         """The exact peak of ``option``; with nothing checkpointed, of the model itself (which
@@ -367,7 +360,8 @@ class _Planner:
         add selective ones (NOTE [ Modelled search, exact acceptance ])."""
         unmeasured = _unmeasured(profiles)
         sized = {
-            self._cut_around([(a, b, number < len(plan) - 1) for number, (a, b) in enumerate(plan)],
+            self._cut_around([(a, b, Action.CHECKPOINT if number < len(plan) - 1 else Action.STORE)
+                              for number, (a, b) in enumerate(plan)],
                              reconstructed)
             for plan in candidate_plans(unmeasured, input_state=self.input_state)
         }
@@ -395,7 +389,7 @@ class _Planner:
                                           for c in (i, i + 1))})
             for a, b in zip(cuts, cuts[1:]):
                 alone = b - a == 1 and a in reconstructed
-                segments.append((a, b, False if alone else recompute))
+                segments.append((a, b, Action.STORE if alone else recompute))
         return selective_when_free(segments, self.profiles[Store]) if self.compiled \
             else tuple(segments)
 
@@ -447,7 +441,7 @@ class _Planner:
             frugal, lambda room: nested_schedule(counted, room, slots=NESTED_SLOTS))
         schedule, peak = search_nested(
             candidates, budget, lambda schedule: self.peak(schedule.apply(layers)))
-        if peak > budget:
+        if not fits(peak, budget):
             if peak < low_peak:
                 low_peak, how = peak, f"nested checkpoints {schedule.tree}"
             raise no_fit(budget, low_peak, how)

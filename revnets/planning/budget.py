@@ -1,5 +1,6 @@
-"""What a budget bounds: the training step a plan's peak is predicted on, and the error that
-says no plan fits, naming the smallest budget that does."""
+"""What a budget bounds: the training step a plan's peak is predicted on, and the request a
+planning call is given, checked before any work (where a peak meets the budget, and the
+refusal naming the smallest budget that plans: search/budget.py)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,9 @@ from torch import Tensor, nn
 from revnets.memory.call_arguments import refuse_uninitialised
 
 __all__ = [
-    "LossFn", "PlanningError", "check_loss", "check_optimizer", "check_request", "default_loss",
-    "no_fit", "training_step",
+    "LossFn", "check_loss", "check_optimizer", "check_request", "default_loss", "training_step",
 ]
-
-MiB = 2**20
 LossFn = Callable[[Any], Tensor]
-
-
-class PlanningError(ValueError):
-    """No plan fits the budget; ``smallest_budget`` (bytes, also in the message) is the
-    smallest budget that can be reached, which asked for plans."""
-
-    def __init__(self, message: str, smallest_budget: int | None = None) -> None:
-        super().__init__(message)
-        self.smallest_budget = smallest_budget
 
 
 def default_loss(output: Tensor) -> Tensor:
@@ -118,12 +107,3 @@ def training_step(
         loss.backward()
         if optimizer is not None:
             optimizer.step()
-
-
-def no_fit(budget: int, smallest: float, how: Any) -> PlanningError:
-    return PlanningError(
-        f"auto_checkpoint: no plan trains within {budget / MiB:.2f} MiB; the smallest budget this "
-        f"model can reach at this input size is {smallest / MiB:.2f} MiB ({int(smallest)} bytes, "
-        f"with {how}). Use a smaller batch or a reversible architecture.",
-        int(smallest),
-    )

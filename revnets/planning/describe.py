@@ -11,7 +11,7 @@ from torch import nn
 from revnets.graph.step import step_name
 from revnets.plan import Checkpoint, Decision, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.costs.layer_profile import LayerProfile
-from revnets.planning.search.chain import SELECTIVE, Recompute
+from revnets.planning.search.chain_model import SELECTIVE, Action
 from revnets.planning.search.options import Segments
 from revnets.reversible import ReversibleSequence
 
@@ -76,7 +76,7 @@ def describe_plan(
     return memory_plan(parts, reconstructed, checkpointed, peak, budget)
 
 
-def checkpoint_decision(recompute: Recompute) -> Checkpoint:
+def checkpoint_decision(recompute: Action) -> Checkpoint:
     return Checkpoint(selective=recompute == SELECTIVE)
 
 

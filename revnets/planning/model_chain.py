@@ -15,8 +15,9 @@ from revnets.graph.trace_state import Draws
 from revnets.memory import Predictor
 from revnets.plan import PRESETS, MemoryPlan, Reconstruct
 from revnets.plan.switchable import SwitchableMemory
-from revnets.planning.budget import LossFn, check_request, no_fit, training_step
+from revnets.planning.budget import LossFn, check_request, training_step
 from revnets.planning.costs.step_times import ForwardTimes, chain_times, input_device
+from revnets.planning.search.budget import fits, no_fit
 from revnets.planning.untouched import ModelState
 from revnets.replay import forked_rng, generators_held
 
@@ -92,7 +93,7 @@ def choose_preset(
         peaks[name] = predictor.predict(
             training_step, (model, example_input, loss_fn, optimizer), {}
         ).peak_bytes
-        if peaks[name] <= budget:
+        if fits(peaks[name], budget):
             model.memory_plan = replace(plan, peak_bytes=peaks[name], budget=budget)
             return model
     model.set_memory(original)

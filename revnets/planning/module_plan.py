@@ -21,9 +21,10 @@ from revnets.checkpoint import checkpoint_forward
 from revnets.graph.trace_state import Attributes, version_of
 from revnets.memory import Predictor
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
-from revnets.planning.budget import LossFn, no_fit, training_step
+from revnets.planning.budget import LossFn, training_step
 from revnets.planning.costs.profile import address_of, flops_of
 from revnets.planning.model_view import ModelView
+from revnets.planning.search.budget import fits, no_fit
 from revnets.reversible import ReversibleSequence
 
 __all__ = ["CheckpointedModules", "ModuleProfile", "plan_modules"]
@@ -349,7 +350,7 @@ def plan_modules(
                         f"its modules instead: {error}") from error
     stages = Reconstruct() if any(isinstance(m, ReversibleSequence) and isinstance(
         m.memory, Reconstruct) for m in model.modules()) else Store()
-    if unplanned <= budget:
+    if fits(unplanned, budget):
         model.memory_plan = MemoryPlan(stages, Store(), (PartPlan(type(model).__name__, Store()),),
                                        unplanned, budget)
         return model
@@ -362,13 +363,14 @@ def plan_modules(
         raise no_fit(budget, unplanned, f"{type(model).__name__} as it is: no module it calls "
                                         f"saves memory checkpointed")
     floors = sorted(candidates, key=lambda c: (c.modelled, c.cost, c.names))[:FLOORS]
-    tries = [c for c in candidates if c.modelled <= budget and c not in floors][:MAX_PREDICTIONS]
+    tries = [c for c in candidates
+             if fits(c.modelled, budget) and c not in floors][:MAX_PREDICTIONS]
     peaks: dict[_Candidate, int] = {}
     for candidate in (*tries, *sorted(floors, key=lambda c: (c.cost, c.modelled, c.names))):
         planned = CheckpointedModules(model, candidate.names)
         peaks[candidate] = predictor.predict(
             training_step, (planned, example_input, loss_fn, optimizer), {}).peak_bytes
-        if peaks[candidate] <= budget:
+        if fits(peaks[candidate], budget):
             parts = tuple(PartPlan(name, Checkpoint(), profiles[name].kept, math.nan)
                           for name in candidate.names)
             planned.memory_plan = MemoryPlan(stages, Checkpoint(), parts, peaks[candidate],

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from revnets.plan.switchable import SwitchableMemory
-from revnets.planning.budget import PlanningError
+from revnets.planning.search.budget import PlanningError
 from revnets.reversible import ReversibleSequence, SequenceOptions
 
 __all__ = ["ModelState", "collector_paused"]

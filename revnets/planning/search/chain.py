@@ -20,17 +20,15 @@ from revnets.planning.costs.layer_profile import LayerProfile
 from revnets.planning.search.chain_model import (
     NO_MOMENT,
     SELECTIVE,
+    Action,
     ChainModel,
-    Recompute,
     Segment,
     forbidden_cuts,
     step_costs,
 )
 
 __all__ = [
-    "SELECTIVE",
     "Plan",
-    "Segment",
     "budget_plan",
     "candidate_plans",
     "forbidden_cuts",
@@ -122,7 +120,7 @@ def optimal_segments(
 
 
 def segment_cost(profiles: Sequence[LayerProfile], start: int, stop: int,
-                 recompute: Recompute) -> float:
+                 recompute: Action) -> float:
     """What one segment recomputes in backward (seconds, or layers when not measured)."""
     if not recompute:
         return 0.0
@@ -173,7 +171,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     every allowed cut or only ``cuts``."""
     n = chain.n
     if n == 0:
-        return [(0, 0, False)]
+        return [(0, 0, Action.STORE)]
     forbidden, saved, times = chain.forbidden, chain.first_saved, chain.times
     kept_prefix, skipped_prefix = chain.kept_prefix, chain.skipped_prefix
     unsafe_prefix, state_bytes = chain.unsafe_prefix, chain.state_bytes
@@ -197,7 +195,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     # all, quadratic in the chain's length).
     points = _Points(4 * n)
     cut, kept, spent, base, top, parent, kind = points.arrays
-    cut[0], kept[0], spent[0], parent[0], kind[0] = 0, state_bytes[0], 0.0, -1, _STORE
+    cut[0], kept[0], spent[0], parent[0], kind[0] = 0, state_bytes[0], 0.0, -1, Action.STORE
     base[0], top[0] = kept[0] - saved[0], NO_MOMENT
     active = np.array([0], dtype=np.int64)  # points whose next segment can still end ahead
     tails = chain.last_backpropagated
@@ -232,7 +230,7 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
         adds = added_after[k][after]
         new_kept = kept[fits] + adds
         new_spent = spent[fits] + times[k] - times[at]
-        new_parent, new_kind = fits, np.full(len(fits), _CHECKPOINT)
+        new_parent, new_kind = fits, np.full(len(fits), Action.CHECKPOINT)
         if mixed:
             # The same segments stored (what they hold stays, nothing is recomputed), and
             # selective where no kept output is modified in place.
@@ -250,8 +248,8 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
                 spent[selective] + times[k] - times[s_at]
                 - (skipped_prefix[k] - skipped_prefix[s_at])])
             new_parent = np.concatenate([fits, fits, selective])
-            new_kind = np.concatenate([new_kind, np.full(len(fits), _STORE),
-                                       np.full(len(selective), _SELECTIVE)])
+            new_kind = np.concatenate([new_kind, np.full(len(fits), Action.STORE),
+                                       np.full(len(selective), Action.SELECTIVE)])
         front = _pareto_front(new_kept, new_spent)
         if mixed and len(front) > FRONT_CAP:
             # Three ways per segment multiply the fronts: keep the fastest point at each of
@@ -280,9 +278,9 @@ def _optimal(chain: ChainModel, budget: int, mixed: bool,
     if best is None:
         return None
     point = best[2]
-    segments = [(int(cut[point]), n, False)]
+    segments = [(int(cut[point]), n, Action.STORE)]
     while parent[point] >= 0:
-        segments.append((int(cut[parent[point]]), int(cut[point]), _KINDS[kind[point]]))
+        segments.append((int(cut[parent[point]]), int(cut[point]), Action(int(kind[point]))))
         point = int(parent[point])
     # Consecutive stored segments stay apart: they run alike, but the model counts the values
     # live at the cut between them as kept there, not held (NOTE [ A storage saved twice is
@@ -307,12 +305,12 @@ class _Points:
         return self.arrays
 
 
-_CHECKPOINT, _STORE, _SELECTIVE = 0, 1, 2
 FRONT_CAP = 8  # points kept per cut by optimal_segments
 _FRONT_STEPS = np.arange(FRONT_CAP, dtype=np.float64)
 _KEY_LIMIT = 1 << 62
 DESCENT_STEPS = 12  # programmes run for the lowest of the cheapest (a 4096th of the range)
-_KINDS: tuple[Recompute, ...] = (True, False, SELECTIVE)
+# Selective plans are listed checkpointed segments first, then stored, then selective ones.
+_LISTED = (Action.CHECKPOINT, Action.STORE, Action.SELECTIVE)
 
 
 def _undominated(kept: np.ndarray, spent: np.ndarray, front_kept: np.ndarray,
@@ -378,7 +376,8 @@ def modelled_peak(
     """The peak of ``plan`` in the model :func:`optimal_plan` minimises over (activations and
     parameter gradients, NOTE [ Gradients in flight ])."""
     return ChainModel.of(profiles, input_state).peak(
-        [(a, b, number < len(plan) - 1) for number, (a, b) in enumerate(plan)])
+        [(a, b, Action.CHECKPOINT if number < len(plan) - 1 else Action.STORE)
+         for number, (a, b) in enumerate(plan)])
 
 
 def modelled_peaks(
@@ -406,7 +405,7 @@ def selective_plans(
     plans = {tuple(plan) for budget in budgets
              if (plan := _lowest_of_cheapest(chain, budget, cuts)) is not None}
     return sorted((list(p) for p in plans),
-                  key=lambda p: [(a, b, _KINDS.index(r)) for a, b, r in p])
+                  key=lambda p: [(a, b, _LISTED.index(r)) for a, b, r in p])
 
 
 def recomputed_layers(plan: Plan) -> int:

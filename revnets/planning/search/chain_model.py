@@ -62,6 +62,7 @@ search needs and the more alike its errors are from plan to plan.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from collections.abc import Sequence
@@ -72,14 +73,36 @@ import numpy as np
 from revnets.planning.costs.gradients import NO_MOMENT, GradientFlow, gradient_flow
 from revnets.planning.costs.layer_profile import LayerProfile
 
-__all__ = ["NO_MOMENT", "SELECTIVE", "ChainModel", "Recompute", "Segment", "forbidden_cuts",
+__all__ = ["NO_MOMENT", "SELECTIVE", "Action", "ChainModel", "Segment", "forbidden_cuts", "listed",
            "step_costs"]
 
 # A segment: (start, stop, recompute), recompute False (stored), True (checkpointed) or
 # "selective" (a selective checkpoint).
-Recompute = bool | str
-Segment = tuple[int, int, Recompute]
-SELECTIVE = "selective"
+
+
+class Action(enum.IntEnum):
+    """What a plan does with a segment's activations, from the search to the plan described:
+    store them, checkpoint the segment (keep its input, run it again in backward), or
+    checkpoint it selectively (keep its products too: NOTE [ Selective recomputation ] in
+    revnets/checkpoint.py). An integer where the dynamic programme's arrays hold it, false
+    only for STORE (a segment that recomputes nothing); how a reversible sequence runs is the
+    plan's other choice (``Option.reconstructed``), not a segment's action."""
+
+    STORE = 0
+    CHECKPOINT = 1
+    SELECTIVE = 2
+
+
+SELECTIVE = Action.SELECTIVE
+Segment = tuple[int, int, Action]  # (start, stop, action)
+_SPELLED = {Action.STORE: False, Action.CHECKPOINT: True, Action.SELECTIVE: "selective"}
+
+
+def listed(segments: Sequence[Segment]) -> str:
+    """The order a set of plans is listed in where nothing else orders them: their segments'
+    text as it always was (an action spelled False, True or 'selective'), so that of equal
+    cost and peak the same plan comes first."""
+    return repr(tuple((a, b, _SPELLED[Action(r)]) for a, b, r in segments))
 
 
 def forbidden_cuts(profiles: Sequence[LayerProfile]) -> set[int]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from revnets.planning.costs.layer_profile import LayerProfile
 from revnets.planning.search.chain import segment_cost
-from revnets.planning.search.chain_model import SELECTIVE, Segment
+from revnets.planning.search.chain_model import Action, Segment
 
 __all__ = ["compiled_costs", "selective_stored_runs", "selective_when_free"]
 
@@ -58,7 +58,7 @@ def selective_when_free(plan: Sequence[Segment],
     """``plan`` with each checkpoint of steps that keep no product made selective: it keeps and
     recomputes what it did, and under torch.compile it runs as one with the selective
     checkpoints beside it (NOTE [ Selective segments under compile ] in planning/planned.py)."""
-    return tuple((a, b, SELECTIVE if recompute is True
+    return tuple((a, b, Action.SELECTIVE if recompute == Action.CHECKPOINT
                   and not any(profiles[i].selective_bytes for i in range(a, b)) else recompute)
                  for a, b, recompute in plan)
 
@@ -85,9 +85,9 @@ def selective_stored_runs(plan: Sequence[Segment], profiles: Sequence[LayerProfi
     kept outputs a step overwrites in place (``selective_safe``: torch refuses the backward)
     nor a ``reconstructed`` sequence, which runs as it is."""
     def free(a: int, b: int) -> bool:
-        return (segment_cost(profiles, a, b, SELECTIVE) == 0
+        return (segment_cost(profiles, a, b, Action.SELECTIVE) == 0
                 and all(profiles[i].selective_safe and i not in reconstructed
                         for i in range(a, b)))
 
-    return tuple((a, b, SELECTIVE if recompute is False and free(a, b) else recompute)
+    return tuple((a, b, Action.SELECTIVE if recompute == Action.STORE and free(a, b) else recompute)
                  for a, b, recompute in plan)

@@ -28,7 +28,7 @@ from torch import nn
 
 from revnets.checkpoint import Checkpointed
 from revnets.planning.costs.layer_profile import LayerProfile
-from revnets.planning.search.chain import forbidden_cuts
+from revnets.planning.search.chain_model import forbidden_cuts
 
 __all__ = [
     "NestedSchedule", "group_bounds", "group_chain", "most_frugal_schedule", "nested_schedule",

@@ -88,7 +88,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from revnets.planning.search.chain import SELECTIVE, Segment
+from revnets.planning.search.budget import fits
+from revnets.planning.search.chain_model import Segment
 from revnets.planning.search.nested import NestedSchedule
 
 __all__ = [
@@ -131,9 +132,10 @@ def search(
     best = _guesses(options, None, budget, exact, peaks, offset, {}, worst=False)
     if best is not None:
         return best, peaks
-    best = next((floor for floor in floors(options) if exact(floor) <= budget), None)
+    best = next((floor for floor in floors(options) if fits(exact(floor), budget)), None)
     if best is None:
-        best = next((near for near in near_floors(options, peaks) if exact(near) <= budget), None)
+        best = next((near for near in near_floors(options, peaks)
+                     if fits(exact(near), budget)), None)
     if best is None:
         return None, peaks
     # The model guessed low everywhere it was asked: the floor fits, with budget to spare. Spend
@@ -162,11 +164,11 @@ def _guesses(
     for _ in range(MAX_GUESSES):
         cheaper = options[: options.index(best)] if best is not None else options
         guess = next((o for o in cheaper if o not in peaks
-                      and o.modelled + errors.get(o.reconstructed, offset) <= budget), None)
+                      and fits(o.modelled + errors.get(o.reconstructed, offset), budget)), None)
         if guess is None:
             break
         peak = exact(guess)
-        if peak <= budget:
+        if fits(peak, budget):
             best = guess
         error = peak - guess.modelled
         held = errors.get(guess.reconstructed)
@@ -179,8 +181,7 @@ def _comparable(segments: Segments) -> tuple[tuple[int, int, int], ...]:
     checkpointed, selective) as a number. Plans of equal modelled peak, one with a selective
     segment where the other had a plain one, made the tuples themselves unorderable (a str
     against a bool)."""
-    return tuple((a, b, 2 if recompute == SELECTIVE else int(recompute))
-                 for a, b, recompute in segments)
+    return tuple((a, b, int(recompute)) for a, b, recompute in segments)
 
 
 def floors(options: Sequence[Option]) -> list[Option]:
@@ -273,7 +274,7 @@ def search_nested(
     peaks = {}
     for schedule in candidates:
         peaks[schedule] = predict(schedule)
-        if peaks[schedule] <= budget:
+        if fits(peaks[schedule], budget):
             return schedule, peaks[schedule]
     least = min(peaks, key=peaks.get)
     return least, peaks[least]
