@@ -3,7 +3,6 @@
 from revnets import models  # registers the zoo with timm
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets.compiling import compile_model, compile_options
-from revnets.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
 from revnets.memory import (
     MemoryReport,
     MemoryTracker,
@@ -34,6 +33,7 @@ from revnets.reversible import (
     ReversibleSequence,
     SequenceOptions,
 )
+from revnets.reversible.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
 
 __all__ = [
     "AdditiveCoupling",

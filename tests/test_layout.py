@@ -1,8 +1,9 @@
 """The import rules of docs/layout.md, read from the source (no module is imported): revnets'
-modules import each other without cycles; the floors run one way, revnets.graph <-
-revnets.planning.costs <- revnets.planning.search <- revnets.planning's own modules; planning
-and the model zoo never import each other; and revnets.graph and revnets.planning import
-nothing inside a function or under TYPE_CHECKING, nor a private name of another module."""
+modules import each other without cycles; the floors run one way, revnets.facts below all,
+revnets.graph <- revnets.planning.costs <- revnets.planning.search <- revnets.planning's own
+modules; planning and the model zoo never import each other, nor the memory wing either; and no
+module imports a revnets module inside a function or under TYPE_CHECKING, nor a private name of
+another module."""
 
 import ast
 import pathlib
@@ -10,14 +11,6 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "revnets"
-
-# Private names graph and planning still take from the replay package, whose owners make them
-# public (replay.state's own_attributes and NumpyGenerator): listed so that no other is added.
-FOREIGN_PRIVATE = {
-    ("revnets.graph.guard", "revnets.replay.state", "_own_attributes"),
-    ("revnets.graph.trace_state", "revnets.replay.state", "_NumpyGenerator"),
-}
-
 
 def _name(path: pathlib.Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -122,14 +115,24 @@ def test_the_zoo_imports_no_planning(name):
                    for t in _edges(name, eager_only=False)), name
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if _floor(n) is not None))
-def test_graph_and_planning_import_eagerly_and_no_private_names(name):
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_import_eagerly_and_no_private_names(name):
     for statement, module, names, eager in _imports(name):
         assert eager, f"{name}:{statement.lineno} imports {module} lazily"
         for taken in names:
-            if taken.startswith("_") and module != name:
-                assert (name, module, taken) in FOREIGN_PRIVATE, (
-                    f"{name}:{statement.lineno} imports {taken} from {module}")
+            assert not taken.startswith("_") or module == name, (
+                f"{name}:{statement.lineno} imports {taken} from {module}")
+
+
+def test_facts_are_the_floor_below_every_wing():
+    for name in (n for n in MODULES if _within(n, "revnets.facts")):
+        assert all(_within(t, "revnets.facts") for t in _edges(name, eager_only=False)), name
+
+
+def test_the_memory_wing_imports_neither_planning_nor_graph_nor_the_zoo():
+    for name in (n for n in MODULES if _within(n, "revnets.memory")):
+        assert not any(_within(t, "revnets.planning", "revnets.graph", "revnets.models")
+                       for t in _edges(name, eager_only=False)), name
 
 
 def test_the_plan_package_imports_neither_planning_nor_the_zoo():

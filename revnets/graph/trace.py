@@ -38,9 +38,9 @@ from revnets.graph.trace_state import (
     steering_defaults,
 )
 from revnets.graph.values import substitute
-from revnets.invertible import Invertible
 from revnets.replay.hooks import hooked
 from revnets.reversible import ReversibleSequence
+from revnets.reversible.invertible import Invertible
 
 __all__ = ["NotAChainError", "as_graph_chain"]
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from revnets.invertible import Invertible, SpaceToDepth
 from revnets.reversible import ReversibleBlock
+from revnets.reversible.invertible import Invertible, SpaceToDepth
 
 __all__ = ["AtFinerResolution", "IRevNetBlock", "irevnet_bottleneck", "irevnet_stage"]
 

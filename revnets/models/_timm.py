@@ -27,8 +27,8 @@ from timm.layers import register_notrace_module
 from timm.models import build_model_with_cfg
 from torch import nn
 
-from revnets.invertible import Invertible
 from revnets.reversible import ReversibleSequence
+from revnets.reversible.invertible import Invertible
 
 __all__ = ["build"]
 

@@ -31,7 +31,6 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
-from revnets.invertible import SpaceToDepth
 from revnets.layers.irevnet import irevnet_bottleneck, irevnet_stage
 from revnets.models._timm import build
 from revnets.models.head import PooledClassifier, check_pool
@@ -39,6 +38,7 @@ from revnets.models.residual import cifar_cfg, imagenet_cfg
 from revnets.plan import PRESETS, Checkpoint, MemoryPlan, Reconstruct, Store
 from revnets.plan.switchable import SwitchableMemory
 from revnets.reversible import ReversibleSequence
+from revnets.reversible.invertible import SpaceToDepth
 
 __all__ = ["IRevNet", "PadStreams"]
 

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from revnets import reconstruction
-from revnets.invertible import Invertible
 from revnets.replay import AutocastState
 from revnets.reversible import gradient_memory
 from revnets.reversible.gradient_memory import GradientMemory
 from revnets.reversible.grid import GridWatch
+from revnets.reversible.invertible import Invertible
 from revnets.reversible.invertible_step import InvertibleStep
 from revnets.reversible.steps import (
     Backward,

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from revnets.invertible import InjectivePad, Invertible, SpaceToDepth
 from revnets.replay import Recording
 from revnets.reversible.hooked import graph_start, hooks_own_graph, refuse_gradients
 from revnets.reversible.inverse_check import check_inverse_once
+from revnets.reversible.invertible import InjectivePad, Invertible, SpaceToDepth
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.steps import REMEDY, BlockPlan, BlockStep
 from revnets.reversible.tape import Layout

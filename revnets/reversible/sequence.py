@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from revnets.invertible import Invertible
 from revnets.plan import Checkpoint, Decision, Reconstruct, Store
 from revnets.replay.hooks import has_forward_hooks, hooked
 from revnets.reversible import compiled, grid
 from revnets.reversible.block import ReversibleBlock, split_halves
 from revnets.reversible.coupling import AdditiveCoupling, ExactAdditiveCoupling
 from revnets.reversible.function import ReversibleFunction
+from revnets.reversible.invertible import Invertible
 from revnets.reversible.steps import BlockPlan
 from revnets.transforms import func_transforms
 

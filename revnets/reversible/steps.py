@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from revnets.invertible import Invertible
 from revnets.replay import (
     AutocastState,
     Recording,
@@ -43,6 +42,7 @@ from revnets.reversible.hooked import (
     trainable,
 )
 from revnets.reversible.inverse_check import check_uncombine_once
+from revnets.reversible.invertible import Invertible
 from revnets.reversible.reach import GradRoot, check_reached
 from revnets.reversible.tape import Carry, Context, Layout, dense
 

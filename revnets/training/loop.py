@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import revnets  # noqa: F401  (registers the zoo with timm)
 from revnets.compiling import compile_model
+from revnets.facts import MiB
 from revnets.memory import cuda_allocator_history, record_timeline
 from revnets.training.data import build_loaders
 from revnets.training.distributed import (
@@ -370,7 +371,7 @@ class Trainer:
             "images_per_s": images_per_s,
         }
         if self.memory is not None:
-            record["peak_mib"] = self.memory.report.peak_bytes / 2**20
+            record["peak_mib"] = self.memory.report.peak_bytes / MiB
         self.progress.log(self.step, record)
         self._log(record)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PlanningError", "fits", "no_fit"]
+from revnets.facts import MiB
 
-MiB = 2**20
+__all__ = ["PlanningError", "fits", "no_fit"]
 
 
 class PlanningError(ValueError):

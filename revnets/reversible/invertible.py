@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from revnets.reversible.inverse_check import mark_inverse_checked
+
 __all__ = ["InjectivePad", "Invertible", "SpaceToDepth", "check_invertible"]
 
 
@@ -118,7 +120,6 @@ def check_invertible(module: Invertible, x: Tensor, tolerance: float = 1e-6) -> 
             f"{type(module).__name__} is not invertible on this input: inverse(forward(x)) is "
             f"{error.item():.2e} off (relative), above {tolerance:.0e}"
         )
-    from revnets.reversible.inverse_check import mark_inverse_checked  # the engine's, below us
 
     mark_inverse_checked(module)  # NOTE [ A user's inverse is checked once ]
     return error.item()
