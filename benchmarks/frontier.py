@@ -46,7 +46,7 @@ from torch.utils.checkpoint import (
 )
 
 import revnets
-from revnets.checkpoint import SELECTIVE_OPS  # the same operators kept, for a like comparison
+from revnets.facts.operators import SELECTIVE_OPS  # the same operators kept, for a like comparison
 from revnets.planning import PlanningError
 
 from common import (

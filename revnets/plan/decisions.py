@@ -56,7 +56,7 @@ class Checkpoint:
     cut into ``segments`` checkpointed pieces (None: about sqrt(n)). ``selective``: keep the
     outputs of matrix products, convolutions and attention too, and recompute only the rest
     (norms, activations, dropout, additions: NOTE [ Selective recomputation ] in
-    revnets/checkpoint.py)."""
+    revnets/facts/operators.py)."""
 
     segments: int | None = None
     selective: bool = False

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from revnets.checkpoint import SELECTIVE_OPS
+from revnets.facts.operators import SELECTIVE_OPS
 from revnets.graph.step import GraphStep
 from revnets.graph.trace_state import Attributes
 from revnets.memory import measure_memory

@@ -84,7 +84,7 @@ class Action(enum.IntEnum):
     """What a plan does with a segment's activations, from the search to the plan described:
     store them, checkpoint the segment (keep its input, run it again in backward), or
     checkpoint it selectively (keep its products too: NOTE [ Selective recomputation ] in
-    revnets/checkpoint.py). An integer where the dynamic programme's arrays hold it, false
+    revnets/facts/operators.py). An integer where the dynamic programme's arrays hold it, false
     only for STORE (a segment that recomputes nothing); how a reversible sequence runs is the
     plan's other choice (``Option.reconstructed``), not a segment's action."""
 
