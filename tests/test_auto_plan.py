@@ -111,16 +111,13 @@ def test_hand_built_model_between_storing_and_reconstructing():
 
 
 def test_hand_built_model_below_what_reconstruction_alone_reaches():
-    torch.manual_seed(0)
-    model = HandBuilt().double()
-    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
-    _, reversible = budgets(model, x)
+    planned, model, reference, x = planned_below_reconstruction()
+    reversible = _planned_below_reconstruction(torch.float64)[4]  # measured before planning
     model_state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     budget = model_state + int(0.8 * (reversible - model_state))
-    reference = ordinary_autograd(model)
-    planned = revnets.auto_checkpoint(model, x, budget, loss_of, measure_time=False)
     assert_trains_like(planned, model, reference, x)
     plan = planned.memory_plan
+    assert plan.budget == budget
     assert peak(planned, x) == plan.peak_bytes <= budget < reversible
     decisions = [part.decision for part in plan.parts]
     assert Reconstruct() in decisions and Checkpoint() in decisions
@@ -147,8 +144,25 @@ def test_zoo_revnet_planned_part_by_part_below_reconstruction_alone():
     assert Checkpoint() in [part.decision for part in planned.memory_plan.parts]
 
 
+_PLANNED_BELOW_RECONSTRUCTION = {}
+
+
 def planned_below_reconstruction(dtype=torch.float64):
-    """HandBuilt planned under a budget that needs checkpoints beside its reversible stages."""
+    """HandBuilt planned under a budget that needs checkpoints beside its reversible stages:
+    planned once per dtype in a session, each test given its own deep copy (the planned model,
+    the model it plans, the reference and the input copied together, so that the copy of the
+    plan runs the copy of the model)."""
+    return copy.deepcopy(_planned_below_reconstruction(dtype)[:4])
+
+
+def _planned_below_reconstruction(dtype):
+    """(planned, model, reference, x, the peak with every stage reconstructing)."""
+    if dtype not in _PLANNED_BELOW_RECONSTRUCTION:
+        _PLANNED_BELOW_RECONSTRUCTION[dtype] = _plan_below_reconstruction(dtype)
+    return _PLANNED_BELOW_RECONSTRUCTION[dtype]
+
+
+def _plan_below_reconstruction(dtype):
     torch.manual_seed(0)
     model = HandBuilt().to(dtype)
     x = torch.randn(8, 3, 16, 16, dtype=dtype)
@@ -158,7 +172,7 @@ def planned_below_reconstruction(dtype=torch.float64):
     reference = ordinary_autograd(model)
     planned = revnets.auto_checkpoint(model, x, budget, loss_of, measure_time=False)
     assert any(isinstance(m, revnets.Checkpointed) for m in planned.plan.modules())
-    return planned, model, reference, x
+    return planned, model, reference, x, reversible
 
 
 def test_a_planned_model_fires_hooks_as_ordinary_autograd_does():
