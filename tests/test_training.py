@@ -1,5 +1,6 @@
 """The trainer: configs, the default run, overrides, data, resume, faults and DDP."""
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -86,9 +87,20 @@ def test_memory_options_instantiate(strategy):
     assert model.memory.name == strategy.replace("_", "+")
 
 
-def test_default_run_reports_memory_against_baseline(tmp_path, capsys):
-    result = train(config(*SMALL), tmp_path)
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> tuple[dict, str, Path]:
+    """One run of the small default (SMALL: 4 steps, the memory report on), shared by the tests
+    that read what it printed, logged and wrote: (result, standard output, run folder)."""
+    folder = tmp_path_factory.mktemp("small-run")
+    printed = io.StringIO()  # not a terminal, as pytest's capture is not
+    torch.manual_seed(0)
+    with contextlib.redirect_stdout(printed):
+        result = train(config(*SMALL), folder)
+    return result, printed.getvalue(), folder
+
+
+def test_default_run_reports_memory_against_baseline(small_run):
+    result, out, tmp_path = small_run
     assert "baseline (none) MiB" in out and "revnet38" in out and "reversible" in out
     assert result["step"] == 4 and 0 <= result["val_accuracy"] <= 1
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -502,9 +514,8 @@ def test_rev_vit_trains_at_224_and_reports_memory_against_its_none_baseline(tmp_
     assert float(above.group(2)) > 5 * float(above.group(1))
 
 
-def test_progress_is_plain_lines_when_not_on_a_terminal(tmp_path, capsys):
-    train(config(*SMALL), tmp_path)
-    out = capsys.readouterr().out
+def test_progress_is_plain_lines_when_not_on_a_terminal(small_run):
+    _, out, _ = small_run
     assert "\r" not in out  # no bar redrawing itself in a log
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 4/4"]
@@ -558,8 +569,8 @@ def test_tensorboard_writes_event_files(tmp_path):
     assert events and events[0].stat().st_size > 0
 
 
-def test_the_first_step_draws_its_memory_timeline_beside_the_baseline(tmp_path):
-    train(config(*SMALL), tmp_path)
+def test_the_first_step_draws_its_memory_timeline_beside_the_baseline(small_run):
+    _, _, tmp_path = small_run
     assert (tmp_path / "memory_timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
