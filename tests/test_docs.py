@@ -1,9 +1,11 @@
 """The README's and the docs' examples run as written: every Python block, and every command of
 every ```bash block, typed exactly as a reader would type it (or the reason it is not run here)."""
 
+import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -103,6 +105,11 @@ SLOW = {
     "torchrun --nproc_per_node=2 train.py trainer.distributed=ddp",
     "torchrun --nproc_per_node=2 train.py trainer.distributed=fsdp",
 }
+# Run as typed in the default run: one process of train.py through the sandbox's `python` (each
+# is 7 to 19 s on 2 cores). The others run as typed with the slow tests; in the default run each
+# one's trainer is built in this process from its words (test_train_command_sets_up_as_typed),
+# and tests/test_training.py trains each one's settings at a smaller scale.
+AS_TYPED = {"python train.py memory=reversible memory.store_last_blocks=2 trainer.max_steps=2"}
 # What a command's output must show, beyond finishing without an error.
 EXPECTED = {
     "python train.py": "memory plan of revnet38: reversible",
@@ -180,7 +187,7 @@ def run(command: str, folder: Path, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("command", [
-    pytest.param(command, marks=pytest.mark.slow) if command in SLOW else command
+    command if command in AS_TYPED else pytest.param(command, marks=pytest.mark.slow)
     for command in RUN
 ])
 def test_shell_command_runs_as_typed(command, sandbox):
@@ -232,3 +239,61 @@ def test_every_file_in_results_is_cited():
         if owner is None or f"{owner}.md" not in cited:
             uncited.append(path.name)
     assert not uncited, f"results/ files no page cites: {uncited}"
+
+
+def sweep(arguments: list[str]) -> list[list[str]]:
+    """The runs of a command line's overrides: one, or under ``-m`` one for each combination of
+    the comma-separated values (the basic sweeper's)."""
+    if "-m" not in arguments:
+        return [arguments]
+    runs = [[]]
+    for argument in (a for a in arguments if a != "-m"):
+        key, _, values = argument.partition("=")
+        runs = [run + [f"{key}={value}"] for run in runs for value in values.split(",")]
+    return runs
+
+
+@pytest.mark.parametrize("command", [
+    command for command in RUN
+    if command.startswith("python train.py") and command not in AS_TYPED | SLOW
+])
+def test_train_command_sets_up_as_typed(command, sandbox, monkeypatch, capsys, tmp_path):
+    """What train.py does with the command's words before its first step, in this process: the
+    memory keys checked, the overrides composed with configs/, and the trainer built (settings
+    checked, data read, the model made and its plan printed, a resumed run's checkpoint loaded),
+    printing what the command's output must show."""
+    from hydra import compose, initialize_config_dir
+
+    from revnets.training.loop import Trainer
+    from revnets.training.memory_options import check_memory_overrides
+
+    from torchvision.datasets import CIFAR100
+
+    folder, _ = sandbox
+    (tmp_path / "data").symlink_to(folder / "data")  # beside its own outputs/
+    monkeypatch.chdir(tmp_path)
+    # The md5 sums of the sandbox's small CIFAR-100, as its sitecustomize.py sets them.
+    digest = {path.name: hashlib.md5(path.read_bytes()).hexdigest()
+              for path in (folder / "data" / CIFAR100.base_folder).iterdir()}
+    monkeypatch.setattr(CIFAR100, "train_list", [["train", digest["train"]]])
+    monkeypatch.setattr(CIFAR100, "test_list", [["test", digest["test"]]])
+    monkeypatch.setattr(CIFAR100, "meta", {**CIFAR100.meta, "md5": digest["meta"]})
+    arguments = shlex.split(command)[2:]
+    check_memory_overrides(arguments)
+    resumed = re.search(r"trainer\.resume=(\S+)", command)
+    for index, overrides in enumerate(sweep(arguments)):
+        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
+            cfg = compose("config", overrides=overrides)
+            if resumed:  # the run it continues, stopped at step 2 (small batches: 2 s)
+                from revnets.training import train
+
+                train(compose("config", overrides=[
+                    "trainer.max_steps=2", "data.train_size=16", "data.val_size=8",
+                    "data.batch_size=4", "trainer.memory_report=false"]), tmp_path / resumed[1])
+        trainer = Trainer(cfg, tmp_path / f"run{index}")
+        try:
+            assert EXPECTED.get(command, "") in capsys.readouterr().out
+            if resumed:
+                assert trainer.step == 2
+        finally:
+            trainer.close()
