@@ -265,11 +265,10 @@ def test_train_command_sets_up_as_typed(command, sandbox, monkeypatch, capsys, t
     checked, data read, the model made and its plan printed, a resumed run's checkpoint loaded),
     printing what the command's output must show."""
     from hydra import compose, initialize_config_dir
+    from torchvision.datasets import CIFAR100
 
     from revnets.training.loop import Trainer
     from revnets.training.memory_options import check_memory_overrides
-
-    from torchvision.datasets import CIFAR100
 
     folder, _ = sandbox
     (tmp_path / "data").symlink_to(folder / "data")  # beside its own outputs/

@@ -1,12 +1,16 @@
 """Facts about aten operators that several parts of revnets decide by: which are the products
-a selective checkpoint keeps (NOTE [ Selective recomputation ]), which are norms, and the
-autograd nodes those products leave (NOTE [ Norms in a compiled selective checkpoint ])."""
+a selective checkpoint keeps (NOTE [ Selective recomputation ]), which are norms, the autograd
+nodes those products leave (NOTE [ Norms in a compiled selective checkpoint ]), and the
+floating-point operations of a product (flops_of)."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-__all__ = ["KEPT_PRODUCERS", "NORMS", "SELECTIVE_OPS"]
+import torch
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["KEPT_PRODUCERS", "NORMS", "SELECTIVE_OPS", "flops_of"]
 
 
 # NOTE [ Selective recomputation ]
@@ -55,3 +59,15 @@ NORMS = frozenset({
 KEPT_PRODUCERS = frozenset({
     "MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "ConvolutionBackward0",
 })
+
+# torch's FLOP formulas (those of torch.utils.flop_counter), by operator; the CPU's flash
+# attention has no formula of its own: it computes what the other attention kernels do.
+_FLOP_FORMULAS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+                  flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]}
+
+
+def flops_of(func: Any, args: Any, kwargs: dict, out: Any) -> int:
+    """The floating-point operations of one call of the aten operator ``func`` that returned
+    ``out``; 0 for an operator without a formula (all but products, convolutions, attention)."""
+    formula = _FLOP_FORMULAS.get(func.overloadpacket)
+    return 0 if formula is None else int(formula(*args, **kwargs, out_val=out))

@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn.parameter import UninitializedTensorMixin
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["MiB", "nbytes", "storage_key", "storage_uses", "version_of"]
+__all__ = ["MiB", "device_of", "nbytes", "storage_key", "storage_uses", "version_of"]
 
 MiB = 2**20  # bytes: every size revnets reports in MiB
 
@@ -45,6 +47,12 @@ def storage_uses(tensor: Tensor) -> int:
         return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError):
         return sys.maxsize
+
+
+def device_of(value: Any, default: torch.device | None = None) -> torch.device | None:
+    """The device of the first tensor among ``value``'s leaves (its lists, tuples, dicts and
+    registered containers); ``default`` where it holds none."""
+    return next((t.device for t in tree_leaves(value) if isinstance(t, Tensor)), default)
 
 
 def nbytes(tensor: Tensor) -> int:

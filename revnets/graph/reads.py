@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from revnets.facts.tensors import storage_key
 from revnets.replay.held import is_plain_object
 
 __all__ = ["AttributesRead", "TraceReads", "ValuesRead", "classes_closed_over"]
@@ -82,20 +83,13 @@ class ValuesRead(TorchDispatchMode):
         tensor it is a view of (``self.table[:n]``), whose writes it follows."""
         found = self.came_from.get(tensor)
         if found is not None:
-            storage = _storage(tensor)
+            storage = storage_key(tensor)
             self.read.update((key, t) for key, t in found.items()
-                             if storage is None or _storage(t) != storage)
+                             if storage is None or storage_key(t) != storage)
 
     def read_tensors(self) -> tuple[Tensor, ...]:
         """The tensors whose values were read."""
         return tuple(self.read.values())
-
-
-def _storage(tensor: Tensor) -> int | None:
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without one
-        return None
 
 
 class AttributesRead:

@@ -9,9 +9,11 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils._pytree import tree_flatten
+
+from revnets.facts.tensors import device_of as first_device
 
 __all__ = ["device_of", "owners_in", "rebuilt", "refuse_uninitialised"]
 
@@ -30,11 +32,7 @@ def device_of(owners: list, args: tuple, kwargs: dict) -> torch.device | None:
         if isinstance(owner, nn.Module):
             for t in (*owner.parameters(), *owner.buffers()):
                 return t.device
-    leaves, _ = tree_flatten((args, kwargs))
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return None
+    return first_device((args, kwargs))
 
 
 def refuse_uninitialised(caller: str, modules: Iterable[Any]) -> None:

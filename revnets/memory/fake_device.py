@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
+from revnets.facts.tensors import storage_key
 from revnets.memory.call_arguments import rebuilt
 from revnets.memory.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
 from revnets.memory.fake_copies import StandIns, is_cpu_scalar, replaced, scalar_to_fake
@@ -39,7 +40,7 @@ def layout_of(tensor: Tensor) -> tuple:
     """What a tensor is laid out as: a change to any of it (``param.data = ...``, ``.double()``,
     ``.to(memory_format=...)``) makes it another tensor to a prediction."""
     return (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.device,
-            tensor.untyped_storage()._cdata)
+            storage_key(tensor))
 
 
 # NOTE [ Real tensors in a prediction ]

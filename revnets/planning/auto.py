@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from revnets.checkpoint import Checkpointed
+from revnets.facts.tensors import device_of
 from revnets.graph.step import sequence_of, step_name
 from revnets.memory import Predictor
 from revnets.memory.fake_copies import held_elsewhere
@@ -27,12 +28,11 @@ from revnets.planning.budget import (
 from revnets.planning.costs.layer_profile import LayerProfile
 from revnets.planning.costs.profile import (
     bytes_of,
-    device_of,
     meta_like,
     on_meta,
     profile_chain,
 )
-from revnets.planning.costs.step_times import ForwardTimes, chain_times, input_device
+from revnets.planning.costs.step_times import ForwardTimes, chain_times
 from revnets.planning.describe import (
     checkpoint_decision,
     describe_plan,
@@ -145,7 +145,7 @@ def auto_checkpoint(
     try:
         # Timing runs the model for real: its draws, from torch's generators, Python's and its
         # own (a layer holding a torch.Generator), never happened.
-        with (forked_rng(input_device(example_input), generators_held(model)),
+        with (forked_rng(device_of(example_input, torch.device("cpu")), generators_held(model)),
               collector_paused()):
             return _auto_checkpoint(model, example_input, budget, loss_fn, optimizer,
                                     measure_time, compiled, predictor)
@@ -217,8 +217,8 @@ class _Planner:
                     sequence.set_memory(decision)
                 try:
                     self.profiles[type(decision)] = profile_chain(
-                        list(chain), meta_input, kernels_of=input_device(example_input),
-                        loss_fn=loss_fn)
+                        list(chain), meta_input,
+                        kernels_of=device_of(example_input, torch.device("cpu")), loss_fn=loss_fn)
                 except RuntimeError as error:
                     raise ValueError(
                         f"auto_checkpoint: the steps of {type(model).__name__} cannot run on "

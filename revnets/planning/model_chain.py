@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from revnets.facts.tensors import device_of
 from revnets.graph.guard import refuse_hooks
 from revnets.graph.trace import as_graph_chain
 from revnets.graph.trace_state import Draws
@@ -16,7 +17,7 @@ from revnets.memory import Predictor
 from revnets.plan import PRESETS, MemoryPlan, Reconstruct
 from revnets.plan.switchable import SwitchableMemory
 from revnets.planning.budget import LossFn, check_request, training_step
-from revnets.planning.costs.step_times import ForwardTimes, chain_times, input_device
+from revnets.planning.costs.step_times import ForwardTimes, chain_times
 from revnets.planning.search.budget import fits, no_fit
 from revnets.planning.untouched import ModelState
 from revnets.replay import forked_rng, generators_held
@@ -113,7 +114,7 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
     check_request("forward_times", model, example_input)
     kept, draws = ModelState(model), Draws(model)
     try:
-        with forked_rng(input_device(example_input), generators_held(model)):
+        with forked_rng(device_of(example_input, torch.device("cpu")), generators_held(model)):
             try:
                 chain = planning_chain(model, caller="forward_times")
             except Untraceable:

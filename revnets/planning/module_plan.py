@@ -18,11 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from revnets.checkpoint import checkpoint_forward
+from revnets.facts.operators import flops_of
+from revnets.facts.tensors import storage_key
 from revnets.graph.trace_state import Attributes, version_of
 from revnets.memory import Predictor
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, training_step
-from revnets.planning.costs.profile import address_of, flops_of
 from revnets.planning.model_view import ModelView
 from revnets.planning.search.budget import fits, no_fit
 from revnets.reversible import ReversibleSequence
@@ -105,7 +106,7 @@ class _Profiler(TorchDispatchMode):
 
     def __call__(self, model: nn.Module, x: Any, loss_fn: LossFn,
                  optimizer: torch.optim.Optimizer | None) -> None:
-        self._state = {address_of(t) for t in (*model.parameters(), *model.buffers())}
+        self._state = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
         handles = []
         for name, module in model.named_modules():
             if name and not isinstance(module, torch.jit.ScriptModule):  # no hooks there
@@ -136,7 +137,7 @@ class _Profiler(TorchDispatchMode):
             if self._stack:
                 self._stack[-1][0].leaf = False
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-            inputs = {address_of(t): t.untyped_storage().nbytes() for t in tensors}
+            inputs = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
             calls.kept += sum(inputs.values())
             calls.inputs += [(weakref.ref(t), version_of(t)) for t in tensors]
             self._stack.append((calls, set(inputs)))
@@ -159,7 +160,7 @@ class _Profiler(TorchDispatchMode):
             calls.state.clear()
 
     def _pack(self, t: Tensor) -> Tensor:
-        address = address_of(t)
+        address = storage_key(t)
         if address not in self._state:
             for calls, inputs in filter(None, self._stack):
                 if address not in inputs:

@@ -15,7 +15,8 @@ import torch.fx.immutable_collections
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_leaves
+
+from revnets.facts.tensors import device_of
 
 __all__ = ["CallKind", "bound_arguments", "call_kind", "plain", "plain_device", "plain_parameters"]
 
@@ -215,7 +216,7 @@ def plain_device(args: Any) -> torch.device | None:
     [ Known calls ]), for a recording that may run without the watch; None otherwise."""
     if not plain(args):  # not tree_leaves alone: it would open a user's registered container
         return None
-    return next((t.device for t in tree_leaves(args) if isinstance(t, Tensor)), None)
+    return device_of(args)
 
 
 def plain_parameters(module: nn.Module) -> bool:

@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 
-from revnets.facts import storage_key, version_of
+from revnets.facts import device_of, storage_key, version_of
 from revnets.replay.containers import ContainerCopy
 from revnets.replay.held import AttributesCopy, path_to, reached, state_copies
 from revnets.replay.stateless import has_state
@@ -119,10 +118,7 @@ def device_of_op(args: Any, kwargs: dict) -> torch.device:
     device = kwargs.get("device")
     if device is not None:
         return torch.device(device)
-    for value in tree_leaves((args, kwargs)):
-        if isinstance(value, Tensor):
-            return value.device
-    return torch.device("cpu")
+    return device_of((args, kwargs), torch.device("cpu"))
 
 
 @contextlib.contextmanager

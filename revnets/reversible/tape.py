@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from revnets.facts.tensors import storage_key
 from revnets.replay import AutocastState
 
 __all__ = ["Carry", "Context", "Layout", "Tape", "dense", "memory_format"]
@@ -107,11 +108,8 @@ class Carry:
 
 
 def _same_storage(a: Tensor | None, b: Tensor | None) -> bool:
-    return (
-        a is not None
-        and b is not None
-        and a.untyped_storage()._cdata == b.untyped_storage()._cdata  # also on meta
-    )
+    key = None if a is None or b is None else storage_key(a)  # also on meta
+    return key is not None and key == storage_key(b)
 
 
 class Context:

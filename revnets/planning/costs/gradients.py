@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from revnets.facts.tensors import storage_key
 from revnets.planning.costs.layer_profile import LayerProfile
 
 __all__ = ["GradientFlow", "gradient_flow", "gradient_parts"]
@@ -50,8 +51,8 @@ def gradient_parts(
         return None
     passed = {}
     for (name, _), grad in reversed(list(zip(made, arriving))):
-        passed[grad.untyped_storage()._cdata] = name  # an output named twice: the first name
-    return {name: passed.get(grad.untyped_storage()._cdata, grad.untyped_storage().nbytes())
+        passed[storage_key(grad)] = name  # an output named twice: the first name
+    return {name: passed.get(storage_key(grad), grad.untyped_storage().nbytes())
             for (name, _), grad in zip(given, grads) if grad is not None}
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from revnets.facts.tensors import storage_key
 from revnets.memory.call_arguments import rebuilt
 from revnets.memory.cpu_kernels import CPU_OUTPUTS
 
@@ -66,7 +67,7 @@ class MetaMemo:
                 return _new(made)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        inputs = {storage_key(t) for t in _tensors((args, kwargs))}
         self._made[key] = _described(out, inputs)
         return out
 
@@ -166,7 +167,7 @@ def _described(out: Any, inputs: set[int]) -> tuple | None:
     larger than the tensor), which is computed each time."""
     if isinstance(out, Tensor):
         storage = out.untyped_storage()
-        if storage._cdata in inputs or out.storage_offset() or out.layout is not torch.strided:
+        if storage_key(out) in inputs or out.storage_offset() or out.layout is not torch.strided:
             return None
         if storage.nbytes() != _least_bytes(out):
             return None

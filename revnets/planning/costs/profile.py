@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import flop_registry
 
-from revnets.facts.operators import SELECTIVE_OPS
+from revnets.facts.operators import SELECTIVE_OPS, flops_of
+from revnets.facts.tensors import device_of, storage_key
 from revnets.graph.step import GraphStep
 from revnets.graph.trace_state import Attributes
 from revnets.memory import measure_memory
@@ -26,7 +26,7 @@ from revnets.planning.costs.meta_attention import AttentionAsOn, may_attend
 from revnets.planning.costs.meta_memo import MetaMemo
 from revnets.replay import forked_rng, frozen_running_stats
 
-__all__ = ["address_of", "as_leaf", "bytes_of", "clock", "device_of", "flops_of", "meta_like",
+__all__ = ["as_leaf", "bytes_of", "clock", "meta_like",
            "on_meta", "profile_chain", "timing_input", "writable", "writes_its_input"]
 
 
@@ -40,11 +40,7 @@ def _passes_gradients(layer: nn.Module) -> bool:
 
 def bytes_of(output: Any) -> int:
     tensors = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
-    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def device_of(value: Any) -> torch.device:
-    return next(t for t in tree_leaves(value) if isinstance(t, Tensor)).device
+    return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def profile_chain(
@@ -155,7 +151,7 @@ def _profile(
     """The layers' profiles, and the last one's output as a leaf."""
     # Parameters and buffers (BatchNorm's running statistics) are model state, not activations.
     params = {
-        id(t.untyped_storage()) for layer in layers for t in (*layer.parameters(), *layer.buffers())
+        storage_key(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())
     }
     device = device_of(example_input)
     timed = device.type != "meta"
@@ -179,16 +175,13 @@ def _profile(
     # the storage that layer made, whatever aliases (Identity, views) passed it on since.
     made_by = dict.fromkeys(carried, -1)
     for index, layer in enumerate(layers):
-        saved: dict[int, int] = {}  # storages by identity: views of one storage count once
+        saved: dict[int, int] = {}  # bytes by storage_key: views of one storage count once
         packed: list[bool] = []  # one per tensor saved, parameters too
-        saved_addresses: dict[int, int] = {}
 
         def pack(t: Tensor) -> Tensor:
-            storage = t.untyped_storage()
             packed.append(True)
-            if id(storage) not in params:
-                saved[id(storage)] = storage.nbytes()
-                saved_addresses[storage._cdata] = storage.nbytes()
+            if storage_key(t) not in params:
+                saved[storage_key(t)] = t.untyped_storage().nbytes()
             return t
 
         seconds = math.inf
@@ -201,7 +194,6 @@ def _profile(
             unsafe |= _keepers(kept_by_storage, _written(layer, leaf))
         for _ in range(repeats if timed else 1):
             saved.clear()
-            saved_addresses.clear()
             packed.clear()
             x = writable(layer, leaf) if copies else leaf
             start = now()
@@ -217,7 +209,6 @@ def _profile(
                 copies = True
                 unsafe |= _keepers(kept_by_storage, _written(layer, leaf, everything=True))
                 saved.clear()
-                saved_addresses.clear()
                 packed.clear()
                 x = writable(layer, leaf, everything=True)
                 kept = _SelectiveOutputs(None if timed else memo)
@@ -234,7 +225,7 @@ def _profile(
         takes = layer.takes if isinstance(layer, GraphStep) else None
         passed_on = _carriers(y, list(named), carried)
         saved_values = {}
-        for address, nbytes in saved_addresses.items():
+        for address, nbytes in saved.items():
             key = carried.get(address, passed_on.get(address))
             if key is not None:
                 saved_values[key] = nbytes
@@ -248,7 +239,7 @@ def _profile(
                 inplace,
                 named,
                 getattr(layer, "mutates_from", min(
-                    (made_by.get(address_of(t), index - 1) for t in _written(layer, leaf)),
+                    (made_by.get(storage_key(t), index - 1) for t in _written(layer, leaf)),
                     default=index - 1) if inplace else None),
                 intermediate,
                 kept.nbytes(),
@@ -264,7 +255,7 @@ def _profile(
             )
         )
         for t, _ in kept.outputs:
-            kept_by_storage.setdefault(address_of(t), index)
+            kept_by_storage.setdefault(storage_key(t), index)
             held.append(t)
         leaf = tree_map(as_leaf, y)
         names = list(named)
@@ -327,16 +318,6 @@ class _SelectiveOutputs(TorchDispatchMode):
         return all(t._version == version for t, version in self.outputs)
 
 
-# The CPU's flash attention has no formula of its own: it computes what the others do.
-_FLOP_FORMULAS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-                  flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]}
-
-
-def flops_of(func: Any, args: Any, kwargs: dict, out: Any) -> int:
-    formula = _FLOP_FORMULAS.get(func.overloadpacket)
-    return 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
-
-
 def _written(layer: nn.Module, leaf: Any, everything: bool = False) -> list[Tensor]:
     """The tensors of ``leaf`` that ``layer`` may write: the value a graph step overwrites, when
     it names it, else every tensor."""
@@ -356,16 +337,11 @@ def writable(layer: nn.Module, leaf: Any, everything: bool = False) -> Any:
 
 def _keepers(kept_by_storage: dict[int, int], tensors: list[Tensor]) -> set[int]:
     """The layers whose kept outputs share storage with ``tensors``."""
-    return {kept_by_storage[a] for a in map(address_of, tensors) if a in kept_by_storage}
-
-
-def address_of(tensor: Tensor) -> int:
-    """The storage ``tensor`` is a view of, shared by its aliases (views, detached copies)."""
-    return tensor.untyped_storage()._cdata
+    return {kept_by_storage[a] for a in map(storage_key, tensors) if a in kept_by_storage}
 
 
 def _storage_ids(value: Any) -> set[int]:
-    return {id(t.untyped_storage()) for t in tree_leaves(value) if isinstance(t, Tensor)}
+    return {storage_key(t) for t in tree_leaves(value) if isinstance(t, Tensor)}
 
 
 def _named_bytes(output: Any, names: Sequence[str] | None, index: int) -> dict[str, int]:
@@ -377,10 +353,10 @@ def _named_bytes(output: Any, names: Sequence[str] | None, index: int) -> dict[s
 
 def _kept_values(output: Any, names: Sequence[str], kept: _SelectiveOutputs) -> dict[str, int]:
     """The bytes of each value of ``output`` (named ``names``) that ``kept`` keeps."""
-    storages = {address_of(t) for t, _ in kept.outputs}
+    storages = {storage_key(t) for t, _ in kept.outputs}
     values = output if isinstance(output, tuple) else (output,)
     found = {name: [t for t in tree_leaves(value) if isinstance(t, Tensor)
-                    and address_of(t) in storages] for name, value in zip(names, values)}
+                    and storage_key(t) in storages] for name, value in zip(names, values)}
     return {name: bytes_of(tensors) for name, tensors in found.items() if tensors}
 
 
@@ -394,7 +370,7 @@ def _carriers(
     for name, value in zip(names, values):
         tensors = [t for t in tree_leaves(value) if isinstance(t, Tensor)]
         for place, tensor in enumerate(tensors):
-            address = address_of(tensor)
+            address = storage_key(tensor)
             found.setdefault(address, carried.get(address, (name, place)))
     return found
 

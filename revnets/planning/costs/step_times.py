@@ -23,16 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch import nn
+from torch.utils._pytree import tree_map
 
+from revnets.facts.tensors import device_of
 from revnets.graph.step import sequence_of, step_name
 from revnets.graph.trace_state import Attributes
 from revnets.plan import Store
 from revnets.planning.costs.profile import as_leaf, clock, timing_input, writable, writes_its_input
 from revnets.replay import frozen_running_stats
 
-__all__ = ["ForwardTimes", "chain_times", "input_device"]
+__all__ = ["ForwardTimes", "chain_times"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def _forward_seconds(chain: nn.Sequential, example_input: Any) -> list[float]:
     graph its own, as the planner's profile runs it), with copies, made before the clock
     starts, of what it writes in place. Timed bare: the profile's bookkeeping around each step
     (its saved tensors, its kept outputs) took as long again as the forward."""
-    device = input_device(example_input)
+    device = device_of(example_input, torch.device("cpu"))
     now = clock(device)
     leaf = tree_map(as_leaf, example_input)
     seconds = []
@@ -123,8 +124,3 @@ def _forward_seconds(chain: nn.Sequential, example_input: Any) -> list[float]:
         leaf = tree_map(as_leaf, y)
     return seconds
 
-
-def input_device(example_input: Any) -> torch.device:
-    """The device of ``example_input``'s first tensor (the CPU where it holds none)."""
-    tensors = [t for t in tree_leaves(example_input) if isinstance(t, Tensor)]
-    return tensors[0].device if tensors else torch.device("cpu")
