@@ -97,10 +97,13 @@ def _owner_of(fn: Any) -> nn.Module:
 def checkpoint_forward(
     module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict,
     preserve_rng_state: bool = True, selective: bool = False, watched: bool = False,
+    given: tuple = (),
 ) -> Any:
     """``forward(*args, **kwargs)`` as :func:`checkpoint` runs ``module``, its replay following
     ``module``: ``forward`` is ``module`` itself, or its forward alone, whose module's own hooks
     run once around it (NOTE [ Plans of whole modules ] in ``planning/module_plan.py``).
+    ``given``: what ``forward`` holds of the call besides ``args`` and ``kwargs`` (arguments it
+    closes over), replayed as found with them (NOTE [ Replay ], rule 2).
     ``watched``: ``forward`` is other code of the module's (a method), whose run is watched
     rather than known from the module's layers (NOTE [ Known layers ])."""
     # Keyword arguments travel by position: torch's checkpoint takes some names as its own
@@ -141,7 +144,7 @@ def checkpoint_forward(
         _called, forward, names, *values, use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
         context_fn=_Replay(module, preserve_rng_state, _device(watched, args, kwargs),
-                           selective).contexts,
+                           selective, given=(*values, *given)).contexts,
     )
 
 
@@ -171,10 +174,12 @@ class _Replay:
 
     def __init__(
         self, module: nn.Module, preserve_rng_state: bool, device: torch.device | None,
-        selective: bool = False,
+        selective: bool = False, given: tuple = (),
     ) -> None:
         self.module = module
-        self.recording = Recording([module], preserve_rng_state, device=device)
+        # ``given``: the call's arguments, whose containers and plain objects (a cache the
+        # forward fills) the replay finds as the run did (NOTE [ Replay ], rule 2).
+        self.recording = Recording([module], preserve_rng_state, device=device, given=given)
         self.selective = selective
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
@@ -290,7 +295,8 @@ class _EagerRegion:
                     f"with torch.no_grad()"
                 )
             self.contexts = _Replay(owner, self.preserve_rng_state,
-                                    _device(watched, args, kwargs), self.selective).contexts()
+                                    _device(watched, args, kwargs), self.selective,
+                                    given=(*args, *kwargs.values())).contexts()
         with self.contexts[self.recomputing]:
             return forward(*args, **kwargs)
 

@@ -5,6 +5,7 @@ once per step, or is refused by name."""
 
 import dataclasses
 import logging
+import re
 import types
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 import revnets
 from revnets import Reconstruct
 
-from conftest import max_grad_error, rel_error, twin
+from conftest import max_grad_error, rel_error, train_step, twin
 
 # What a module holds through plain objects, at any depth, is state as a list's contents are
 # (NOTE [ What a module holds ]): the replay, the planner and the messages follow one walk.
@@ -278,3 +279,82 @@ def test_an_object_blocks_share_is_each_ones_and_a_count_the_graph_froze_is_refu
     with pytest.raises(RuntimeError, match=r"blocks\.0\.shared\.ctx\.calls \(SimpleNamespace\) "
                                            r"is 1, 0 when planned"):
         planned(x)
+
+
+# What a call is given is state too (NOTE [ Replay ], rule 2): a key-value cache an attention
+# layer is handed and fills (transformers' DynamicCache), a list the forward appends to. The
+# recomputation finds them as the forward did, and leaves them as the forward left them.
+
+
+class KeyCache:
+    """A plain object the forward fills, as transformers' DynamicCache: ``update`` appends the
+    new keys and returns every key so far."""
+
+    def __init__(self):
+        self.keys = []
+
+    def update(self, k):
+        self.keys.append(k)
+        return torch.cat(self.keys, dim=1)
+
+
+class CachedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.key, self.value = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, cache, seen=None):
+        keys = cache.update(self.key(x))
+        if seen is not None:
+            seen.append(keys.shape[1])
+        weights = torch.softmax(x @ keys.transpose(1, 2), dim=-1)
+        return weights @ torch.cat([self.value(x)] * (keys.shape[1] // x.shape[1]), dim=1)
+
+
+@pytest.mark.parametrize("given_as", ["keyword", "positional"])
+def test_a_cache_the_forward_fills_is_found_by_the_recomputation_as_the_forward_found_it(given_as):
+    layer = CachedAttention().double()
+    plain = twin(layer)
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    caches, seen = (KeyCache(), KeyCache()), ([], [])
+    for module, cache, lengths in zip((revnets.Checkpointed(layer), plain), caches, seen):
+        if given_as == "keyword":
+            out = module(x, cache=cache, seen=lengths)
+        else:
+            out = module(x, cache, lengths)
+        out.square().sum().backward()
+    # The recomputation ran on the cache as found (3 keys, not 6) and dropped what it added.
+    assert len(caches[0].keys) == len(caches[1].keys) == 1
+    assert seen[0] == seen[1] == [3]
+    assert max_grad_error(layer, plain) < 1e-12
+
+
+def test_a_planned_model_whose_layers_fill_a_cache_trains_as_the_model():
+    """Plans of whole modules (a model torch.fx cannot trace): each layer is handed a cache
+    among other arguments, as a Hugging Face decoder hands its layers ``past_key_values``."""
+
+    class Untraceable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(CachedAttention() for _ in range(3))
+
+        def forward(self, x):
+            if x.shape[0] > 1:  # control flow on a shape: torch.fx cannot trace it
+                for layer in self.layers:
+                    x = x + layer(x, cache=KeyCache())
+            return x
+
+    model = Untraceable().double()
+    plain = twin(model)
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="checkpoints of whole modules"):
+        with pytest.raises(revnets.PlanningError) as refused:
+            revnets.auto_checkpoint(model, x, 1, measure_time=False)
+        least = int(re.search(r"\((\d+) bytes", str(refused.value))[1])
+        planned = revnets.auto_checkpoint(model, x, least, measure_time=False)
+    checkpointed = {part.name for part in planned.memory_plan.parts
+                    if isinstance(part.decision, revnets.Checkpoint)}
+    assert {"layers.0", "layers.1", "layers.2"} <= checkpointed
+    train_step(planned, x)
+    train_step(plain, x)
+    assert max_grad_error(model, plain) < 1e-12

@@ -213,7 +213,9 @@ class _CheckpointedForward:
             args, kwargs = tree_unflatten(values, spec)
             return self.forward(*args, **kwargs)
 
-        return checkpoint_forward(self.module, forward, tuple(leaves[i] for i in where), {})
+        tensors = tuple(leaves[i] for i in where)
+        others = tuple(leaf for leaf in leaves if not isinstance(leaf, Tensor))
+        return checkpoint_forward(self.module, forward, tensors, {}, given=others)
 
 
 class _Running(threading.local):

@@ -25,8 +25,10 @@ or restores state.
 #    Training-mode BatchNorm is the one exception: its output does not depend on its running
 #    statistics, so the replay leaves them alone instead of copying them. Plain numbers and
 #    flags, and the lists, dicts, sets, deques and plain objects modules hold (nested ones too:
-#    a history appended to, a cache filled, a config's counter; in order), are as the run found
-#    them for the time of the replay, whoever changed them since.
+#    a history appended to, a cache filled, a config's counter; in order), and those among the
+#    call's arguments (a key-value cache an attention layer is given and fills), are as the run
+#    found them for the time of the replay, whoever changed them since, and as they were after
+#    it: the replay's own changes to them are dropped.
 #    A run's modules are the recorded ones, their submodules, and what they hold unregistered
 #    (a helper in a list or a plain object, with its submodules: NOTE [ What a module holds ],
 #    held.py); of a module that holds the
@@ -144,8 +146,12 @@ class Recording:
         chain: RecordingChain | None = None,
         device: torch.device | None = None,
         prefix: str = "",
+        given: Sequence[Any] = (),
     ) -> None:
         self.modules = list(modules)
+        # What the call is given (its arguments): the containers and plain objects among them
+        # are state the run may change (a cache it fills), as the modules' own (rule 2).
+        self.given = tuple(given)
         self.prefix = prefix  # the modules' dotted name, for what the run is refused for
         self.preserve_rng = preserve_rng
         self.keep_left_state = keep_left_state
@@ -184,8 +190,10 @@ class Recording:
         self.known, self.known_draws = known is not None, known is not None and known.draws
         # Known layers draw nothing from Python's or numpy's generators.
         census = self._census = Census.take(
-            self.modules, self.preserve_rng and known is None, reach=known is None
+            self.modules, self.preserve_rng and known is None, reach=known is None,
+            given=self.given,
         )
+        self.given = ()  # the census holds what it needs of them
         self.norms = census.norms
         self.slots = census.slots
         self.scalars = census.scalars

@@ -282,7 +282,8 @@ class Census:
     stateless: list[tuple[nn.Module, str | None, Any]]
 
     @classmethod
-    def take(cls, roots: Sequence[nn.Module], generators: bool, reach: bool = False) -> Census:
+    def take(cls, roots: Sequence[nn.Module], generators: bool, reach: bool = False,
+             given: Sequence[Any] = ()) -> Census:
         found = cls([], [], [], [], {}, [], [], [], [], [])
         kinds: tuple[type, ...] = (random.Random,)
         numpy = sys.modules.get("numpy") if generators else None
@@ -306,6 +307,10 @@ class Census:
             if walk is not None:  # then the modules held unregistered, and what they hold
                 stack = walk.modules_outside(seen, roots)
                 reached = True
+        if walk is not None:  # what the call is given, besides tensors and numbers: rule 2
+            for value in given:
+                if not isinstance(value, (Tensor, nn.Module)):
+                    walk.scan(value, roots[0], modules=False)
         return found
 
     def _visit(self, m: nn.Module, reached: bool, walk: _HeldWalk | None) -> None:
