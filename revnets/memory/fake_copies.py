@@ -40,6 +40,17 @@ def is_cpu_scalar(tensor: Tensor) -> bool:
         tensor, nn.Parameter)
 
 
+NUMBERS_KEPT = 2**24  # elements: NOTE [ Real tensors in a prediction ], 1, in fake_device.py
+
+
+def keeps_values(tensor: Tensor) -> bool:
+    """Whether a tensor of integers or booleans stays real in a prediction, its values
+    computed (NOTE [ Real tensors in a prediction ], 1, in fake_device.py)."""
+    return (not tensor.is_floating_point() and not tensor.is_complex()
+            and tensor.device.type != "meta" and tensor.layout is torch.strided
+            and 0 < tensor.numel() <= NUMBERS_KEPT)
+
+
 def scalar_to_fake(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
     """Scalars keep their value (optimizers read their step counts with ``.item()``), in a
     copy: the fake mode computes on a constant for real, in place too (``step += 1``), and the

@@ -21,7 +21,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from revnets.facts.tensors import storage_key
 from revnets.memory.call_arguments import rebuilt
 from revnets.memory.cpu_kernels import CPU_KERNELS, CPU_OUTPUTS, UNKNOWN_KERNELS
-from revnets.memory.fake_copies import StandIns, is_cpu_scalar, replaced, scalar_to_fake
+from revnets.memory.fake_copies import (
+    NUMBERS_KEPT,
+    StandIns,
+    is_cpu_scalar,
+    replaced,
+    scalar_to_fake,
+)
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 __all__ = ["LikeTheDevice", "layout_of"]
@@ -48,9 +54,16 @@ def layout_of(tensor: Tensor) -> tuple:
 # (labels, a counter, a scheduler's or GradScaler's state) and scalars the call makes from numbers
 # (``torch.tensor(0.0)``, ``torch.full((), 2.0)``: Adam's step counts, a GradScaler's scale).
 # 1. Made from numbers, a scalar stays a real tensor, with its value (``.item()``, ``.numpy()``
-#    and ``torch.save`` work on it); operators on real tensors alone that write nothing run for
-#    real: their outputs are small, made in a real run too, and counted as there. (A deep copy of
-#    a real tensor puts new memory under a fake one, ``set_``: refused by name.)
+#    and ``torch.save`` work on it; ASGD's ``mu = torch.ones(())``, a GradScaler's scale), and
+#    so does any tensor of up to ``NUMBERS_KEPT`` elements made from numbers (positions
+#    ``torch.arange(T)``, a mask of ones; not ``torch.empty``'s) and a tensor of integers or
+#    booleans given as an argument (token ids, an attention mask, labels; ``keeps_values``):
+#    code reads their values to choose its path, as transformers reads its position ids and
+#    attention masks to skip a mask where nothing is masked, and then runs the kernels a real
+#    run runs. Operators on real tensors
+#    alone that write nothing run for real: their outputs are made in a real run too, and
+#    counted as there. (A deep copy of a real tensor puts new memory under a fake one,
+#    ``set_``: refused by name.)
 # 2. A real tensor is never written. The first operator that writes one gets a fake of it instead
 #    (for a CPU scalar, a constant copy, so that its value still rises: Adam's
 #    ``torch._foreach_add_(steps, 1)``), and that fake stands for it in every operator after. The
@@ -79,6 +92,20 @@ def layout_of(tensor: Tensor) -> tuple:
 #    run keeps it, and the prediction holds its fake to the end. A real module a closure holds
 #    that the call gives a fake parameter or buffer gets its own back after the call
 #    (``real_modules_kept``).
+
+
+# Factories whose values are not given: what they allocate stays fake.
+_UNFILLED = (torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_permuted,
+             torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided)
+
+
+def _made_from_numbers(func: Any, out: FakeTensor) -> bool:
+    """Whether an operator's output, made from numbers alone, is a real tensor (NOTE [ Real
+    tensors in a prediction ], 1)."""
+    if out.dim() == 0 and out.is_cpu:
+        return True
+    return (func.overloadpacket not in _UNFILLED and out.device.type != "meta"
+            and out.layout is torch.strided and 0 < out.numel() <= NUMBERS_KEPT)
 
 
 class LikeTheDevice(TorchDispatchMode):
@@ -245,9 +272,8 @@ class LikeTheDevice(TorchDispatchMode):
                 )
         if on_cpu and func in CPU_KERNELS:
             return CPU_KERNELS[func](out, args, kwargs)
-        if not tensors and isinstance(out, FakeTensor) and out.dim() == 0 and out.is_cpu:
-            # A scalar made from numbers (ASGD's ``mu = torch.ones(())``, a GradScaler's
-            # scale) is a real one: NOTE [ Real tensors in a prediction ].
+        if not tensors and isinstance(out, FakeTensor) and _made_from_numbers(func, out):
+            # NOTE [ Real tensors in a prediction ], 1: made from numbers.
             with _disable_current_modes():
                 return func(*args, **kwargs)
         return out

@@ -39,6 +39,7 @@ from revnets.memory.call_arguments import device_of, owners_in, rebuilt, refuse_
 from revnets.memory.fake_copies import (
     held_elsewhere,
     is_cpu_scalar,
+    keeps_values,
     kept_as_found,
     module_copy_seeded,
     optimizer_to_fake,
@@ -208,7 +209,8 @@ class Predictor:
                     f"reaches beyond the call; pass a leaf (x.detach().requires_grad_()) or "
                     f"compute it inside the call"
                 )
-            fake = tensor_to_fake(obj, mode, device)
+            # Token ids, masks, labels stay real: NOTE [ Real tensors in a prediction ], 1.
+            fake = obj if keeps_values(obj) else tensor_to_fake(obj, mode, device)
         elif isinstance(obj, (list, tuple)):
             fake = rebuilt(obj, (self._to_fake(o, memo, device) for o in obj))
         elif isinstance(obj, dict):

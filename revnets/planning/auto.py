@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -165,6 +165,10 @@ def _auto_checkpoint(
     predictor: Predictor,
 ) -> nn.Module:
     check_optimizer(optimizer, model)
+    if isinstance(example_input, Mapping):  # NOTE [ Example inputs ] in budget.py
+        return plan_modules(model, example_input, budget, loss_fn, optimizer, TypeError(
+            f"auto_checkpoint: {type(model).__name__} is called with keyword arguments"),
+            predictor)
     try:
         chain = planning_chain(model)
     except Untraceable as untraceable:

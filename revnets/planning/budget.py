@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,9 +15,23 @@ from torch import Tensor, nn
 from revnets.memory.call_arguments import refuse_uninitialised
 
 __all__ = [
-    "LossFn", "check_loss", "check_optimizer", "check_request", "default_loss", "training_step",
+    "LossFn", "check_loss", "check_optimizer", "check_request", "default_loss", "forward_of",
+    "training_step",
 ]
 LossFn = Callable[[Any], Tensor]
+
+
+# NOTE [ Example inputs ]
+# What a plan is made for is one call of the model's own forward: ``model(example_input)``, or,
+# where the example input is a mapping (a dict, a Hugging Face batch), ``model(**example_input)``
+# (input_ids=, attention_mask=, labels=, ...). A model called with keywords is planned through
+# its own forward (NOTE [ Plans of whole modules ] in module_plan.py), never as a traced graph:
+# the chain of a graph takes one input.
+def forward_of(model: nn.Module, example_input: Any) -> Any:
+    """``model`` called on ``example_input`` (NOTE [ Example inputs ])."""
+    if isinstance(example_input, Mapping):
+        return model(**example_input)
+    return model(example_input)
 
 
 def default_loss(output: Tensor) -> Tensor:
@@ -102,7 +116,7 @@ def training_step(
     for every step, not only the first."""
     for _ in range(2 if optimizer is not None and not optimizer.state else 1):
         model.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x))
+        loss = loss_fn(forward_of(model, x))
         check_loss(loss)
         loss.backward()
         if optimizer is not None:

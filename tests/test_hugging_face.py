@@ -1,0 +1,132 @@
+"""Hugging Face transformers models, built from tiny configs with random weights (never
+downloaded), through prediction, checkpoints and the planner: predictions equal measurements,
+whatever path the model's masks take; a key-value cache the layers fill is replayed as found;
+keyword inputs (a batch) plan through the model's own forward, which returns its ModelOutput."""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+
+import revnets
+
+from conftest import max_grad_error
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, BATCH, LENGTH = 64, 2, 32
+
+
+def build(name: str, attention: str = "sdpa", **options) -> torch.nn.Module:
+    """A two-layer model of each family, width 64, in training mode."""
+    t = transformers
+    configs = {
+        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=VOCAB, **options)),
+        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, **options)),
+        "bert": lambda: t.BertForMaskedLM(t.BertConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+            vocab_size=VOCAB, **options)),
+        "bart": lambda: t.BartForConditionalGeneration(t.BartConfig(
+            encoder_layers=2, decoder_layers=2, d_model=64, encoder_ffn_dim=128,
+            decoder_ffn_dim=128, encoder_attention_heads=2, decoder_attention_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=LENGTH, **options)),
+        "t5": lambda: t.T5ForConditionalGeneration(t.T5Config(
+            num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128, num_heads=2, d_kv=32,
+            vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0, **options)),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # token ids of the default configs outside VOCAB
+        model = configs[name]()
+    model.config._attn_implementation = attention
+    return model.train()
+
+
+def batch(padded: bool = True) -> dict:
+    """Token ids, an attention mask with the end of one row padded, and labels."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    if padded:
+        mask[1, LENGTH - 8:] = 0
+    return {"input_ids": torch.randint(1, VOCAB, (BATCH, LENGTH), generator=g),
+            "attention_mask": mask,
+            "labels": torch.randint(1, VOCAB, (BATCH, LENGTH), generator=g)}
+
+
+def step(model, inputs):
+    model.zero_grad(set_to_none=True)
+    model(**inputs).loss.backward()
+
+
+def least_budget(model, inputs, **options) -> int:
+    """The smallest budget the planner reaches, read from its refusal of 1 byte."""
+    with pytest.raises(revnets.PlanningError) as refused:
+        revnets.auto_checkpoint(model, inputs, 1, loss_fn=lambda out: out.loss, **options)
+    return int(re.search(r"\((\d+) bytes", str(refused.value))[1])
+
+
+CASES = [(name, attention) for name in ("llama", "gpt2", "bert", "bart", "t5")
+         for attention in ("sdpa", "eager") if (name, attention) != ("t5", "sdpa")]
+
+
+@pytest.mark.parametrize("name, attention", CASES)
+@pytest.mark.parametrize("padded, hf_checkpointing", [(False, False), (True, False), (True, True)],
+                         ids=["unpadded", "padded", "padded_hf_checkpointing"])
+def test_a_steps_prediction_equals_its_measurement(name, attention, padded, hf_checkpointing):
+    """transformers skips building a mask where its position ids run in one sequence and
+    nothing is padded (values it reads, and a prediction must compute: NOTE [ Real tensors in a
+    prediction ], 1), and sdpa then runs its causal kernel without one."""
+    model = build(name, attention)
+    if hf_checkpointing:  # every layer, HF's own checkpointing
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    inputs = batch(padded)
+    measured = revnets.measure_memory(step, model, inputs).peak_bytes
+    assert revnets.predict_memory(step, model, inputs).peak_bytes == measured
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_decoder_that_fills_its_cache_in_training_plans_and_trains_as_the_model(attention):
+    """Llama builds a DynamicCache in training where ``use_cache`` is on (the default) and hands
+    it to every layer, whose attention appends its keys and values: a checkpointed layer's
+    recomputation finds the cache as its forward did (NOTE [ Replay ], rule 2). With a 4-D
+    mask (eager attention) a second append made planning fail with a broadcast error."""
+    model = build("llama", attention, attention_dropout=0.1).double()
+    assert model.config.use_cache
+    reference = copy.deepcopy(model)
+    inputs = batch()
+    least = least_budget(model, inputs, measure_time=False)
+    planned = revnets.auto_checkpoint(model, inputs, least, loss_fn=lambda out: out.loss,
+                                      measure_time=False)
+    assert any(isinstance(part.decision, revnets.Checkpoint)
+               for part in planned.memory_plan.parts)
+    for m in (planned, reference):
+        torch.manual_seed(1)  # the same dropout masks for both
+        step(m, inputs)
+    assert max_grad_error(model, reference) < 1e-10
+    measured = revnets.measure_memory(step, planned, inputs).peak_bytes
+    assert measured == revnets.predict_memory(step, planned, inputs).peak_bytes <= least
+
+
+def test_a_batch_of_keywords_plans_through_the_models_own_forward():
+    """T5 needs its labels (or decoder inputs) in the forward: a mapping is the forward's
+    keyword arguments (NOTE [ Example inputs ]). The planned model is the model, with some of
+    its modules checkpointed: it returns the model's ModelOutput, with its loss."""
+    model = build("t5", "eager", dropout_rate=0.1).double()
+    reference = copy.deepcopy(model)
+    inputs = batch()
+    least = least_budget(model, inputs, measure_time=False)
+    planned = revnets.auto_checkpoint(model, inputs, least, loss_fn=lambda out: out.loss,
+                                      measure_time=False)
+    out = planned(**inputs)
+    assert type(out) is transformers.modeling_outputs.Seq2SeqLMOutput and out.loss.ndim == 0
+    for m in (planned, reference):
+        torch.manual_seed(1)
+        step(m, inputs)
+    assert max_grad_error(model, reference) < 1e-10
+    measured = revnets.measure_memory(step, planned, inputs).peak_bytes
+    assert measured == revnets.predict_memory(step, planned, inputs).peak_bytes <= least
