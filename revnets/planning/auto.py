@@ -94,7 +94,10 @@ def auto_checkpoint(
     ``budget`` is the peak of one training step at ``example_input``'s shape, predicted exactly
     on fake tensors of its device: parameters, gradients, activations, and the optimizer's state
     and update when ``optimizer`` is given (the same meaning as ``revnets.predict_memory`` of
-    that step).
+    that step). The step calls ``model(example_input)``, or ``model(**example_input)`` where
+    it is a mapping (a Hugging Face batch: ``input_ids``, ``attention_mask``, ``labels``),
+    planned through the model's own forward (NOTE [ Example inputs ] in
+    ``planning/budget.py``).
 
     Any model torch.fx can trace, with reversible stages or without, zoo or hand-built, is
     planned as the chain of its graph nodes (:func:`as_graph_chain`: branches and concatenations
