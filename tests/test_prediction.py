@@ -434,6 +434,18 @@ def test_a_reassigned_buffer_something_else_holds_stays_alive_as_in_the_real_run
     assert held  # alive through both steps
 
 
+def test_gradients_the_user_holds_too_stay_alive_as_in_the_real_run():
+    """``zero_grad(set_to_none=True)`` drops the parameters' gradients, which a list of the
+    user's keeps alive through the step (an accumulation, a logger): their fakes are held too.
+    The prediction came out their size below the measure when it freed them."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)), torch.randn(8, 64)
+    train_step(model, x)
+    held = [p.grad for p in model[0].parameters()]
+    assert_predicted_exactly(train_step, model, x)
+    assert all(g is not p.grad for g, p in zip(held, model[0].parameters()))  # others now
+
+
 def test_a_prediction_leaves_the_buffers_of_a_module_a_closure_holds_as_they_were():
     """A loss module reached through a closure keeps a running centre, reassigned in the call:
     the prediction left the user's module holding a fake tensor."""

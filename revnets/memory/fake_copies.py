@@ -369,17 +369,18 @@ class StandIns:
 
 
 def held_elsewhere(owners: list[Any], own: list[Tensor]) -> set[int]:
-    """The ids of the argument modules' tensors (parameters, buffers, tensor attributes) that
-    something besides those modules holds: a list of the user's or an optimizer (the Python
-    object), a view or ``state_dict()``'s detached alias (the storage), autograd's graph (the
-    tensor itself, in C++); ``own``: what the predictor holds of them. Dropped by its module in
-    the call, such a tensor stays alive in the real run, and its fake is held through the
-    prediction too (NOTE [ Real tensors in a prediction ], 7, in fake_device.py). Counted from
-    reference counts against those of a tensor only a dict holds, on the same path (the
-    interpreter's own references cancel); a holder missed errs towards holding the fake: the
-    safe side."""
+    """The ids of the argument modules' tensors (parameters, buffers, tensor attributes, the
+    parameters' gradients) that something besides those modules holds: a list of the user's
+    or an optimizer (the Python object), a view or ``state_dict()``'s detached alias (the
+    storage), autograd's graph (the tensor itself, in C++); ``own``: what the predictor holds
+    of them. Dropped by its module in the call, such a tensor stays alive in the real run, and
+    its fake is held through the prediction too (NOTE [ Real tensors in a prediction ], 7, in
+    fake_device.py). Counted from reference counts against those of a tensor only a dict (a
+    gradient: its parameter) holds, on the same path (the interpreter's own references
+    cancel); a holder missed errs towards holding the fake: the safe side."""
     slots: collections.Counter[int] = collections.Counter(id(t) for t in own)
     tensors: dict[int, Tensor] = {}
+    grads: dict[int, Tensor] = {}  # held by their parameters, not by a module's tables
     for owner in owners:
         if not isinstance(owner, nn.Module):
             continue
@@ -389,9 +390,16 @@ def held_elsewhere(owners: list[Any], own: list[Tensor]) -> set[int]:
                     if isinstance(value, Tensor):
                         slots[id(value)] += 1
                         tensors[id(value)] = value
+            grads.update((id(p.grad), p.grad) for p in m._parameters.values()
+                         if p is not None and p.grad is not None)
     python, tensor, storage = _references({0: torch.empty(())})[0]
-    return {key for key, (p, t, s) in _references(tensors).items()
+    held = {key for key, (p, t, s) in _references(tensors).items()
             if p - slots[key] > python or t > tensor or s > storage}
+    probe = nn.Parameter(torch.empty(()))
+    probe.grad = torch.empty(())
+    python, tensor, storage = _references({0: probe.grad})[0]
+    return held | {key for key, (p, t, s) in _references(grads).items()
+                   if p > python or t > tensor or s > storage}
 
 
 def _references(tensors: dict[int, Tensor]) -> dict[int, tuple[int, int, int]]:
