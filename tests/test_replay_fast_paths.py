@@ -104,13 +104,17 @@ def test_a_transform_of_torch_nn_layers_is_recorded_without_the_watch():
 def test_a_tensor_saved_with_torch_save_leaves_the_layers_known(monkeypatch):
     """Pickling adds a data attribute to the tensor class (``__slotnames__``, once per process),
     which runs no code: no patch, so a training loop that saves checkpoints keeps the fast
-    path (before: it was off from the first save on). A method added is still a patch."""
+    path (before: it was off from the first save on). A method added under a name torch looks
+    up (``relu``, shadowing ``TensorBase.relu``) is still a patch; one under a name of its own
+    (``relu_twice``) runs only where the user calls it."""
     monkeypatch.delattr(torch.Tensor, "__slotnames__", raising=False)
     assert known_run([known_unit()], CPU, keep_random=True) is not None
     torch.save(torch.zeros(2), io.BytesIO())
     assert "__slotnames__" in vars(torch.Tensor)
     assert known_run([known_unit()], CPU, keep_random=True) is not None
     monkeypatch.setattr(torch.Tensor, "relu_twice", lambda self: self.relu(), raising=False)
+    assert known_run([known_unit()], CPU, keep_random=True) is not None
+    monkeypatch.setattr(torch.Tensor, "relu", lambda self: self.clamp(min=0), raising=False)
     assert known_run([known_unit()], CPU, keep_random=True) is None
 
 

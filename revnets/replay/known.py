@@ -92,10 +92,12 @@ class _AsMade:
     added method may shadow a base's), or those named (a module namespace, which gains
     submodules as they are imported)."""
 
-    def __init__(self, namespace: Any, names: frozenset[str] | None = None) -> None:
+    def __init__(self, namespace: Any, names: frozenset[str] | None = None,
+                 made: frozenset[str] | None = None) -> None:
         self.namespace, self.names = namespace, names
         now = vars(namespace)
         self.keys = tuple(now if names is None else sorted(names & now.keys()))
+        self.made = frozenset(self.keys) if made is None else made  # as torch made them
         self.contents = {key: now[key] for key in self.keys}
         self.values = tuple(self.contents.values())
         self.get = operator.itemgetter(*self.keys)
@@ -112,10 +114,22 @@ class _AsMade:
         keys = (now.keys() | self.contents.keys()) if self.names is None else set(self.keys)
         for key in keys - _NOT_RUN:
             a, b = now.get(key, _MISSING), self.contents.get(key, _MISSING)
-            if a is not b and (_is_code(a) or _is_code(b)):
+            if a is not b and (_is_code(a) or _is_code(b)) and not self._unread(key):
                 return False
-        self.__init__(self.namespace, self.names)
+        self.__init__(self.namespace, self.names, self.made)
         return True
+
+
+    def _unread(self, key: str) -> bool:
+        """Whether ``key``, added to a class torch made (or taken away again), is one no code of
+        torch's looks up: torch made no entry of that name there nor in a base class, and it is
+        no special method (transformers adds a method ``smart_apply`` to ``nn.Module`` itself,
+        which torch's layers never call)."""
+        if key in self.made or self.names is not None or not isinstance(self.namespace, type):
+            return False
+        if key.startswith("__") and key.endswith("__"):
+            return False
+        return not any(key in vars(base) for base in self.namespace.__mro__[1:])
 
 
 def _is_code(value: Any) -> bool:
