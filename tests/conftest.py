@@ -1,10 +1,22 @@
 import copy
+import os
 
 import pytest
 import torch
 from torch import nn
 
 import revnets
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The default run spreads the test files over one pytest-xdist worker per core (pyproject's
+    # addopts): each worker, and each process it starts, gets its share of the cores, so that
+    # kernels do not oversubscribe them.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def conv_unit(in_channels: int, out_channels: int | None = None, dropout: float = 0.0) -> nn.Module:

@@ -49,6 +49,7 @@ def test_vit_memory_quick_run():
     assert "revvit_small_patch16_224" in out and "speed" in out
 
 
+@pytest.mark.slow  # two scripts' processes; tests/test_exact.py checks the same guarantees
 def test_exact_scripts_quick_runs():
     out = run_quick("exact_error_vs_depth.py")
     assert "'precision': 'bf16', 'exact': True, 'relative_error': 0.0}" in out
@@ -131,6 +132,7 @@ def test_planner_zoo_timm_set_builds_each_model_at_its_size_and_plans_an_untrace
     assert "(whole modules: torch.fx cannot trace its own forward)" in crossvit
 
 
+@pytest.mark.slow  # a process timing revnets beside ordinary autograd and the peers installed
 def test_peers_overhead_quick_run_times_revnets_beside_ordinary_autograd():
     out = run_quick("peers_overhead.py")
     assert "'library': 'none'" in out and "'library': 'revnets'" in out

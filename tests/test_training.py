@@ -5,9 +5,11 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -65,6 +67,31 @@ def run_train_py(*args: str, cwd: Path, launcher=(sys.executable,)) -> subproces
         [*launcher, str(ROOT / "train.py"), *args, f"hydra.run.dir={cwd}"],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
     )
+
+
+def train_py_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python train.py *args`` run in this process (``runpy``, ``sys.argv`` as typed): what
+    the process would print and its exit status. For commands whose point is an error line or
+    a small run; those comparing several runs' weights take a process each (run_train_py). An
+    exception the script lets out fails the test (a traceback in a real run)."""
+    argv, cwd_before, handlers = sys.argv, os.getcwd(), logging.root.handlers[:]
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = [str(ROOT / "train.py"), *args, f"hydra.run.dir={cwd}"]
+    code: int | str | None = 0
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except SystemExit as exit:
+        code = exit.code
+    finally:
+        sys.argv = argv
+        os.chdir(cwd_before)
+        logging.root.handlers = handlers  # Hydra configures logging for its run
+    if isinstance(code, str):  # SystemExit("error: ..."): Python prints it, exits 1
+        err.write(code + "\n")
+        code = 1
+    return subprocess.CompletedProcess(sys.argv, code or 0, out.getvalue(), err.getvalue())
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -169,11 +196,12 @@ def test_misspelt_memory_keys_are_refused_before_hydra_naming_the_valid_ones():
 def test_memory_keys_on_the_command_line(tmp_path):
     tiny = ["data.train_size=32", "data.val_size=16", "data.batch_size=16",
             "trainer.max_steps=2", "trainer.memory_report=false"]
-    done = run_train_py("memory=reversible", "memory.store_last_blocks=2", *tiny, cwd=tmp_path)
+    done = train_py_in_process("memory=reversible", "memory.store_last_blocks=2", *tiny,
+                               cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "memory plan of revnet38: stages=reconstruct(store_last_blocks=2), rest=store" in (
         done.stdout)
-    done = run_train_py("memory=reversible", "memory.store_last_block=2", cwd=tmp_path)
+    done = train_py_in_process("memory=reversible", "memory.store_last_block=2", cwd=tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "unknown memory option 'store_last_block'; did you mean memory.store_last_blocks?" in (
         done.stderr)
@@ -187,7 +215,7 @@ def test_synthetic_task_is_learned(tmp_path):
 
 
 def test_command_line_overrides(tmp_path):
-    done = run_train_py("model=resnet32", "optim.lr=0.05", *SMALL, cwd=tmp_path)
+    done = train_py_in_process("model=resnet32", "optim.lr=0.05", *SMALL, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["config"]
     assert saved["model"]["name"] == "resnet32" and saved["optim"]["optimizer"]["lr"] == 0.05
@@ -195,18 +223,18 @@ def test_command_line_overrides(tmp_path):
 
 
 def test_unknown_model_and_key_name_the_choices(tmp_path):
-    done = run_train_py("model=revnet39", cwd=tmp_path)
+    done = train_py_in_process("model=revnet39", cwd=tmp_path)
     assert done.returncode != 0 and "revnet38" in done.stderr and "revnet39" in done.stderr
-    done = run_train_py("trainer.max_stepz=3", cwd=tmp_path)
+    done = train_py_in_process("trainer.max_stepz=3", cwd=tmp_path)
     assert done.returncode != 0 and "max_stepz" in done.stderr
-    done = run_train_py("memory=reversible", "model=resnet32", cwd=tmp_path)
+    done = train_py_in_process("memory=reversible", "model=resnet32", cwd=tmp_path)
     assert done.returncode != 0 and "presets that do: none, checkpoint" in done.stderr
     assert "Traceback" not in done.stderr
 
 
 def test_missing_data_is_a_message_not_a_traceback(tmp_path):
     empty = tmp_path / "nowhere"
-    done = run_train_py("data=cifar10", f"data.root={empty}", cwd=tmp_path)
+    done = train_py_in_process("data=cifar10", f"data.root={empty}", cwd=tmp_path)
     assert done.returncode == 1
     assert "cifar10 was not found in" in done.stderr and "data.download=true" in done.stderr
     assert "Traceback" not in done.stderr
@@ -329,7 +357,7 @@ def test_imagenet_training_and_too_many_classes(tmp_path):
     with pytest.raises(DataMismatchError, match=r"has 3 classes but data.num_classes=2"):
         train(config(*common, "data.num_classes=2"), tmp_path / "run2")
     (tmp_path / "cli").mkdir()
-    done = run_train_py(*common, "data.num_classes=2", cwd=tmp_path / "cli")
+    done = train_py_in_process(*common, "data.num_classes=2", cwd=tmp_path / "cli")
     assert done.returncode != 0 and "set data.num_classes=3" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -458,7 +486,7 @@ def test_cifar_images_a_model_cannot_take_are_refused_before_a_step(cifar, tmp_p
      "model=irevnet163"),
 ])
 def test_a_setting_out_of_range_is_an_error_line_not_a_traceback(overrides, message, tmp_path):
-    done = run_train_py(*overrides, cwd=tmp_path)
+    done = train_py_in_process(*overrides, cwd=tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert message in done.stderr
 
@@ -498,7 +526,7 @@ def test_bfloat16_training_on_cpu(tmp_path, capsys):
 
 
 def test_rev_vit_trains_at_224_and_reports_memory_against_its_none_baseline(tmp_path):
-    done = run_train_py(
+    done = train_py_in_process(
         "model=revvit_small_patch16_224", "data.image_size=224", "optim=adamw",
         "trainer.max_steps=1", "trainer.log_every=1", "trainer.checkpoint_every=0",
         "data.train_size=4", "data.val_size=2", "data.batch_size=2", cwd=tmp_path,
@@ -584,6 +612,7 @@ def test_model_keys_beyond_the_name_reach_the_builder():
         model_of(config("model=revnet38", "+model.chanels=[1]"))
 
 
+@pytest.mark.slow  # three runs of train.py, two of them through torchrun: about 30 s
 def test_two_process_fsdp_equals_one_process_and_resumes_exactly_from_its_shards(tmp_path):
     """FSDP2 over a RevNet (each reversible sequence sharded): two steps, a checkpoint written
     with torch.distributed.checkpoint, a resumed third step; the weights equal one process's
