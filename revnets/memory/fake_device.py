@@ -60,10 +60,9 @@ def layout_of(tensor: Tensor) -> tuple:
 #    booleans given as an argument (token ids, an attention mask, labels; ``keeps_values``):
 #    code reads their values to choose its path, as transformers reads its position ids and
 #    attention masks to skip a mask where nothing is masked, and then runs the kernels a real
-#    run runs. Operators on real tensors
-#    alone that write nothing run for real: their outputs are made in a real run too, and
-#    counted as there. (A deep copy of a real tensor puts new memory under a fake one,
-#    ``set_``: refused by name.)
+#    run runs. Operators on real tensors alone that write nothing run for real: their outputs
+#    are made in a real run too, and counted as there. (A deep copy of a real tensor puts new
+#    memory under a fake one, ``set_``: refused by name.)
 # 2. A real tensor is never written. The first operator that writes one gets a fake of it instead
 #    (for a CPU scalar, a constant copy, so that its value still rises: Adam's
 #    ``torch._foreach_add_(steps, 1)``), and that fake stands for it in every operator after. The
