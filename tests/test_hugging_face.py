@@ -38,6 +38,9 @@ def build(name: str, attention: str = "sdpa", **options) -> torch.nn.Module:
         "t5": lambda: t.T5ForConditionalGeneration(t.T5Config(
             num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128, num_heads=2, d_kv=32,
             vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0, **options)),
+        "vit": lambda: t.ViTForImageClassification(t.ViTConfig(
+            image_size=32, patch_size=8, num_hidden_layers=2, hidden_size=64,
+            intermediate_size=128, num_attention_heads=2, num_labels=10, **options)),
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # token ids of the default configs outside VOCAB
@@ -155,3 +158,37 @@ def test_a_lora_adapter_on_a_frozen_base_plans_and_trains_as_the_model():
     del trained
     measured = revnets.measure_memory(step, planned, inputs).peak_bytes
     assert measured == revnets.predict_memory(step, planned, inputs).peak_bytes <= least
+
+
+def inputs_of(name: str) -> dict:
+    if name == "vit":
+        g = torch.Generator().manual_seed(0)
+        return {"pixel_values": torch.randn(4, 3, 32, 32, generator=g),
+                "labels": torch.randint(0, 10, (4,), generator=g)}
+    return batch()
+
+
+def lora(model):
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+@pytest.mark.slow  # 24 plans of six models: about 35 s; the least budgets above, by default
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "vit", "llama_lora"])
+def test_every_budget_gets_a_plan_within_it_or_a_refusal_naming_one_that_plans(name):
+    """At 80, 60, 40 and 30 % of the unplanned step's peak: a plan whose measured peak is its
+    prediction and within the budget, or a refusal whose named budget then plans."""
+    model = lora(build("llama")) if name == "llama_lora" else build(name)
+    inputs = inputs_of(name)
+    unplanned = revnets.measure_memory(step, model, inputs).peak_bytes
+    for share in (0.8, 0.6, 0.4, 0.3):
+        budget = int(share * unplanned)
+        try:
+            planned = revnets.auto_checkpoint(model, inputs, budget,
+                                              loss_fn=lambda out: out.loss, measure_time=False)
+        except revnets.PlanningError as refused:
+            budget = int(re.search(r"\((\d+) bytes", str(refused))[1])
+            planned = revnets.auto_checkpoint(model, inputs, budget,
+                                              loss_fn=lambda out: out.loss, measure_time=False)
+        measured = revnets.measure_memory(step, planned, inputs).peak_bytes
+        assert measured == planned.memory_plan.peak_bytes <= budget, (share, name)
