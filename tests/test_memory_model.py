@@ -8,6 +8,7 @@ from test_planning_speed import Pooled, conv_chain
 from torch import nn
 
 import revnets.planning.auto as auto
+import revnets.planning.chain_planner as chain_planner
 from revnets.planning.search.chain import modelled_peaks
 from revnets.planning.search.chain_model import NO_MOMENT, SELECTIVE, ChainModel
 from revnets.planning.search.options import Option
@@ -29,7 +30,7 @@ def segment_errors(model: nn.Module, x: torch.Tensor, segmentations: list[tuple]
     the chain: ``model`` itself, or its traced graph's steps), modelled as a search ranks
     them."""
     chain = auto.planning_chain(model) if traced else model
-    planner = auto._Planner(model, chain, x, loss, None, measure_time=False)
+    planner = chain_planner.ChainPlanner(model, chain, x, loss, None, measure_time=False)
     profiles = planner._profiles_of(frozenset())
     modelled = modelled_peaks(segmentations, profiles, planner.input_state, whole_inputs)
     return [planner._predict(Option(frozenset(), s, 0.0, m)) - m
@@ -214,7 +215,7 @@ def test_a_step_reading_only_a_values_shape_makes_no_gradient_of_it():
     transformers that it could not help (planner_zoo: 2 to 6 s each)."""
     torch.manual_seed(0)
     model, x = ShapeChecked(), torch.randn(256, 64)
-    planner = auto._Planner(model, auto.planning_chain(model), x,
+    planner = chain_planner.ChainPlanner(model, auto.planning_chain(model), x,
                             lambda out: out.square().mean(), None, measure_time=False)
     profiles = planner._profiles_of(frozenset())
     chain = ChainModel.of(profiles, planner.input_state)
@@ -261,7 +262,7 @@ def test_no_plan_cutting_only_at_given_cuts_is_modelled_below_the_least_for_thos
     rng = random.Random(seed)
     model, x = make()
     chain = model if isinstance(model, nn.Sequential) else auto.planning_chain(model)
-    planner = auto._Planner(model, chain, x, lambda out: out.square().mean(), None,
+    planner = chain_planner.ChainPlanner(model, chain, x, lambda out: out.square().mean(), None,
                             measure_time=False)
     chain = ChainModel.of(planner._profiles_of(frozenset()), planner.input_state)
     n = chain.n

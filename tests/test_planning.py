@@ -12,7 +12,7 @@ from torch import nn
 from torchvision.models.resnet import Bottleneck
 
 import revnets
-import revnets.planning.auto as auto
+import revnets.planning.chain_planner as chain_planner
 from revnets.memory import measure_memory
 from revnets.planning import (
     LayerProfile,
@@ -683,8 +683,8 @@ def test_swin_v2_b_at_half_its_activations_plans_in_few_predictions(monkeypatch)
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     budget = int(state + 0.5 * (unplanned - state))
     depths = []
-    predict = auto._Planner.peak
-    monkeypatch.setattr(auto._Planner, "peak", lambda self, module: (
+    predict = chain_planner.ChainPlanner.peak
+    monkeypatch.setattr(chain_planner.ChainPlanner, "peak", lambda self, module: (
         depths.append(checkpoint_depth(module)), predict(self, module))[1])
     planned = revnets.auto_checkpoint(model, x, budget, loss_fn=loss, measure_time=False)
     assert 1 <= checkpoint_depth(planned.plan) <= 3

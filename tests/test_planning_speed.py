@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import revnets
-import revnets.planning.auto as auto
+import revnets.planning.chain_planner as chain_planner
 from revnets.memory import Predictor, measure_memory
 from revnets.planning.costs import step_times
 from revnets.planning.costs.profile import profile_chain
@@ -227,7 +227,7 @@ def no_nested_search(monkeypatch):
     def refused(*args):
         raise AssertionError("nested schedules searched")
 
-    monkeypatch.setattr(auto, "nested_candidates", refused)
+    monkeypatch.setattr(chain_planner, "nested_candidates", refused)
 
 
 def refusal_that_plans(model: nn.Module, x: torch.Tensor, labels: torch.Tensor | None = None
@@ -294,7 +294,7 @@ def test_no_nested_schedule_is_searched_where_a_group_it_keeps_whole_holds_the_f
     runs of a 27-module convolutional chain) is as much as the lowest floor. The bound of single
     steps let the nested search run (timm's XCiT-nano: 817 steps in 48 groups, the first
     holding its patch embedding's convolutions, two predictions, 3.6 s, gaining nothing)."""
-    monkeypatch.setattr(auto, "NESTED_GROUPS", 4)
+    monkeypatch.setattr(chain_planner, "NESTED_GROUPS", 4)
     refusal_that_plans(conv_chain(8), torch.randn(4, 3, 16, 16))
 
 
@@ -474,8 +474,8 @@ def test_a_compiled_plan_asks_the_programme_a_bounded_number_of_times(monkeypatc
     # Each selective budget (the grid's rooms within the shares of the room, and the retry)
     # costs one programme and at most DESCENT_STEPS more.
     per_budget = chain_module.DESCENT_STEPS + 1
-    low, high = auto.SELECTIVE_SHARES
-    rooms = math.floor(math.log(high / low, auto.ROOM_RATIO)) + 1
+    low, high = chain_planner.SELECTIVE_SHARES
+    rooms = math.floor(math.log(high / low, chain_planner.ROOM_RATIO)) + 1
     assert len(calls) <= eager + (rooms + 1) * per_budget
 
 

@@ -23,7 +23,7 @@ import revnets
 from revnets import Checkpoint
 from revnets.memory import measure_memory
 from revnets.plan import Store, parse_memory_plan, plan_from_options
-from revnets.planning import auto
+from revnets.planning.chain_planner import ROOM_RATIO, ChainPlanner, grid_rooms
 from revnets.planning.costs import step_times
 from revnets.planning.costs.profile import profile_chain
 from revnets.planning.planned import PlanChain, PlannedModel
@@ -398,7 +398,7 @@ def test_a_found_plan_is_retried_with_the_selective_plan_for_the_room_its_predic
     model = nn.Sequential(*(block() for _ in range(4)))
     x = torch.randn(8, 32, WIDTH)
     loss = lambda out: out.square().mean()  # noqa: E731
-    planner = auto._Planner(model, model, x, loss, None, measure_time=True, compiled=True)
+    planner = ChainPlanner(model, model, x, loss, None, measure_time=True, compiled=True)
     profiles = planner._profiles_of(frozenset())
     everything = ((0, len(model) - 1, True), (len(model) - 1, len(model), False))
     found = Option(frozenset(), everything, planner._recompute(everything, profiles),
@@ -408,7 +408,7 @@ def test_a_found_plan_is_retried_with_the_selective_plan_for_the_room_its_predic
     taken = 0
     for budget in range(exact, stored, (stored - exact) // 8):
         room = budget - (exact - found.modelled)  # the correction the prediction measured
-        grid_room = auto._grid_rooms(room / auto.ROOM_RATIO, room)[-1]  # the grid's, below it
+        grid_room = grid_rooms(room / ROOM_RATIO, room)[-1]  # the grid's, below it
         cheapest = min(((planner._recompute(p, profiles), p) for p in map(tuple, selective_plans(
             profiles, [grid_room], planner.input_state))), default=None)
         peaks = {found: exact}
@@ -439,7 +439,7 @@ def test_a_compiled_plans_stored_runs_are_selective_where_that_costs_nothing_and
     assert not [part for part in planned.memory_plan.parts if isinstance(part.decision, Store)]
     assert planned.memory_plan.peak_bytes <= budget, planned.memory_plan
 
-    planner = auto._Planner(model, model, x, loss, None, measure_time=False, compiled=True)
+    planner = ChainPlanner(model, model, x, loss, None, measure_time=False, compiled=True)
     profiles = planner._profiles_of(frozenset())
     last_stored = ((0, 3, SELECTIVE), (3, 4, False))
     found = Option(frozenset(), last_stored, planner._recompute(last_stored, profiles),
@@ -482,7 +482,7 @@ def test_a_compiled_plan_keeps_stored_the_runs_a_selective_checkpoint_cannot_run
     loss(reference(x)).backward()
     assert max_grad_error(model, reference) <= 1e-10
 
-    planner = auto._Planner(model, model, x, loss, None, measure_time=False, compiled=True)
+    planner = ChainPlanner(model, model, x, loss, None, measure_time=False, compiled=True)
     profiles = planner._profiles_of(frozenset())
     everything = ((0, len(model), False),)
     assert not profiles[0].selective_safe  # the first convolution's output, overwritten

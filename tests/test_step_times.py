@@ -88,7 +88,7 @@ def test_plans_on_one_measurement_are_the_same_in_every_call_and_measured_anew_a
     seeds = iter(range(1000))
     monkeypatch.setattr(step_times, "chain_times",
                         lambda chain, x: scaled(measure(chain, x), next(seeds)))
-    monkeypatch.setattr(revnets.planning.auto, "chain_times", step_times.chain_times)
+    monkeypatch.setattr(revnets.planning.chain_planner, "chain_times", step_times.chain_times)
     torch.manual_seed(0)
     model, x = blocks(), torch.randn(128, 64)
     budget = activation_budget(model, x, 0.4)
