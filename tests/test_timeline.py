@@ -76,3 +76,21 @@ def test_plot_beside_the_baseline(tmp_path):
     assert timelines["reversible"].peak_bytes < timelines["none"].peak_bytes
     path = plot_timelines(timelines, tmp_path / "timeline.png", title="revnet38")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_planned_models_activations_go_to_the_runs_of_its_plan():
+    # auto_checkpoint's model runs its plan's steps, not the model's children: the timeline
+    # names the plan's runs (a checkpointed segment, the steps stored between two), and the
+    # planned model, which refuses hooks on modules it runs as a graph, trains under it.
+    model = timm.create_model("test_resnet", num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+    planned = revnets.auto_checkpoint(model, x, int(14.2 * 2**20),
+                                      lambda out: F.cross_entropy(out, y), optimizer)
+    runs = {name for name, _ in planned.timeline_parts()}
+    assert any(str(part.decision).startswith("checkpoint") for part in planned.memory_plan.parts)
+    report, timeline = record_timeline(train_step, planned, optimizer, x, y)
+    named = {label.removeprefix("activations: ") for label in timeline.series
+             if label.startswith("activations: ")} - {"backward and other"}
+    assert named and named <= runs
+    assert timeline.peak_bytes == report.peak_bytes

@@ -161,7 +161,7 @@ def test_every_option_of_every_preset_is_a_memory_key():
     # The keys Hydra accepts are the fields of the presets' decisions, nothing hand-listed.
     decision_fields = {f for options in revnets.plan.preset_options().values() for f in options}
     schema_fields = {f.name for f in dataclasses.fields(MemoryOptions)}
-    assert schema_fields == {"preset"} | decision_fields
+    assert schema_fields == {"preset", "budget"} | decision_fields  # budget: memory=auto's
     assert decision_fields == {"segments", "selective", "store_last_blocks", "keep_input_every"}
 
 

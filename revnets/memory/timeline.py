@@ -107,11 +107,17 @@ def _watching(trackers: list[MemoryTracker]):
 
 
 def _top_level(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
+    """The modules activations are attributed to: the model's children, or the parts a model
+    names with ``timeline_parts()`` where its training step calls others (a planned model runs
+    its plan's steps: hooks on its own children would not fire there, and it refuses them)."""
     # Wrappers (DistributedDataParallel, torch.compile) hold the model as one child.
     while model is not None and len(model._modules) == 1 and hasattr(model, "module"):
         model = model.module
     while model is not None and hasattr(model, "_orig_mod"):
         model = model._orig_mod
+    parts = getattr(model, "timeline_parts", None)
+    if callable(parts):
+        return list(parts())
     return [] if model is None else list(model.named_children())
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from revnets.checkpoint import Checkpointed, checkpoint_forward
 from revnets.graph.guard import Frozen, refuse_hooks
 from revnets.graph.reads import TraceReads
-from revnets.graph.step import GraphStep
+from revnets.graph.step import GraphStep, step_name
 from revnets.plan import Checkpoint, MemoryPlan
 from revnets.planning.model_view import ModelView
 
@@ -146,6 +146,26 @@ class PlannedModel(ModelView):
     def memory(self) -> MemoryPlan:
         """``memory_plan``, or the model's own ``memory`` where it has one (the zoo's)."""
         return self.models_own("memory", self.memory_plan)
+
+    def timeline_parts(self) -> list[tuple[str, nn.Module]]:
+        """The modules a training step calls, each named by its run of the plan: a checkpointed
+        segment by its steps, the steps stored between two such as one run (``first .. last``);
+        a memory timeline of the step attributes activations to them (revnets/memory/timeline.py),
+        since most of the model's own modules are never called in it."""
+        steps = list(self._plan[0])
+        runs: list[list[int]] = []
+        for i, step in enumerate(steps):
+            alone = isinstance(step, Checkpointed)
+            if alone or not runs or isinstance(steps[runs[-1][-1]], Checkpointed):
+                runs.append([i])
+            else:
+                runs[-1].append(i)
+        parts = []
+        for run in runs:
+            first, last = step_name(steps[run[0]], run[0]), step_name(steps[run[-1]], run[-1])
+            name = first if len(run) == 1 else f"{first} .. {last}"
+            parts += [(name, steps[i]) for i in run]
+        return parts
 
     def train(self, mode: bool = True) -> PlannedModel:
         super().train(mode)

@@ -1,34 +1,90 @@
-"""The zoo model a training run names, with the memory plan it asks for."""
+"""The model a training run names, with the memory plan it asks for: a model of revnets' zoo or
+any other timm name (``timm.create_model``), or a Hugging Face image classifier built from the
+keys of its config (``name: hf:ViTForImageClassification``, random weights, never downloaded)."""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import timm
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import revnets  # noqa: F401  (registers the zoo with timm)
-from revnets.plan import MemoryPlan
+from revnets.plan import PRESETS, MemoryPlan
 from revnets.training.memory_options import MemoryConfigError
-from revnets.training.settings import ModelSettings
+from revnets.training.settings import ModelSettings, SettingsError
 
-__all__ = ["create_model"]
+__all__ = ["HF_PREFIX", "create_model", "logits_of", "memory_plan_of"]
+
+HF_PREFIX = "hf:"  # model.name=hf:<a transformers class>: built from its config's keys
 
 
 def create_model(
     model: ModelSettings, num_classes: int, device: torch.device | str = "cpu",
-    memory: MemoryPlan | None = None,
+    memory: MemoryPlan | None = None, image_size: int | None = None,
 ) -> nn.Module:
-    """The zoo model ``model.name`` under ``memory`` (None: the model's own plan); ``exact``
-    and every other key of the model group (``+model.units=[2,2,2]``) are keywords of its
-    builder."""
+    """The model ``model.name`` under ``memory`` (None: the model's own plan). For a timm name,
+    ``exact`` and every other key of the model group (``+model.units=[2,2,2]``) are keywords
+    of its builder; for ``hf:<class>``, keys of the class's config (its images
+    ``image_size`` x ``image_size``). Only the zoo's models follow presets other than
+    ``none``; any model is planned under a budget with ``memory=auto``."""
     with torch.device(device):
-        built = timm.create_model(
-            model.name, num_classes=num_classes, drop_rate=model.drop_rate,
-            **({"exact": True} if model.exact else {}), **model.keywords,
-        )
-        if memory is not None:
-            try:  # on the weights as built; a refusal names the presets the model can follow
-                built.set_memory(memory)
-            except ValueError as error:
-                raise MemoryConfigError(f"model={model.name}: {error}") from None
+        if model.name.startswith(HF_PREFIX):
+            built = _hugging_face(model, num_classes, image_size)
+        else:
+            built = timm.create_model(
+                model.name, num_classes=num_classes, drop_rate=model.drop_rate,
+                **({"exact": True} if model.exact else {}), **model.keywords,
+            )
+        if memory is None:
+            return built
+        if not hasattr(built, "set_memory"):
+            if memory == PRESETS["none"]:
+                return built  # what a model outside the zoo does anyway
+            raise MemoryConfigError(
+                f"model={model.name} is not a model of revnets' zoo and follows no preset but "
+                f"none: plan it within a budget with memory=auto memory.budget=<bytes or a "
+                f"size such as 64MiB>")
+        try:  # on the weights as built; a refusal names the presets the model can follow
+            built.set_memory(memory)
+        except ValueError as error:
+            raise MemoryConfigError(f"model={model.name}: {error}") from None
     return built
+
+
+def memory_plan_of(model: nn.Module) -> MemoryPlan:
+    """The plan ``model`` follows: a planned model's ``memory_plan``, the zoo's ``memory``, or
+    none (every activation stored) for any other."""
+    plan = getattr(model, "memory_plan", None) or getattr(model, "memory", None)
+    return plan if isinstance(plan, MemoryPlan) else PRESETS["none"]
+
+
+def logits_of(output: Any) -> Tensor:
+    """A classifier's logits: the tensor itself, or a Hugging Face output's ``logits``."""
+    return output if isinstance(output, Tensor) else output.logits
+
+
+def _hugging_face(model: ModelSettings, num_classes: int, image_size: int | None) -> nn.Module:
+    name = model.name[len(HF_PREFIX):]
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError:
+        raise SettingsError(f"model.name={model.name} needs transformers: pip install "
+                            f"'revnets[hf]'") from None
+    cls = getattr(transformers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")):
+        raise SettingsError(f"model.name={model.name}: transformers has no model class {name!r}; "
+                            f"name one, e.g. hf:ViTForImageClassification")
+    if model.exact or model.drop_rate:
+        raise SettingsError(f"model.name={model.name}: model.exact and model.drop_rate are the "
+                            f"zoo's keys; set the config's own, e.g. "
+                            f"+model.hidden_dropout_prob=0.1")
+    sizes = {} if image_size is None else {"image_size": image_size}
+    try:
+        config = cls.config_class(**{**sizes, **model.keywords, "num_labels": num_classes})
+    except (TypeError, ValueError) as error:
+        raise SettingsError(f"model.name={model.name}: its config refuses the model group's keys "
+                            f"({error})") from None
+    return cls(config)

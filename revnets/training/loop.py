@@ -22,6 +22,7 @@ import revnets  # noqa: F401  (registers the zoo with timm)
 from revnets.compiling import compile_model
 from revnets.facts import MiB
 from revnets.memory import cuda_allocator_history, record_timeline
+from revnets.planning import PlanningError, auto_checkpoint
 from revnets.training.data import build_loaders
 from revnets.training.distributed import (
     Distributed,
@@ -29,7 +30,8 @@ from revnets.training.distributed import (
     setup_distributed,
     shard_model,
 )
-from revnets.training.factory import create_model
+from revnets.training.factory import create_model, logits_of, memory_plan_of
+from revnets.training.memory_options import AutoPlan, MemoryConfigError
 from revnets.training.optim import build_optimizer, build_scheduler
 from revnets.training.progress import Progress, Throughput
 from revnets.training.report import (
@@ -38,7 +40,7 @@ from revnets.training.report import (
     summary_table,
     write_timelines,
 )
-from revnets.training.settings import Settings, check_image_size, check_settings
+from revnets.training.settings import Settings, SettingsError, check_image_size, check_settings
 from revnets.training.state import (
     CHECKPOINT_NAME,
     capture_rng,
@@ -123,24 +125,36 @@ class Trainer:
         torch.manual_seed(settings.seed)
         self.loaders = build_loaders(settings.data, settings.seed, self.dist.world_size,
                                      self.dist.rank)
+        auto = settings.memory if isinstance(settings.memory, AutoPlan) else None
+        if auto is not None and self.dist.mode == "fsdp":
+            raise SettingsError("memory=auto plans one process's whole model; with "
+                                "trainer.distributed=fsdp its shards are not that model: use "
+                                "trainer.distributed=ddp, or a preset")
         self.model = create_model(settings.model, settings.data.num_classes, self.device,
-                                  settings.memory)
+                                  None if auto else settings.memory, self.loaders.image_size)
         check_image_size(settings, self.model, self.loaders.image_size)  # before a step fails
         if self.dist.mode == "fsdp":
             shard_model(self.model)  # before the optimizer: sharding replaces the parameters
         self.optimizer = build_optimizer(settings.optim, self.model)
+        if auto is not None:  # the planned model shares the parameters the optimizer holds
+            self.model = self._planned(auto.budget)
+        self.plan = memory_plan_of(self.model)
+        self.plan_label = self.plan.name if auto is None else f"auto ({auto.budget / MiB:.1f} MiB)"
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(settings.optim, self.optimizer, self.total_steps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=trainer.precision == "fp16")
         self.autocast = autocast_for(trainer.precision, self.device)
         self.step = self.epoch = self.position = 0
         self.writer = self._tensorboard()
-        plan, exact = self.model.memory, settings.model.exact
-        self._log({"event": "memory_plan", "plan": plan.name, "stages": str(plan.stages),
-                   "rest": str(plan.rest), "exact": exact})
+        plan, exact = self.plan, settings.model.exact
+        self._log({"event": "memory_plan", "plan": self.plan_label, "stages": str(plan.stages),
+                   "rest": str(plan.rest), "exact": exact,
+                   **({"parts": [(part.name, str(part.decision)) for part in plan.parts]}
+                      if plan.parts else {})})
         if self.dist.is_main:
             arithmetic = ", exact arithmetic" if exact else ""
-            print(f"memory plan of {settings.model.name}: {plan}{arithmetic}", flush=True)
+            shown = f"{self.plan_label}\n{plan}" if plan.parts else str(plan)
+            print(f"memory plan of {settings.model.name}: {shown}{arithmetic}", flush=True)
         if trainer.resume:
             self._resume(trainer.resume)
         self.net: nn.Module = self.model
@@ -160,6 +174,23 @@ class Trainer:
         if trainer.epochs is not None:
             return trainer.epochs * len(self.loaders.train)
         return trainer.max_steps
+
+    def _planned(self, budget: int) -> nn.Module:
+        """The model planned by auto_checkpoint to train one micro-batch within ``budget``, with
+        this run's optimizer (``memory=auto``); a budget no plan reaches names the least one."""
+        data, trainer = self.settings.data, self.settings.trainer
+        micro = max(data.batch_size // self.dist.world_size // trainer.accumulate, 1)
+        images, _ = next(iter(self.loaders.val))  # the shape and type of a batch, no draw
+        x = torch.zeros(micro, *images.shape[1:], dtype=images.dtype, device=self.device)
+        y = torch.zeros(micro, dtype=torch.long, device=self.device)
+        try:
+            return auto_checkpoint(
+                self.model, x, budget, lambda out: F.cross_entropy(logits_of(out).float(), y),
+                self.optimizer)
+        except PlanningError as error:
+            least = error.smallest_budget
+            fix = "" if least is None else f"; set memory.budget={least} (bytes) or more"
+            raise MemoryConfigError(f"memory=auto: {str(error).rstrip('.')}{fix}") from None
 
     def _resume(self, run_dir: str) -> None:
         state = load_checkpoint(run_dir)
@@ -204,7 +235,7 @@ class Trainer:
                 self.model.set_requires_gradient_sync(sync)
             ddp_skip = not sync and self.dist.mode == "ddp"
             with net.no_sync() if ddp_skip else contextlib.nullcontext(), self.autocast:
-                logits = net(xs)
+                logits = logits_of(net(xs))
                 loss = F.cross_entropy(logits.float(), ys) / parts
             self.scaler.scale(loss).backward()
             total_loss += loss.detach()
@@ -237,10 +268,10 @@ class Trainer:
             unsharded = None
             if self.dist.mode == "fsdp":
                 unsharded, _ = predict_baseline(self.settings, self.train_step_meta, x.shape,
-                                                plan=self.model.memory)
+                                                plan=self.plan)
             self.memory = MemoryComparison(report, baseline, timeline, baseline_timeline,
                                            rank_peaks, unsharded)
-            write_timelines(self.settings, self.model.memory, self.memory,
+            write_timelines(self.settings, self.plan_label, self.memory,
                             self.output_dir / TIMELINE_NAME)
         return report.result
 
@@ -250,7 +281,7 @@ class Trainer:
         """One plain step (no accumulation, autocast or loss scaling), run on the meta device
         to predict the baseline's memory."""
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(logits_of(model(x)), y).backward()
         optimizer.step()
 
     # -- the loop --------------------------------------------------------------------------------
@@ -310,7 +341,7 @@ class Trainer:
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with self.autocast:
-                logits = self.net(x).float()
+                logits = logits_of(self.net(x)).float()
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
             correct += (logits.argmax(1) == y).sum().item()
             total += len(y)
@@ -388,7 +419,7 @@ class Trainer:
 
     def summary(self, result: dict[str, Any]) -> str:
         step_time = statistics.median(self.step_times) if self.step_times else float("nan")
-        return summary_table(self.settings, self.model.memory, self.memory, step_time, result)
+        return summary_table(self.settings, self.plan_label, self.memory, step_time, result)
 
     def close(self) -> None:
         if self.progress is not None:

@@ -44,7 +44,8 @@ def predict_baseline(
 ) -> tuple[MemoryReport, MemoryTimeline]:
     """Peak memory of one step of the same model in one process, on meta tensors, and its
     timeline: with every memory saving off, or under ``plan``."""
-    model = create_model(settings.model, settings.data.num_classes, "meta", memory=plan)
+    model = create_model(settings.model, settings.data.num_classes, "meta", memory=plan,
+                         image_size=batch_shape[-1])
     optimizer = build_optimizer(settings.optim, model)
     micro_batch = (batch_shape[0] // settings.trainer.accumulate, *batch_shape[1:])
     x = torch.empty(micro_batch, device="meta")
@@ -53,12 +54,13 @@ def predict_baseline(
 
 
 def write_timelines(
-    settings: Settings, plan: MemoryPlan, memory: MemoryComparison, path: Path
+    settings: Settings, plan: str, memory: MemoryComparison, path: Path
 ) -> Path:
-    """The measured step's timeline beside the baseline's, on one scale, as a PNG."""
+    """The measured step's timeline beside the baseline's, on one scale, as a PNG; ``plan``
+    names the run's memory plan."""
     return plot_timelines(
         {
-            f"{settings.model.name} ({plan.name}), measured": memory.timeline,
+            f"{settings.model.name} ({plan}), measured": memory.timeline,
             f"{settings.model.name} (none), predicted": memory.baseline_timeline,
         },
         path,
@@ -68,7 +70,7 @@ def write_timelines(
 
 def summary_table(
     settings: Settings,
-    plan: MemoryPlan,
+    plan: str,
     memory: MemoryComparison | None,
     step_time: float,
     result: dict[str, Any],
@@ -83,7 +85,7 @@ def summary_table(
         peak = base = ratio = "-"
     row = [
         settings.model.name,
-        plan.name,
+        plan,
         peak,
         base,
         ratio,

@@ -22,7 +22,7 @@ from torch import nn
 
 from revnets.plan import MemoryPlan
 from revnets.training.distributed import parse_mode
-from revnets.training.memory_options import memory_plan_from_config
+from revnets.training.memory_options import AutoPlan, memory_plan_from_config
 
 __all__ = [
     "DataSettings",
@@ -42,8 +42,9 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """The zoo model: ``name`` for ``timm.create_model``, ``exact`` its reversible stages'
-    arithmetic, ``keywords`` the other keys of its group (``+model.units=[2,2,2]``)."""
+    """The model: ``name`` for ``timm.create_model`` (or ``hf:<a transformers class>``),
+    ``exact`` its reversible stages' arithmetic, ``keywords`` the other keys of its group
+    (``+model.units=[2,2,2]``; a Hugging Face config's keys)."""
 
     name: str
     drop_rate: float = 0.0
@@ -99,14 +100,15 @@ class TrainerSettings:
 @dataclass(frozen=True)
 class Settings:
     """A run's settings: ``memory`` is the plan the ``memory`` group asks for (None: the model's
-    own), ``config`` the resolved config, as a checkpoint keeps it."""
+    own; an :class:`AutoPlan`: planned within a budget), ``config`` the resolved config, as a
+    checkpoint keeps it."""
 
     seed: int
     model: ModelSettings
     data: DataSettings
     optim: OptimSettings
     trainer: TrainerSettings
-    memory: MemoryPlan | None
+    memory: MemoryPlan | AutoPlan | None
     config: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
