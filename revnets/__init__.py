@@ -3,6 +3,7 @@
 from revnets import models  # registers the zoo with timm
 from revnets.checkpoint import Checkpointed, checkpoint, checkpoint_segments
 from revnets.compiling import compile_model, compile_options
+from revnets.conversion import ReversibleLayers, make_reversible
 from revnets.memory import (
     MemoryReport,
     MemoryTracker,
@@ -31,6 +32,7 @@ from revnets.reversible import (
     ExactAdditiveCoupling,
     ReversibleBlock,
     ReversibleSequence,
+    ScaledCoupling,
     SequenceOptions,
 )
 from revnets.reversible.invertible import InjectivePad, Invertible, SpaceToDepth, check_invertible
@@ -55,7 +57,9 @@ __all__ = [
     "ResidualNet",
     "Reconstruct",
     "ReconstructionReport",
+    "ScaledCoupling",
     "ReversibleBlock",
+    "ReversibleLayers",
     "ReversibleSequence",
     "SequenceOptions",
     "SpaceToDepth",
@@ -70,6 +74,7 @@ __all__ = [
     "compile_options",
     "forward_times",
     "is_recomputing",
+    "make_reversible",
     "measure_memory",
     "models",
     "parse_memory_plan",

@@ -42,6 +42,7 @@ from revnets.reversible.coupling import (
     AffineCoupling,
     Coupling,
     ExactAdditiveCoupling,
+    ScaledCoupling,
 )
 from revnets.reversible.sequence import ReversibleSequence, SequenceOptions
 
@@ -52,5 +53,6 @@ __all__ = [
     "ExactAdditiveCoupling",
     "ReversibleBlock",
     "ReversibleSequence",
+    "ScaledCoupling",
     "SequenceOptions",
 ]

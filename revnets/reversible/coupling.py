@@ -11,7 +11,7 @@ from revnets.reversible import grid
 
 __all__ = [
     "KNOWN_COUPLINGS", "STOCK_COUPLINGS", "AdditiveCoupling", "AffineCoupling", "Coupling",
-    "ExactAdditiveCoupling", "make_coupling",
+    "ExactAdditiveCoupling", "ScaledCoupling", "make_coupling",
 ]
 
 
@@ -139,13 +139,36 @@ class AffineCoupling(Coupling):
         return f"AffineCoupling(dim={self.dim}, max_log_scale={self.max_log_scale})"
 
 
+class ScaledCoupling(Coupling):
+    """``y = scale * x + h``, a fixed ``scale`` in (0, 1]: the coupling of a pretrained stack
+    made reversible (NOTE [ Reversible conversion ] in revnets/conversion/__init__.py), where a
+    small scale keeps the pretrained function closer. ``uncombine`` divides by ``scale``, so
+    round-off in reconstruction grows by ``1 / scale`` per block (``check_reconstruction``
+    reports it); ``scale=1`` is the additive coupling."""
+
+    def __init__(self, scale: float) -> None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+            raise ValueError(f"ScaledCoupling: scale must be a number in (0, 1], got {scale!r}")
+        self.scale = float(scale)
+
+    def combine(self, x: Tensor, h: Tensor) -> Tensor:
+        return x * self.scale + h
+
+    def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
+        return (y - h) / self.scale
+
+    def __repr__(self) -> str:
+        return f"ScaledCoupling(scale={self.scale})"
+
+
 # The couplings revnets defines: tested, drawing no random numbers.
-STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling)
+STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling, ScaledCoupling)
 
 # Couplings whose code is revnets' own, running torch operators that draw nothing and write
 # only into memory they made: a block using one is known where its f and g are
 # (NOTE [ Known layers ]). The exact coupling's grid code reads values and is left to the watch.
-KNOWN_COUPLINGS = frozenset(known_code(c) for c in (AdditiveCoupling, AffineCoupling))
+KNOWN_COUPLINGS = frozenset(
+    known_code(c) for c in (AdditiveCoupling, AffineCoupling, ScaledCoupling))
 
 
 def make_coupling(coupling: str | Coupling, split_dim: int) -> Coupling:

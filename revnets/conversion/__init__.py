@@ -1,0 +1,115 @@
+"""Pretrained networks made reversible: :func:`make_reversible` runs a stack of a network's
+layers (timm's ViT blocks, a Hugging Face decoder's layers, a ResNet's identity-shortcut blocks)
+as one reversible stage reusing their weights, so that its activation memory does not grow with
+its depth.
+
+- ``stack.py``: the stack run as one stage (:class:`ReversibleLayers`), its layers where they
+  were; what the model's own loop over its layers meets.
+"""
+
+# NOTE [ Reversible conversion ]
+# A pretrained stack computes z_n = L_n(z_{n-1}), n = 1..N (L(z) = z + F(z) for a residual
+# layer). No reversible network computes it: L_n forgets (z_{n-1} is not a function of z_n),
+# so a conversion changes the function, and says by how much.
+# 1. Two streams, both the stack's input at the start (z_{-1} = z_0 = x); layer n reads the
+#    stream written last and writes the other one:
+#        z_n = scale * z_{n-2} + L_n(z_{n-1}) - scale * z_{n-1}
+#    the coupling y = scale * x1 + h(x2) with h = L - scale * id (stack.LayerUpdate); layers 2k
+#    and 2k + 1 are f and g of reversible block k (an odd last layer's g is zero), and the
+#    stack's output is the stream written last. scale = 1: the RevNet coupling,
+#    z_n = z_{n-2} + F_n(z_{n-1}). scale -> 0: the pretrained recurrence. In between, each
+#    layer after the first differs from the pretrained one by scale * (z_{n-2} - z_{n-1}), minus
+#    scale times the previous layer's update: the first layer is exact, the rest drift by a
+#    fraction scale of one update each (measured at step 0 by tests/test_conversion.py and
+#    benchmarks/conversion.py).
+# 2. The inverse, z_{n-2} = (z_n - L_n(z_{n-1})) / scale + z_{n-1}, divides by scale: round-off
+#    in reconstruction grows by 1 / scale per layer. scale = 1 is as stable as any additive
+#    block; a small scale trains in float32 and drifts (check_reconstruction reports it), and
+#    keep_input_every bounds it at depth / k stored inputs.
+# 3. The layers stay where they were, under their names (ReversibleLayers is the stack's
+#    nn.ModuleList, key for key); the reversible sequence over them is held unregistered, so
+#    state_dict, parameters, peft's injection, moves and casts see the model as it was. The
+#    stack runs whole when called (timm: ``self.blocks(x)``), and where the model's code loops
+#    over its layers (Hugging Face: ``for layer in self.layers[:n]: h = layer(h, ...)``),
+#    iterating or indexing it gives stand-ins: the first of the run calls the whole run as one
+#    stage with the arguments it was given, which every layer then gets alike (the mask, the
+#    rotary embeddings, the cache); each other one hands the stage's output on, and refuses
+#    any other tensor (code changing the hidden state between layers, or calling one layer
+#    alone, would otherwise get a silent wrong result). ``stack.layer(i)`` is the layer itself.
+# 4. exact=True runs the stage on the fixed-point grid (NOTE [ Exact reversibility ]):
+#    reconstruction exact to the bit in float32, bfloat16 and float16 autocast, at no memory
+#    cost, scale = 1 only (a scaled stream leaves the grid, and its inverse divides).
+# 5. A Hugging Face cache is filled by the layers' calls. The reversible path runs each layer
+#    again in backward, so in a training step with gradients it runs them without the cache
+#    (as Hugging Face's gradient checkpointing turns use_cache off); without gradients
+#    (evaluation, generate()) the layers run once each, with it.
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from revnets.conversion.stack import ReversibleLayers
+from revnets.plan import Reconstruct, Store
+
+__all__ = ["ReversibleLayers", "find_stack", "make_reversible"]
+
+
+def make_reversible(
+    model: nn.Module,
+    layers: str | Sequence[str] | None = None,
+    scale: float = 1.0,
+    *,
+    dim: int = -1,
+    exact: bool = False,
+    memory: Reconstruct | Store = Reconstruct(),
+) -> nn.Module:
+    """Run the stack of layers ``layers`` of ``model`` (a dotted name, several, or None: the
+    longest run of alike layers, :func:`find_stack`) as one reversible stage reusing their
+    weights, in place; returns ``model``.
+
+    The converted stack keeps two streams of its hidden state, both its input at the start,
+    and layer n computes ``z_n = scale * z_{n-2} + layer_n(z_{n-1}) - scale * z_{n-1}`` (NOTE
+    [ Reversible conversion ]): ``scale=1`` is the RevNet coupling, a smaller scale stays
+    closer to the pretrained function and reconstructs with round-off grown by ``1 / scale``
+    per layer. ``dim``: where the two streams are stacked (-1: a transformer's width; 1: a
+    ResNet's channels). ``exact``: reconstruction exact to the bit under any autocast precision
+    (``scale=1``). ``memory=Store()``: the same converted function with ordinary autograd (the
+    reference, and the baseline of its memory). Each layer must map a tensor to a tensor of its
+    shape; its other arguments (masks, rotary embeddings) are passed to every layer alike.
+    """
+    names = [layers] if isinstance(layers, str) else list(layers or [find_stack(model)])
+    for name in names:
+        try:
+            stack = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"make_reversible: {type(model).__name__} has no module {name!r}; "
+                             f"name a stack of its layers (an nn.ModuleList or nn.Sequential), "
+                             f"e.g. {find_stack(model)!r}") from None
+        if isinstance(stack, ReversibleLayers):
+            raise ValueError(f"make_reversible: {name} is converted already")
+        if not isinstance(stack, (nn.ModuleList, nn.Sequential)) or len(stack) < 1:
+            raise ValueError(f"make_reversible: {name} is a {type(stack).__name__}, not a stack "
+                             f"of layers (an nn.ModuleList or nn.Sequential of them)")
+        converted = ReversibleLayers(list(stack), scale, dim, memory, exact)
+        converted.train(stack.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, converted)
+    return model
+
+
+def find_stack(model: nn.Module) -> str:
+    """The name of ``model``'s stack of layers: of its nn.ModuleList and nn.Sequential modules
+    holding two or more layers of one class, the one with the most parameters (a converted
+    stack included)."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        if len({type(layer) for layer in module._modules.values()}) == 1:
+            found.append((sum(p.numel() for p in module.parameters()), name))
+    if not found:
+        raise ValueError(f"make_reversible: {type(model).__name__} has no stack of alike layers "
+                         f"(an nn.ModuleList or nn.Sequential of one class); name one: layers=")
+    return max(found)[1]

@@ -1,0 +1,323 @@
+"""make_reversible: a pretrained stack (timm's ViT blocks, Hugging Face GPT-2 and Llama decoder
+layers, a ResNet's identity-shortcut blocks) run as one reversible stage reusing its weights.
+Its gradients equal ordinary autograd's of the same converted network (float64), its buffers
+update once, its reconstruction is exact on the grid under bfloat16, its activation memory is
+flat in depth (measured, predicted to the byte), and its step-0 distance from the pretrained
+network is bounded by the scale (NOTE [ Reversible conversion ])."""
+
+import copy
+import os
+import warnings
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import revnets
+from revnets.conversion import ReversibleLayers, find_stack, make_reversible
+
+from conftest import max_grad_error
+
+SCALES = [1.0, 0.5, 0.125]
+
+
+def vit(depth: int = 4, **options) -> nn.Module:
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, num_classes=10,
+                             depth=depth, embed_dim=32, num_heads=2, **options)
+
+
+def images(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def hugging_face(name: str, layers: int = 3, **options) -> nn.Module:
+    t = pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # token ids of the default configs outside the vocabulary
+        if name == "gpt2":
+            return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=64, n_embd=32, n_layer=layers,
+                                                  n_head=2, n_positions=32, **options))
+        return t.LlamaForCausalLM(t.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, **options))
+
+
+def tokens(n: int = 2, length: int = 16) -> torch.Tensor:
+    return torch.randint(1, 64, (n, length), generator=torch.Generator().manual_seed(0))
+
+
+def stored(model: nn.Module) -> nn.Module:
+    """The same converted network with ordinary autograd: the reference."""
+    reference = copy.deepcopy(model)
+    for module in reference.modules():
+        if isinstance(module, ReversibleLayers):
+            module.memory = revnets.Store()
+    return reference
+
+
+def grads_of(model: nn.Module, loss, seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)  # dropout drawn alike in model and reference
+    model.zero_grad(set_to_none=True)
+    loss(model).backward()
+    return model
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("family", ["vit", "gpt2", "llama"])
+def test_gradients_equal_ordinary_autograd_of_the_converted_network(family, scale):
+    torch.manual_seed(0)
+    if family == "vit":
+        model = vit(drop_rate=0.1, attn_drop_rate=0.1).double()
+        x, y = images()
+        x = x.double()
+
+        def loss(m):
+            return F.cross_entropy(m(x), y)
+    else:  # GPT-2 with its dropout on, three layers (the last block's g is zero)
+        model = hugging_face(family).double().train()
+        ids = tokens()
+
+        def loss(m):
+            return m(input_ids=ids, labels=ids).loss
+    converted = make_reversible(model, scale=scale)
+    assert isinstance(converted.get_submodule(find_stack(converted)), ReversibleLayers)
+    reference = stored(converted)
+    grads_of(converted, loss)
+    grads_of(reference, loss)
+    assert max_grad_error(converted, reference) < 1e-10
+
+
+def test_the_state_dict_is_the_pretrained_one_key_for_key():
+    pretrained = vit()
+    converted = make_reversible(copy.deepcopy(pretrained))
+    assert list(converted.state_dict()) == list(pretrained.state_dict())
+    assert dict(converted.named_parameters()).keys() == dict(pretrained.named_parameters()).keys()
+    fresh = make_reversible(vit())
+    fresh.load_state_dict(pretrained.state_dict())  # pretrained weights load into a conversion
+    x, _ = images()
+    assert torch.equal(fresh.eval()(x), converted.eval()(x))
+
+
+def test_one_converted_layer_is_the_pretrained_layer():
+    # Rule 1: the first layer reads the input and adds its update to it, whatever the scale.
+    pretrained = vit(depth=1).double().eval()
+    x, _ = images()
+    for scale in SCALES:
+        converted = make_reversible(copy.deepcopy(pretrained), "blocks", scale).eval()
+        torch.testing.assert_close(converted(x.double()), pretrained(x.double()), rtol=0,
+                                   atol=1e-12)
+
+
+def step0_gap(pretrained: nn.Module, scale: float) -> float:
+    """The largest distance of the converted network's logits from the pretrained one's,
+    relative to their largest magnitude."""
+    x, _ = images(8)
+    with torch.no_grad():
+        reference = pretrained.eval()(x.double())
+        converted = make_reversible(copy.deepcopy(pretrained), scale=scale).eval()(x.double())
+    return ((converted - reference).abs().max() / reference.abs().max()).item()
+
+
+def test_the_step0_gap_shrinks_with_the_scale_in_proportion():
+    # Rule 1: each layer after the first differs from the pretrained one by scale times the
+    # previous layer's update, so for small scales the gap is linear in the scale.
+    pretrained = vit(depth=6).double()
+    gaps = {scale: step0_gap(pretrained, scale) for scale in (1.0, 2**-3, 2**-6, 2**-9)}
+    assert gaps[1.0] > gaps[2**-3] > gaps[2**-6] > gaps[2**-9] > 0
+    assert gaps[2**-6] / gaps[2**-9] == pytest.approx(8, rel=0.05)
+
+
+def test_a_resnets_identity_shortcut_blocks_convert_and_update_their_statistics_once():
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", num_classes=10).double()
+    converted = make_reversible(model, "layer1", dim=1)  # its two blocks keep their shape
+    reference = stored(converted)
+    x, y = images()
+
+    def loss(m):
+        return F.cross_entropy(m(x.double()), y)
+
+    grads_of(converted, loss)
+    grads_of(reference, loss)
+    assert max_grad_error(converted, reference) < 1e-10
+    for (name, a), b in zip(converted.named_buffers(), reference.buffers()):
+        assert torch.equal(a, b), name  # BatchNorm's running statistics and counts: once
+
+
+def test_a_layer_that_changes_the_shape_is_refused_naming_the_way_out():
+    model = make_reversible(timm.create_model("resnet18", num_classes=10), "layer2", dim=1)
+    with pytest.raises(ValueError, match=r"BasicBlock maps shape \(4, 64, 8, 8\) to \(4, 128, 4, "
+                                         r"4\).*convert only layers that keep it"):
+        model(images()[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_conversion_reconstructs_to_the_bit_where_a_scale_drifts(dtype):
+    torch.manual_seed(0)
+    pretrained = vit(depth=8)
+    x, y = images(8)
+
+    def drift(**options) -> float:
+        model = make_reversible(copy.deepcopy(pretrained), **options)
+        with revnets.check_reconstruction() as report:
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        assert len(report.drifts) == 4  # every block's input compared
+        return report.max_rel_error
+
+    assert drift(exact=True) == 0.0
+    assert 0 < drift(scale=0.5) < drift(scale=0.125)  # rule 2: round-off grows by 1 / scale
+
+
+def test_exact_gradients_equal_the_exact_network_with_ordinary_autograd_in_bfloat16():
+    torch.manual_seed(0)
+    converted = make_reversible(vit(), exact=True)
+    reference = stored(converted)
+    x, y = images()
+
+    def loss(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(m(x).float(), y)
+
+    grads_of(converted, loss)
+    grads_of(reference, loss)
+    assert max_grad_error(converted, reference) < 1e-4  # sums of bfloat16 products, reordered
+
+
+def train_step(model, x, y):
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+
+
+@pytest.mark.parametrize("depth", [4, 8, 16, 32])
+def test_activation_memory_is_flat_in_depth_measured_and_predicted(depth):
+    x, y = images(8)
+    converted = make_reversible(vit(depth))
+    measured = revnets.measure_memory(train_step, converted, x, y)
+    predicted = revnets.predict_memory(train_step, converted, x, y)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.above_model_state_bytes == measured.above_model_state_bytes
+    at_four = revnets.measure_memory(train_step, make_reversible(vit(4)), x, y)
+    assert measured.above_model_state_bytes == at_four.above_model_state_bytes
+    stored_peak = revnets.measure_memory(train_step, stored(converted), x, y)
+    assert stored_peak.above_model_state_bytes > (depth / 4) * 0.9 * (
+        at_four.above_model_state_bytes)  # the same network stored grows with its depth
+
+
+def test_a_hugging_face_model_keeps_its_outputs_its_cache_and_generate():
+    torch.manual_seed(0)
+    model = make_reversible(hugging_face("llama"))
+    ids = tokens()
+    out = model(input_ids=ids, labels=ids)  # training mode, use_cache on: the cache is left out
+    assert type(out).__name__ == "CausalLMOutputWithPast" and out.loss.requires_grad
+    reference = stored(model).eval()
+    model.eval()
+    with torch.no_grad():  # the layers run once each, filling the cache
+        first = model(input_ids=ids[:, :8], use_cache=True)
+        assert first.past_key_values.get_seq_length() == 8
+        after = model(input_ids=ids[:, 8:], past_key_values=first.past_key_values)
+        whole = model(input_ids=ids)
+    torch.testing.assert_close(after.logits, whole.logits[:, 8:], rtol=1e-4, atol=1e-5)
+    assert torch.equal(model.generate(ids[:, :4], max_new_tokens=6, do_sample=False),
+                       reference.generate(ids[:, :4], max_new_tokens=6, do_sample=False))
+
+
+def test_lora_adapters_on_a_converted_base_get_the_gradients_of_ordinary_autograd():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = make_reversible(hugging_face("llama").double())
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(base, config)
+    for module in model.modules():  # LoRA's B starts at zero: make the gradients non-trivial
+        if isinstance(module, nn.Linear) and module.weight.requires_grad:
+            nn.init.normal_(module.weight, std=0.02)
+    reference = stored(model)
+    ids = tokens()
+
+    def loss(m):
+        return m(input_ids=ids, labels=ids).loss
+
+    grads_of(model, loss)
+    grads_of(reference, loss)
+    trained = [name for name, p in model.named_parameters() if p.grad is not None]
+    assert trained and all("lora_" in name for name in trained)
+    assert max_grad_error(model, reference) < 1e-10
+
+
+def test_auto_checkpoint_plans_around_a_converted_stack_predicted_to_the_byte():
+    model = make_reversible(vit(8))
+    x, y = images(8)
+
+    def loss(out):
+        return F.cross_entropy(out, y)
+
+    unplanned = revnets.auto_checkpoint(model, x, 2**40, loss).memory_plan.peak_bytes
+    least = None
+    try:
+        revnets.auto_checkpoint(model, x, 1, loss)
+    except revnets.PlanningError as error:
+        least = error.smallest_budget
+    assert least is not None and least <= unplanned
+    planned = revnets.auto_checkpoint(model, x, least, loss)
+    measured = revnets.measure_memory(train_step, planned, x, y).peak_bytes
+    assert measured == planned.memory_plan.peak_bytes <= least
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: make_reversible(vit(), "head"), "head is a Linear, not a stack of layers"),
+    (lambda: make_reversible(vit(), "stack"), "has no module 'stack'.*e.g. 'blocks'"),
+    (lambda: make_reversible(vit(), scale=0), r"scale must be a number in \(0, 1\]"),
+    (lambda: make_reversible(vit(), scale=0.5, exact=True), "exact=True needs scale=1"),
+    (lambda: make_reversible(make_reversible(vit()), "blocks"), "blocks is converted already"),
+    (lambda: make_reversible(nn.Linear(2, 2)), "has no stack of alike layers"),
+])
+def test_what_cannot_be_converted_is_refused_by_name(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_a_layer_called_alone_is_refused_not_passed_through():
+    model = make_reversible(vit())
+    x = torch.randn(2, 17, 32)
+    assert model.blocks[0].attn is model.blocks.layer(0).attn  # the layer's attributes
+    model.blocks[0](x)
+    with pytest.raises(RuntimeError, match="layer 2 of a converted stack was called on a tensor"
+                                           " other than the stage's output"):
+        model.blocks[2](x)
+
+
+def _ddp_worker(rank: int, world: int, store: str, results: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(make_reversible(vit().double()))
+        x, y = images(4)
+        part = slice(2 * rank, 2 * rank + 2)
+        F.cross_entropy(model(x[part].double()), y[part]).backward()
+        if rank == 0:
+            torch.save({n: p.grad for n, p in model.module.named_parameters()}, results)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_over_two_processes_equals_one_process_on_the_whole_batch(tmp_path):
+    import torch.multiprocessing as mp
+
+    results = tmp_path / "grads.pt"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), str(results)), nprocs=2)
+    torch.manual_seed(0)
+    model = make_reversible(vit().double())
+    x, y = images(4)
+    F.cross_entropy(model(x.double()), y).backward()
+    for name, grad in torch.load(results).items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad,
+                                   rtol=1e-10, atol=1e-12)
