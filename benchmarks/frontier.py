@@ -8,9 +8,10 @@ free of the CPU allocator, Inductor's generated code included, which a dispatch-
 as ``revnets.measure_memory`` cannot see), summed in time order; every point is measured by that
 one meter. Time: median of interleaved steps, over the eager step's.
 
-    python benchmarks/frontier.py            # gpt, resnet50, vit (writes results/frontier-*)
+    python benchmarks/frontier.py            # gpt, resnet50, vit, hf-llama, hf-gpt2
     python benchmarks/frontier.py --quick    # small sizes, to check that it runs
     python benchmarks/frontier.py --only gpt
+    python benchmarks/frontier.py --only hf-llama,hf-gpt2   # Hugging Face models (revnets[hf])
     python benchmarks/frontier.py --device cuda   # on a GPU: the caching allocator's peak
     python benchmarks/frontier.py --only resnet --processes 3
         # each model in three fresh processes: a compiled step's speed moves by a few percent
@@ -18,6 +19,11 @@ one meter. Time: median of interleaved steps, over the eager step's.
 
 Each row says which torch.compile point of the same process, if any, reaches no more memory in
 less time (``beaten_by``): a revnets point with none is at or below compile's curve there.
+
+The Hugging Face models (transformers' Llama and GPT-2 from their configs, random weights) are
+planned as checkpoints of whole modules (torch.fx cannot trace them; ``compiled=True`` does not
+apply there, so they have no "revnets + compile" points) beside transformers' own gradient
+checkpointing, of every layer and of every second one.
 """
 
 from __future__ import annotations
@@ -64,19 +70,40 @@ KEEPS = (0.7, 0.5, 0.3, 0.15)  # revnets: share of the activation part kept in t
 FRACTIONS = (0.7, 0.5, 0.3, 0.1)  # torch.compile's activation_memory_budget
 
 
-FAMILIES = ("revnets + compile", "revnets", "compile", "torch checkpoint", "eager")
+FAMILIES = ("revnets + compile", "revnets", "compile", "torch checkpoint", "hf checkpointing",
+            "eager")
 
 
 def family_of(method: str) -> str:
     return next(f for f in FAMILIES if method.startswith(f))
 
 
+def loss_of(out: Any, y: Tensor) -> Tensor:
+    """Cross-entropy of a model's logits (a Hugging Face output's ``logits``, flattened)."""
+    logits = getattr(out, "logits", out)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
 def step_of(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None]:
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        loss_of(model(x), y).backward()
 
     return step
+
+
+def with_hf_checkpointing(model: nn.Module, every: int) -> nn.Module | None:
+    """A copy of a Hugging Face model under its own gradient checkpointing, of every
+    ``every``-th layer."""
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        return None
+    clone = copy.deepcopy(model)
+    getattr(clone, "activation_checkpointing_enable", clone.gradient_checkpointing_enable)()
+    layers = [m for m in clone.modules() if hasattr(m, "gradient_checkpointing")
+              and type(m).__name__.endswith(("Layer", "Block"))]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0
+    return clone
 
 
 class PerBlock(nn.Module):
@@ -175,7 +202,30 @@ def cases(quick: bool, scale: int = 1) -> dict[str, Callable[[], tuple[nn.Module
         model = timm.create_model(name, img_size=size, num_classes=10)
         return model, torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
 
-    return {"gpt": gpt, "resnet": resnet, "vit": vit}
+    def hugging_face(kind: str) -> Callable[[], tuple[nn.Module, Tensor, Tensor]]:
+        def build() -> tuple[nn.Module, Tensor, Tensor]:
+            import transformers
+
+            layers, width, length, batch = (2, 64, 32, 2) if quick else (4, 256, 256, 4)
+            batch *= scale
+            vocab = 4096
+            if kind == "llama":
+                config = transformers.LlamaConfig(
+                    vocab_size=vocab, hidden_size=width, intermediate_size=int(2.75 * width),
+                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                    max_position_embeddings=length, use_cache=False)
+                model = transformers.LlamaForCausalLM(config)
+            else:
+                config = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers,
+                                                 n_head=4, n_positions=length, use_cache=False)
+                model = transformers.GPT2LMHeadModel(config)
+            tokens = torch.randint(0, vocab, (batch, length))
+            return model, tokens, torch.randint(0, vocab, (batch * length,))
+
+        return build
+
+    return {"gpt": gpt, "resnet": resnet, "vit": vit, "hf-llama": hugging_face("llama"),
+            "hf-gpt2": hugging_face("gpt2")}
 
 
 def frontier(
@@ -200,20 +250,21 @@ def frontier(
         budget = int(state + keep * (eager_peak - state))
         try:
             revnets.auto_checkpoint(model, x, budget, measure_time=times,
-                                    loss_fn=lambda out: F.cross_entropy(out, y))
+                                    loss_fn=lambda out: loss_of(out, y))
             budgets[f"keep {keep}"] = budget
         except PlanningError as refusal:
             smallest = refusal.smallest_budget
     if smallest is not None:  # the lowest revnets reaches: the budget a refusal names
         budgets["smallest"] = smallest
+    traceable = not hasattr(model, "gradient_checkpointing_enable")  # Hugging Face's are not
     for label, budget in budgets.items():
-        for under_compile in (False, True):
+        for under_compile in (False, True) if traceable else (False,):
             # A plan for a compiled model (``compiled=True``: its checkpoints' cheap steps are
             # recomputed inside fused kernels, so it keeps products and recomputes the rest),
             # compiled as users compile models.
             planned = revnets.auto_checkpoint(model, x, budget, compiled=under_compile,
                                               measure_time=times,
-                                              loss_fn=lambda out: F.cross_entropy(out, y))
+                                              loss_fn=lambda out: loss_of(out, y))
             steps[f"revnets + compile {label}" if under_compile else f"revnets {label}"] = (
                 compiled(planned, 1.0, x, y) if under_compile else step_of(planned, x, y))
     for selective in (False, True):
@@ -221,6 +272,11 @@ def frontier(
         if wrapped is not None:
             steps["torch checkpoint " + ("SAC (matmuls kept)" if selective else "per block")] = \
                 step_of(wrapped, x, y)
+    for every in (1, 2):
+        wrapped = with_hf_checkpointing(model, every)
+        if wrapped is not None:
+            steps["hf checkpointing " + ("every layer" if every == 1 else f"every {every}nd "
+                                         "layer")] = step_of(wrapped, x, y)
     for fraction in (1.0, *fractions):
         steps[f"compile budget {fraction}"] = compiled(model, fraction, x, y)
     peaks = {}
@@ -313,8 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     rows = []
     argv = sys.argv[1:] if argv is None else argv
+    only = set(args.only.split(",")) if args.only else None
     for name, build in cases(args.quick, args.batch_scale).items():
-        if args.only in name:
+        if only is None or name in only:
             found = (in_processes(name, args.processes, argv) if args.processes > 1 else
                      frontier(name, build, args.repeats, device, keeps, fractions))
             for row in found:
