@@ -7,6 +7,7 @@ network is bounded by the scale (NOTE [ Reversible conversion ])."""
 
 import copy
 import os
+import pickle
 import warnings
 
 import pytest
@@ -99,6 +100,9 @@ def test_the_state_dict_is_the_pretrained_one_key_for_key():
     fresh.load_state_dict(pretrained.state_dict())  # pretrained weights load into a conversion
     x, _ = images()
     assert torch.equal(fresh.eval()(x), converted.eval()(x))
+    converted(x)  # the stage's output is held weakly: the whole model still saves and loads
+    again = pickle.loads(pickle.dumps(converted))
+    assert torch.equal(again(x), converted(x))
 
 
 def test_one_converted_layer_is_the_pretrained_layer():

@@ -148,6 +148,11 @@ class ReversibleLayers(nn.ModuleList):
         """The pretrained layer ``index`` itself (indexing gives the stand-in the loop calls)."""
         return list(self._modules.values())[index]
 
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_output"] = None  # a weak reference does not pickle (torch.save of the model)
+        return state
+
     __repr__ = nn.Module.__repr__  # of the layers, not what iterating gives
 
     def extra_repr(self) -> str:
