@@ -275,8 +275,10 @@ def frontier(
     for every in (1, 2):
         wrapped = with_hf_checkpointing(model, every)
         if wrapped is not None:
+            step = step_of(wrapped, x, y)
+            step.model = wrapped  # a copy: its own gradients to free before a measured step
             steps["hf checkpointing " + ("every layer" if every == 1 else f"every {every}nd "
-                                         "layer")] = step_of(wrapped, x, y)
+                                         "layer")] = step
     for fraction in (1.0, *fractions):
         steps[f"compile budget {fraction}"] = compiled(model, fraction, x, y)
     peaks = {}

@@ -158,7 +158,7 @@ def test_a_layer_that_changes_the_shape_is_refused_naming_the_way_out():
         model(images()[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_exact_conversion_reconstructs_to_the_bit_where_a_scale_drifts(dtype):
     torch.manual_seed(0)
     pretrained = vit(depth=8)
@@ -284,14 +284,151 @@ def test_what_cannot_be_converted_is_refused_by_name(call, message):
         call()
 
 
-def test_a_layer_called_alone_is_refused_not_passed_through():
+class Res(nn.Module):
+    """A residual layer taking an optional per-layer argument (a mask, a shift)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, shift=None):
+        return x + torch.tanh(self.fc(x) + (0 if shift is None else shift))
+
+
+class Loop(nn.Module):
+    """A model whose forward loops over its layers, as transformers' do; ``skip`` drops layers
+    (LayerDrop), ``edit`` writes the hidden state between layers, ``shifts`` gives each layer
+    an argument of its own (Qwen2's and Gemma's per-layer masks)."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Res() for _ in range(n))
+
+    def forward(self, x, shifts=None, skip=(), edit=False):
+        for i, layer in enumerate(self.layers):
+            if i in skip:
+                continue
+            x = layer(x, None if shifts is None else shifts[i])
+            if edit:
+                x[:, 0] = 0
+        return x
+
+
+def converted_function(layers, x, arguments, scale=1.0):
+    """The documented function (NOTE [ Reversible conversion ], rule 1), written out."""
+    before = last = x
+    for layer, argument in zip(layers, arguments):
+        before, last = last, scale * before + layer(last, argument) - scale * last
+    return last
+
+
+def test_each_layer_gets_its_own_arguments():
+    torch.manual_seed(0)
+    model = make_reversible(Loop().double(), scale=0.5)
+    x, shifts = torch.randn(3, 8).double(), [torch.randn(8).double() for _ in range(4)]
+    layers = [model.layers.layer(i) for i in range(4)]
+    torch.testing.assert_close(model(x, shifts), converted_function(layers, x, shifts, 0.5),
+                               rtol=0, atol=1e-12)
+    reference = stored(model)
+    grads_of(model, lambda m: m(x, shifts).square().sum())
+    grads_of(reference, lambda m: m(x, shifts).square().sum())
+    assert max_grad_error(model, reference) < 1e-10
+
+
+def test_a_loop_that_calls_the_first_layer_apart_still_runs_each_layer_once():
+    model = make_reversible(Loop())
+    x = torch.randn(3, 8)
+    hidden = model.layers[0](x, None)
+    for layer in model.layers[1:]:
+        hidden = layer(hidden, None)
+    torch.testing.assert_close(hidden, model(x))
+
+
+@pytest.mark.parametrize("misuse, message", [
+    (lambda m, x: m.layers[0](x, None) + 1, "add on the hidden state between two layers"),
+    (lambda m, x: m(x, skip=(1,)), r"layer 2 .* called after layer 0; layers 1..1 were skipped"),
+    (lambda m, x: m(x, edit=True), "on the hidden state between two layers"),
+    (lambda m, x: torch.stack([m.layers[0](x, None)]), "stack on the hidden state"),
+])
+def test_what_reads_between_the_layers_or_skips_one_is_refused(misuse, message):
+    # A layer called alone, LayerDrop, a write between layers: each would see or skip a hidden
+    # state the one reversible stage never computes (NOTE [ Reversible conversion ], rule 3).
+    with pytest.raises(RuntimeError, match=message):
+        misuse(make_reversible(Loop()), torch.randn(3, 8))
+
+
+def test_timm_intermediate_features_are_refused_not_made_up():
+    model = make_reversible(vit()).eval()
+    with pytest.raises(RuntimeError, match="is not computed"):
+        model.forward_intermediates(images()[0])
+
+
+def test_hugging_face_hidden_states_of_every_layer_are_refused_not_made_up():
+    model = make_reversible(hugging_face("llama")).eval()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="output_hidden_states=True"):
+        model(input_ids=tokens(), output_hidden_states=True)
+    with torch.no_grad():
+        assert model(input_ids=tokens(), output_attentions=False).logits.shape[-1] == 64
+
+
+def test_layers_keep_the_modes_set_inside_them():
+    model = make_reversible(timm.create_model("resnet18", num_classes=10), "layer1", dim=1)
+    x, _ = images()
+    with torch.no_grad():
+        model.eval()(x)
+    model.train()
+    for module in model.modules():  # a frozen-BatchNorm recipe
+        if isinstance(module, nn.BatchNorm2d):
+            module.eval()
+    norm = model.layer1.layer(0).bn1
+    before = norm.running_mean.clone()
+    model(x).sum().backward()
+    assert not norm.training and torch.equal(norm.running_mean, before)
+
+
+def test_a_stack_keeps_its_own_names_and_attributes_set_through_the_loop():
+    torchvision = pytest.importorskip("torchvision")
+    options = dict(image_size=32, patch_size=8, num_layers=4, num_heads=2, hidden_dim=32,
+                   mlp_dim=64, num_classes=10)
+    pretrained = torchvision.models.VisionTransformer(**options)
+    converted = make_reversible(torchvision.models.VisionTransformer(**options), "encoder.layers")
+    assert list(converted.state_dict()) == list(pretrained.state_dict())
+    converted.load_state_dict(pretrained.state_dict())
+    model = make_reversible(vit())
+    for block in model.blocks:
+        block.marker = 1  # set through the loop: on the layer itself
+    assert model.blocks.layer(3).marker == 1
+
+
+def test_a_filled_cache_in_a_training_step_is_refused_an_empty_one_left_out_saying_so():
+    model = make_reversible(hugging_face("llama")).train()
+    ids = tokens()
+    with pytest.warns(UserWarning, match="without the key-value cache"):
+        out = model(input_ids=ids[:, :8], use_cache=True)
+    with torch.no_grad():
+        filled = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+    with pytest.raises(RuntimeError, match="got a key-value cache holding 8 positions"):
+        model(input_ids=ids[:, 8:], past_key_values=filled)
+    assert out.loss is None and out.logits.requires_grad
+
+
+def test_a_layer_called_alone_gives_no_value_and_the_layer_itself_is_at_hand():
     model = make_reversible(vit())
     x = torch.randn(2, 17, 32)
     assert model.blocks[0].attn is model.blocks.layer(0).attn  # the layer's attributes
-    model.blocks[0](x)
-    with pytest.raises(RuntimeError, match="layer 2 of a converted stack was called on a tensor"
-                                           " other than the stage's output"):
-        model.blocks[2](x)
+    assert model.blocks[0](hidden_states=x).shape == x.shape  # by keyword too; its shape only
+    with pytest.raises(RuntimeError, match="is not computed"):
+        model.blocks[0](x).sum()
+    torch.testing.assert_close(model.blocks.layer(0)(x), vit_block_reference(model, x))
+
+
+def vit_block_reference(model, x):
+    return model.blocks.layer(0).forward(x)
+
+
+def test_the_model_itself_as_the_stack_is_refused():
+    with pytest.raises(ValueError, match="the model itself .* is the stack"):
+        make_reversible(nn.Sequential(Res(), Res()))
 
 
 def _ddp_worker(rank: int, world: int, store: str, results: str) -> None:

@@ -27,22 +27,28 @@ its depth.
 #    block; a small scale trains in float32 and drifts (check_reconstruction reports it), and
 #    keep_input_every bounds it at depth / k stored inputs.
 # 3. The layers stay where they were, under their names (ReversibleLayers is the stack's
-#    nn.ModuleList, key for key); the reversible sequence over them is held unregistered, so
-#    state_dict, parameters, peft's injection, moves and casts see the model as it was. The
-#    stack runs whole when called (timm: ``self.blocks(x)``), and where the model's code loops
-#    over its layers (Hugging Face: ``for layer in self.layers[:n]: h = layer(h, ...)``),
-#    iterating or indexing it gives stand-ins: the first of the run calls the whole run as one
-#    stage with the arguments it was given, which every layer then gets alike (the mask, the
-#    rotary embeddings, the cache); each other one hands the stage's output on, and refuses
-#    any other tensor (code changing the hidden state between layers, or calling one layer
-#    alone, would otherwise get a silent wrong result). ``stack.layer(i)`` is the layer itself.
+#    nn.ModuleList, key for key, a named nn.Sequential's names kept); the reversible sequence
+#    over them is held unregistered, so state_dict, parameters, peft's injection, moves and
+#    casts see the model as it was. The stack runs whole when called (timm: ``self.blocks(x)``,
+#    every layer given the call's other arguments). Where the model's code loops over its
+#    layers (Hugging Face: ``for layer in self.layers[:n]: h = layer(h, ...)``), iterating or
+#    indexing the stack gives stand-ins that record each layer's own arguments (Qwen2's and
+#    Gemma's per-layer masks) and hand on a token (stack.Pending) in place of the hidden state;
+#    the last layer's call runs the run as one stage and returns its output. So no value the
+#    stage does not compute is ever handed out: anything done with the token but passing it on
+#    (a layer called alone and its output read, a write between layers, timm's intermediate
+#    features), a layer skipped or called out of order (LayerDrop), and transformers'
+#    output_hidden_states, which records the layers' own outputs, are refused by name.
+#    ``stack.layer(i)`` is the layer itself; attributes read or set on a stand-in are its.
+#    The layers' own submodules keep the modes set on them (a frozen BatchNorm).
 # 4. exact=True runs the stage on the fixed-point grid (NOTE [ Exact reversibility ]):
 #    reconstruction exact to the bit in float32, bfloat16 and float16 autocast, at no memory
 #    cost, scale = 1 only (a scaled stream leaves the grid, and its inverse divides).
 # 5. A Hugging Face cache is filled by the layers' calls. The reversible path runs each layer
-#    again in backward, so in a training step with gradients it runs them without the cache
-#    (as Hugging Face's gradient checkpointing turns use_cache off); without gradients
-#    (evaluation, generate()) the layers run once each, with it.
+#    again in backward, so a training step with gradients runs them without an empty cache it
+#    is given, saying so (as transformers' checkpointing turns use_cache off), and refuses one
+#    already filled (a prefix, a second chunk), which it could not read again; without
+#    gradients (evaluation, generate()) the layers run once each, with it.
 
 from __future__ import annotations
 
@@ -79,8 +85,16 @@ def make_reversible(
     reference, and the baseline of its memory). Each layer must map a tensor to a tensor of its
     shape; its other arguments (masks, rotary embeddings) are passed to every layer alike.
     """
-    names = [layers] if isinstance(layers, str) else list(layers or [find_stack(model)])
+    names = [layers] if isinstance(layers, str) else (
+        [find_stack(model)] if layers is None else list(layers))
+    if not names:
+        raise ValueError("make_reversible: layers=[] names no stack; name one, or None to find it")
     for name in names:
+        if not name:
+            raise ValueError(
+                f"make_reversible: the model itself ({type(model).__name__}) is the stack; "
+                f"convert a model holding it (nn.Sequential(stem, stack, head), or name the "
+                f"stack inside it), since a module cannot be replaced in place")
         try:
             stack = model.get_submodule(name)
         except AttributeError:
@@ -92,7 +106,7 @@ def make_reversible(
         if not isinstance(stack, (nn.ModuleList, nn.Sequential)) or len(stack) < 1:
             raise ValueError(f"make_reversible: {name} is a {type(stack).__name__}, not a stack "
                              f"of layers (an nn.ModuleList or nn.Sequential of them)")
-        converted = ReversibleLayers(list(stack), scale, dim, memory, exact)
+        converted = ReversibleLayers(list(stack._modules.items()), scale, dim, memory, exact)
         converted.train(stack.training)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, converted)

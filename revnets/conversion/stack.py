@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
-import weakref
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,22 +18,27 @@ from revnets.plan import Reconstruct, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence
 from revnets.reversible.coupling import ScaledCoupling
 
-__all__ = ["LayerUpdate", "ReversibleLayers", "Zero"]
+__all__ = ["LayerUpdate", "Pending", "ReversibleLayers", "Zero"]
 
 
 class LayerUpdate(nn.Module):
     """``h(x) = layer(x, *arguments) - scale * x``: a pretrained layer as the transform of a
-    coupling ``y = scale * x1 + h(x2)`` (rule 1). The layer's other arguments come as the
-    context (the call's pytree spec first, then its leaves), so tensors among them get their
+    coupling ``y = scale * x1 + h(x2)`` (rule 1). Each layer's own arguments come in the
+    context: a layout (per layer of the stage, the pytree spec of its arguments and which
+    leaves are theirs) and then the leaves, each once, so that tensors among them get their
     gradients from the engine."""
 
-    def __init__(self, layer: nn.Module, scale: float) -> None:
+    def __init__(self, layer: nn.Module, scale: float, position: int) -> None:
         super().__init__()
         self.layer = layer
         self.scale = scale
+        self.position = position  # its place in the stage's layout
 
-    def forward(self, x: Tensor, spec: Any = None, *leaves: Any) -> Tensor:
-        args, kwargs = ((), {}) if spec is None else tree_unflatten(list(leaves), spec)
+    def forward(self, x: Tensor, layout: tuple | None = None, *leaves: Any) -> Tensor:
+        args, kwargs = (), {}
+        if layout is not None:
+            spec, picks = layout[self.position]
+            args, kwargs = tree_unflatten([leaves[i] for i in picks], spec)
         out = self.layer(x, *args, **kwargs)
         if not isinstance(out, Tensor):
             raise TypeError(
@@ -56,6 +63,42 @@ class Zero(nn.Module):
         return torch.zeros_like(x)
 
 
+class Pending(Tensor):
+    """What the model's loop holds between the layers of a converted stack before its last
+    layer is called (rule 3): it passes from layer to layer and answers for its shape, dtype and
+    device; anything else done with it (arithmetic, a write, a norm) is refused, since the
+    hidden state there is not computed."""
+
+    _ALLOWED = frozenset({Tensor.size, Tensor.dim, Tensor.__len__, Tensor.__repr__,
+                          Tensor.shape.__get__, Tensor.dtype.__get__, Tensor.device.__get__,
+                          Tensor.ndim.__get__, Tensor.requires_grad.__get__,
+                          Tensor.is_floating_point, Tensor.numel})
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in cls._ALLOWED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", str(func))
+        raise RuntimeError(
+            f"make_reversible: {name} on the hidden state between two layers of a converted "
+            f"stack, which is not computed: the stack runs as one reversible stage when its "
+            f"last layer is called, and its layers' own outputs are not the converted streams. "
+            f"Read the hidden state after the stack (intermediate features, hidden states of "
+            f"every layer, a layer called alone, a write between layers need the stack "
+            f"unconverted)")
+
+
+@dataclass
+class _Run:
+    """A run of the stack's layers the model's loop is calling (rule 3)."""
+
+    start: int
+    x: Tensor
+    token: Pending
+    calls: list[tuple[tuple, dict]] = field(default_factory=list)
+
+
 class ReversibleLayers(nn.ModuleList):
     """The layers of a pretrained stack, under their own names, run as one reversible stage
     (NOTE [ Reversible conversion ]): called (``blocks(x)``) or iterated by the model's own loop
@@ -65,21 +108,26 @@ class ReversibleLayers(nn.ModuleList):
 
     planning_unit = True  # auto_checkpoint keeps the stage whole: it is reversible already
 
-    def __init__(self, layers: list[nn.Module], scale: float = 1.0, dim: int = -1,
-                 memory: Reconstruct | Store = Reconstruct(), exact: bool = False) -> None:
-        super().__init__(layers)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]], scale: float = 1.0,
+                 dim: int = -1, memory: Reconstruct | Store = Reconstruct(),
+                 exact: bool = False) -> None:
+        super().__init__()
+        for name, layer in layers:  # the stack's own names (a named nn.Sequential's too)
+            self.add_module(name, layer)
+        if (isinstance(scale, bool) or not isinstance(scale, (numbers.Real, Tensor))
+                or not 0 < float(scale) <= 1):
             raise ValueError(f"make_reversible: scale must be a number in (0, 1], got {scale!r}")
+        scale = float(scale)
         if exact and scale != 1:
             raise ValueError(
                 f"make_reversible: exact=True needs scale=1 (the additive coupling); scale="
                 f"{scale} multiplies a stream by it, which leaves the fixed-point grid, and its "
                 f"inverse divides by it (NOTE [ Reversible conversion ], rule 4)")
-        self.scale, self.dim, self.exact = float(scale), dim, exact
+        self.scale, self.dim, self.exact = scale, dim, exact
         # Unregistered (rule 3): the blocks hold the layers, which are this module's children.
-        self._stages: dict[tuple[int, ...], tuple[ReversibleSequence]] = {}
+        self._stages: dict[tuple[int, int], tuple[tuple[int, ...], ReversibleSequence]] = {}
         self._memory = memory
-        self._output: weakref.ref | None = None  # the last stage's output (rule 3)
+        self._run: _Run | None = None
         self.sequence(0, len(self))  # refuses a bad option now, not in the first step
 
     @property
@@ -91,16 +139,18 @@ class ReversibleLayers(nn.ModuleList):
     @memory.setter
     def memory(self, decision: Reconstruct | Store) -> None:
         self._memory = decision
-        for (stage,) in self._stages.values():
+        for _, stage in self._stages.values():
             stage.set_memory(decision)
 
     def sequence(self, start: int, stop: int) -> ReversibleSequence:
         """The reversible sequence of layers ``start:stop``: layers ``2k`` and ``2k + 1`` of it
         are f and g of block k (rule 1)."""
         layers = list(self._modules.values())[start:stop]
-        key = (start, stop, *map(id, layers))  # a layer replaced or added since: built anew
-        if key not in self._stages:
-            updates = [LayerUpdate(layer, self.scale) for layer in layers]
+        ids = tuple(map(id, layers))  # a layer replaced or added since: built anew
+        found = self._stages.get((start, stop))
+        if found is None or found[0] != ids:
+            updates: list[nn.Module] = [LayerUpdate(layer, self.scale, i)
+                                        for i, layer in enumerate(layers)]
             if len(updates) % 2:
                 updates.append(Zero())
             coupling = "additive" if self.scale == 1 else ScaledCoupling(self.scale)
@@ -108,32 +158,37 @@ class ReversibleLayers(nn.ModuleList):
                       for i in range(0, len(updates), 2)]
             stage = ReversibleSequence(blocks, Store() if isinstance(self._memory, Store)
                                        else self._memory, exact=self.exact)
-            self._stages[key] = (stage,)
-        return self._stages[key][0]
+            self._stages[start, stop] = found = (ids, stage)
+        return found[1]
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return self.run(0, len(self), x, args, kwargs)
+        return self.run(0, x, [(args, kwargs)] * len(self))
 
-    def run(self, start: int, stop: int, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
-        """Layers ``start:stop`` on ``x`` as one stage, each given ``args`` and ``kwargs``."""
-        stage = self.sequence(start, stop)
-        if stage.training != self.training:
-            stage.train(self.training)
-        reversing = (isinstance(stage.memory, Reconstruct) and self.training
-                     and torch.is_grad_enabled())
-        if reversing:  # rule 5: a cache is filled by calls that run once
-            args, kwargs = _without_caches(args), _without_caches(kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
-        context = (spec, *leaves) if leaves or args or kwargs else ()
-        both = torch.cat((x, x), dim=self.dim)
-        y1, y2 = stage.split(stage(both, *context))
-        out = y2 if (stop - start) % 2 == 0 else y1
-        self._output = weakref.ref(out)
-        return out
+    def run(self, start: int, x: Tensor, calls: list[tuple[tuple, dict]]) -> Tensor:
+        """Layers ``start:start + len(calls)`` on ``x`` as one stage, layer ``start + i`` given
+        the arguments ``calls[i]``."""
+        _refuse_recorded_hidden_states()
+        stage = self.sequence(start, start + len(calls))
+        _set_mode(stage, self.training)
+        if isinstance(stage.memory, Reconstruct) and self.training and torch.is_grad_enabled():
+            calls = [_without_caches(call) for call in calls]  # rule 5
+        leaves: list[Any] = []  # each once: the mask and rotary embeddings every layer gets
+        where: dict[int, int] = {}
+        layout = []
+        for call in calls:
+            found, spec = tree_flatten(call)
+            for leaf in found:
+                if id(leaf) not in where:
+                    where[id(leaf)] = len(leaves)
+                    leaves.append(leaf)
+            layout.append((spec, tuple(where[id(leaf)] for leaf in found)))
+        context = (tuple(layout), *leaves)
+        y1, y2 = stage.split(stage(torch.cat((x, x), dim=self.dim), *context))
+        return y2 if len(calls) % 2 == 0 else y1
 
     # -- the model's own loop (rule 3) ----------------------------------------------------------
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(_Layer(self, i, 0, len(self)) for i in range(len(self)))
+        return iter(_Layer(self, i, len(self)) for i in range(len(self)))
 
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
@@ -141,16 +196,44 @@ class ReversibleLayers(nn.ModuleList):
             if step != 1:
                 raise IndexError("a converted stack runs its layers in order: no step")
             return _Slice(self, start, stop)
-        position = range(len(self))[index]
-        return _Layer(self, position, 0, len(self))
+        return _Layer(self, range(len(self))[index], len(self))
 
     def layer(self, index: int) -> nn.Module:
         """The pretrained layer ``index`` itself (indexing gives the stand-in the loop calls)."""
         return list(self._modules.values())[index]
 
+    def call_layer(self, index: int, stop: int, hidden: Tensor, args: tuple,
+                   kwargs: dict) -> Tensor:
+        """Layer ``index`` of a loop over layers ``..stop`` called (rule 3): a real tensor starts
+        a run, the run's token continues it; the last layer runs the run as one stage."""
+        run = self._run
+        if isinstance(hidden, Pending):
+            if run is None or hidden is not run.token:
+                raise RuntimeError(
+                    f"make_reversible: layer {index} of a converted stack was given the hidden "
+                    f"state of another run of its layers; call them in one loop, in order")
+            expected = run.start + len(run.calls)
+            if index != expected:
+                raise RuntimeError(
+                    f"make_reversible: layer {index} of a converted stack was called after layer "
+                    f"{expected - 1}; layers {expected}..{index - 1} were skipped (LayerDrop, "
+                    f"early exit) or the loop went back. A converted stack runs every layer of "
+                    f"its run once, in order: turn layer dropping off (e.g. config.layerdrop=0)")
+            run.calls.append((args, kwargs))
+        else:
+            if not isinstance(hidden, Tensor):
+                raise TypeError(f"make_reversible: layer {index} of a converted stack takes the "
+                                f"hidden state first, got {type(hidden).__name__}")
+            token = torch.Tensor._make_subclass(Pending, hidden.detach(), False)
+            self._run = run = _Run(index, hidden, token, [(args, kwargs)])
+        if index < stop - 1:
+            return run.token
+        self._run = None
+        return self.run(run.start, run.x, run.calls)
+
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state["_output"] = None  # a weak reference does not pickle (torch.save of the model)
+        state["_run"] = None  # a loop under way is not the module's state
         return state
 
     __repr__ = nn.Module.__repr__  # of the layers, not what iterating gives
@@ -167,52 +250,83 @@ class _Slice:
         self.owner, self.start, self.stop = owner, start, stop
 
     def __iter__(self) -> Iterator[_Layer]:
-        return iter(_Layer(self.owner, i, self.start, self.stop)
-                    for i in range(self.start, self.stop))
+        return iter(_Layer(self.owner, i, self.stop) for i in range(self.start, self.stop))
 
     def __len__(self) -> int:
         return self.stop - self.start
 
     def __getitem__(self, index: int) -> _Layer:
-        return _Layer(self.owner, range(self.start, self.stop)[index], self.start, self.stop)
+        return _Layer(self.owner, range(self.start, self.stop)[index], self.stop)
 
 
 class _Layer:
-    """Layer ``index`` of a converted stack as the model's loop meets it (rule 3): the first of
-    a run calls the whole run as one stage; each other one hands back the stage's output. Its
-    attributes are the layer's (``layers[0].self_attn``)."""
+    """Layer ``index`` of a converted stack as the model's loop over layers ``..stop`` meets it
+    (rule 3). Its attributes are the layer's (``layers[0].self_attn``), read and set."""
 
-    def __init__(self, owner: ReversibleLayers, index: int, start: int, stop: int) -> None:
-        self.__dict__.update(owner=owner, index=index, start=start, stop=stop)
+    def __init__(self, owner: ReversibleLayers, index: int, stop: int) -> None:
+        self.__dict__.update(_owner=owner, _index=index, _stop=stop)
 
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        owner = self.owner
-        if self.index == self.start:
-            return owner.run(self.start, self.stop, x, args, kwargs)
-        last = None if owner._output is None else owner._output()
-        if x is not last:
-            raise RuntimeError(
-                f"make_reversible: layer {self.index} of a converted stack was called on a "
-                f"tensor other than the stage's output. The stack runs layers {self.start}.."
-                f"{self.stop - 1} as one reversible stage in the call of layer {self.start}, "
-                f"so the others only pass its output on: code that changes the hidden state "
-                f"between layers, or calls one layer alone, needs the stack unconverted "
-                f"(use stack.layer({self.index}) for the pretrained layer itself)")
-        return x
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        if args:
+            hidden, args = args[0], args[1:]
+        elif "hidden_states" in kwargs:  # a layer called with its hidden state by keyword
+            hidden = kwargs.pop("hidden_states")
+        else:
+            raise TypeError(f"make_reversible: layer {self._index} of a converted stack was "
+                            f"called without a hidden state")
+        return self._owner.call_layer(self._index, self._stop, hidden, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.owner.layer(self.index), name)
+        return getattr(self._owner.layer(self._index), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._owner.layer(self._index), name, value)
 
     def __repr__(self) -> str:
-        kind = type(self.owner.layer(self.index)).__name__
-        return f"<layer {self.index} of a converted stack: {kind}>"
+        kind = type(self._owner.layer(self._index)).__name__
+        return f"<layer {self._index} of a converted stack: {kind}>"
+
+
+def _set_mode(stage: ReversibleSequence, training: bool) -> None:
+    """The stage's own modules (its blocks, their couplings' transforms) in the stack's mode;
+    the layers' submodules keep theirs (a frozen BatchNorm, dropout kept on for sampling)."""
+    stage.training = stage.blocks.training = training
+    for block in stage.blocks:
+        block.training = block.f.training = block.g.training = training
+
+
+def _refuse_recorded_hidden_states() -> None:
+    """transformers' ``output_hidden_states=True`` records each layer's output with a hook on
+    the layer: here that is the layer's own output, not the converted stream (rule 3)."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    collected = collector.get() if collector is not None else None
+    if isinstance(collected, dict) and "hidden_states" in collected:
+        raise RuntimeError(
+            "make_reversible: output_hidden_states=True asks for every layer's hidden state, "
+            "which a converted stack does not compute (its layers' own outputs are not the "
+            "converted streams); read last_hidden_state, or use the stack unconverted")
 
 
 def _without_caches(tree: Any) -> Any:
-    """``tree`` with every Hugging Face cache replaced by None (rule 5)."""
+    """``tree`` with an empty Hugging Face cache replaced by None; one already filled is
+    refused (rule 5)."""
     transformers = sys.modules.get("transformers")
     cache = getattr(transformers, "Cache", None) if transformers is not None else None
     if cache is None:
         return tree
     leaves, spec = tree_flatten(tree, is_leaf=lambda leaf: isinstance(leaf, cache))
+    found = [leaf for leaf in leaves if isinstance(leaf, cache)]
+    for given in found:
+        if given.get_seq_length() > 0:
+            raise RuntimeError(
+                "make_reversible: a training step with gradients got a key-value cache holding "
+                f"{given.get_seq_length()} positions; a converted stack runs each layer again in "
+                "backward and cannot read or fill a cache there. Run the step without one "
+                "(use_cache=False), under torch.no_grad(), or with the stack's memory=Store()")
+    if found:
+        warnings.warn("make_reversible: a training step with gradients runs the converted "
+                      "stack's layers without the key-value cache it was given, which stays "
+                      "empty (as transformers' checkpointing turns use_cache off); pass "
+                      "use_cache=False", stacklevel=4)
     return tree_unflatten([None if isinstance(leaf, cache) else leaf for leaf in leaves], spec)
