@@ -1,7 +1,7 @@
 """Pretrained networks made reversible (revnets.make_reversible): do they fine-tune as well, and
 what do they save? Nothing is downloaded.
 
-    python benchmarks/conversion.py            # writes results/conversion-cpu-pt<ver>-fp32*.{md,csv,png}
+    python benchmarks/conversion.py            # writes results/conversion-cpu-pt<ver>-fp32*
     python benchmarks/conversion.py --quick    # tiny sizes, one seed, prints only
 
 Two tasks, each pretrained here once (seed 0), then fine-tuned on held-out data over 3 seeds:

@@ -138,6 +138,14 @@ def test_peers_overhead_quick_run_times_revnets_beside_ordinary_autograd():
     assert "'library': 'none'" in out and "'library': 'revnets'" in out
 
 
+@pytest.mark.slow  # pretrains and fine-tunes two small models (about 40 s)
+def test_conversion_quick_run_fine_tunes_every_method_and_measures_depth():
+    out = run_quick("conversion.py")
+    for method in ("'full'", "'checkpointing'", "'reversible'", "'reversible scale 0.5'"):
+        assert f"'method': {method}" in out
+    assert "'depth': 8" in out and "'predicted_equal': False" not in out
+
+
 @pytest.mark.slow  # compiles the model at each budget, in two processes
 def test_frontier_quick_run_measures_every_family(tmp_path):
     out = run_quick("frontier.py", "--only", "gpt", "--processes", "2", "--results",

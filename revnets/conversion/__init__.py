@@ -83,7 +83,8 @@ def make_reversible(
     ResNet's channels). ``exact``: reconstruction exact to the bit under any autocast precision
     (``scale=1``). ``memory=Store()``: the same converted function with ordinary autograd (the
     reference, and the baseline of its memory). Each layer must map a tensor to a tensor of its
-    shape; its other arguments (masks, rotary embeddings) are passed to every layer alike.
+    shape; called whole, the stack gives every layer its other arguments, and in the model's
+    own loop each layer gets those of its own call (masks, rotary embeddings).
     """
     names = [layers] if isinstance(layers, str) else (
         [find_stack(model)] if layers is None else list(layers))
@@ -107,7 +108,7 @@ def make_reversible(
             raise ValueError(f"make_reversible: {name} is a {type(stack).__name__}, not a stack "
                              f"of layers (an nn.ModuleList or nn.Sequential of them)")
         converted = ReversibleLayers(list(stack._modules.items()), scale, dim, memory, exact)
-        converted.train(stack.training)
+        converted.training = stack.training  # its layers keep their own modes
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, converted)
     return model

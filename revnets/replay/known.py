@@ -129,7 +129,10 @@ class _AsMade:
             return False
         if key.startswith("__") and key.endswith("__"):
             return False
-        return not any(key in vars(base) for base in self.namespace.__mro__[1:])
+        # A base's entries as torch made them: one another library added to nn.Module since
+        # (transformers' smart_apply, then shadowed on a layer's class) is none of torch's.
+        return not any(key in (_CLASSES[base].made if base in _CLASSES else vars(base))
+                       for base in self.namespace.__mro__[1:])
 
 
 def _is_code(value: Any) -> bool:
