@@ -212,6 +212,20 @@ def test_activation_memory_is_flat_in_depth_measured_and_predicted(depth):
         at_four.above_model_state_bytes)  # the same network stored grows with its depth
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_hugging_face_loop_over_converted_layers_is_predicted_to_the_byte(family):
+    # The model's own loop runs the stage (rule 3), on fake tensors too.
+    model = make_reversible(hugging_face(family, use_cache=False))
+    ids = tokens()
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        m(input_ids=ids, labels=ids).loss.backward()
+
+    measured = revnets.measure_memory(step, model)
+    assert revnets.predict_memory(step, model).peak_bytes == measured.peak_bytes
+
+
 def test_a_hugging_face_model_keeps_its_outputs_its_cache_and_generate():
     torch.manual_seed(0)
     model = make_reversible(hugging_face("llama"))

@@ -63,30 +63,63 @@ class Zero(nn.Module):
         return torch.zeros_like(x)
 
 
-class Pending(Tensor):
+class Pending:
     """What the model's loop holds between the layers of a converted stack before its last
-    layer is called (rule 3): it passes from layer to layer and answers for its shape, dtype and
-    device; anything else done with it (arithmetic, a write, a norm) is refused, since the
-    hidden state there is not computed."""
+    layer is called (rule 3): it passes from layer to layer and answers for the hidden state's
+    shape, dtype and device; anything else done with it (arithmetic, a write, a norm, any torch
+    function) is refused, since the hidden state there is not computed. Not a tensor: one made
+    from the hidden state would be a fake tensor's subclass in a prediction."""
 
-    _ALLOWED = frozenset({Tensor.size, Tensor.dim, Tensor.__len__, Tensor.__repr__,
-                          Tensor.shape.__get__, Tensor.dtype.__get__, Tensor.device.__get__,
-                          Tensor.ndim.__get__, Tensor.requires_grad.__get__,
-                          Tensor.is_floating_point, Tensor.numel})
+    def __init__(self, hidden: Tensor) -> None:
+        for name in ("shape", "dtype", "device", "requires_grad"):
+            object.__setattr__(self, name, getattr(hidden, name))
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in cls._ALLOWED:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        name = getattr(func, "__name__", str(func))
-        raise RuntimeError(
-            f"make_reversible: {name} on the hidden state between two layers of a converted "
-            f"stack, which is not computed: the stack runs as one reversible stage when its "
-            f"last layer is called, and its layers' own outputs are not the converted streams. "
-            f"Read the hidden state after the stack (intermediate features, hidden states of "
-            f"every layer, a layer called alone, a write between layers need the stack "
-            f"unconverted)")
+        raise _refusal(getattr(func, "__name__", str(func)))
+
+    def __getattr__(self, name: str) -> Any:
+        raise _refusal(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise _refusal(f"setting {name}")
+
+    def __repr__(self) -> str:
+        return f"<the hidden state between layers of a converted stack, {tuple(self.shape)}>"
+
+
+def _operation(name: str) -> Any:
+    def refused(self: Pending, *args: Any) -> Any:
+        raise _refusal(name)
+    return refused
+
+
+for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul",
+              "rmatmul", "neg", "pow", "getitem", "setitem", "iadd", "isub", "imul", "len",
+              "iter", "float", "bool", "lt", "le", "gt", "ge", "array"):
+    setattr(Pending, f"__{_name}__", _operation(_name))
+
+
+def _refusal(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"make_reversible: {name} on the hidden state between two layers of a converted stack, "
+        f"which is not computed: the stack runs as one reversible stage when its last layer is "
+        f"called, and its layers' own outputs are not the converted streams. Read the hidden "
+        f"state after the stack (intermediate features, hidden states of every layer, a layer "
+        f"called alone, a write between layers need the stack unconverted)")
 
 
 @dataclass
@@ -224,7 +257,7 @@ class ReversibleLayers(nn.ModuleList):
             if not isinstance(hidden, Tensor):
                 raise TypeError(f"make_reversible: layer {index} of a converted stack takes the "
                                 f"hidden state first, got {type(hidden).__name__}")
-            token = torch.Tensor._make_subclass(Pending, hidden.detach(), False)
+            token = Pending(hidden)
             self._run = run = _Run(index, hidden, token, [(args, kwargs)])
         if index < stop - 1:
             return run.token
