@@ -235,8 +235,8 @@ class ReversibleLayers(nn.ModuleList):
         """The pretrained layer ``index`` itself (indexing gives the stand-in the loop calls)."""
         return list(self._modules.values())[index]
 
-    def call_layer(self, index: int, stop: int, hidden: Tensor, args: tuple,
-                   kwargs: dict) -> Tensor:
+    def call_layer(self, index: int, stop: int, hidden: Tensor | Pending, args: tuple,
+                   kwargs: dict) -> Tensor | Pending:
         """Layer ``index`` of a loop over layers ``..stop`` called (rule 3): a real tensor starts
         a run, the run's token continues it; the last layer runs the run as one stage."""
         run = self._run
@@ -246,12 +246,17 @@ class ReversibleLayers(nn.ModuleList):
                     f"make_reversible: layer {index} of a converted stack was given the hidden "
                     f"state of another run of its layers; call them in one loop, in order")
             expected = run.start + len(run.calls)
+            if index < expected:
+                raise RuntimeError(
+                    f"make_reversible: layer {index} of a converted stack was called again after "
+                    f"layer {expected - 1}; a converted stack runs every layer of its run once, "
+                    f"in order")
             if index != expected:
                 raise RuntimeError(
                     f"make_reversible: layer {index} of a converted stack was called after layer "
                     f"{expected - 1}; layers {expected}..{index - 1} were skipped (LayerDrop, "
-                    f"early exit) or the loop went back. A converted stack runs every layer of "
-                    f"its run once, in order: turn layer dropping off (e.g. config.layerdrop=0)")
+                    f"early exit). A converted stack runs every layer of its run once, in "
+                    f"order: turn layer dropping off (e.g. config.layerdrop=0)")
             run.calls.append((args, kwargs))
         else:
             if not isinstance(hidden, Tensor):
@@ -299,7 +304,7 @@ class _Layer:
     def __init__(self, owner: ReversibleLayers, index: int, stop: int) -> None:
         self.__dict__.update(_owner=owner, _index=index, _stop=stop)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor | Pending:
         if args:
             hidden, args = args[0], args[1:]
         elif "hidden_states" in kwargs:  # a layer called with its hidden state by keyword
