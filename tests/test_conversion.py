@@ -17,11 +17,21 @@ import torch.nn.functional as F
 from torch import nn
 
 import revnets
-from revnets.conversion import ReversibleLayers, find_stack, make_reversible
+from revnets.conversion import (
+    MEFT,
+    Difference,
+    Momentum,
+    ReversibleLayers,
+    find_stack,
+    make_reversible,
+)
 
 from conftest import max_grad_error
 
 SCALES = [1.0, 0.5, 0.125]
+# Every construction, at parameters whose inverse divides by 1, 2, 8 and 4.
+CONSTRUCTIONS = [Difference(1.0), Difference(0.5), Difference(0.125), Momentum(0.5),
+                 MEFT(0.5, 0.5)]
 
 
 def vit(depth: int = 4, **options) -> nn.Module:
@@ -66,9 +76,9 @@ def grads_of(model: nn.Module, loss, seed: int = 1) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("construction", CONSTRUCTIONS, ids=str)
 @pytest.mark.parametrize("family", ["vit", "gpt2", "llama"])
-def test_gradients_equal_ordinary_autograd_of_the_converted_network(family, scale):
+def test_gradients_equal_ordinary_autograd_of_the_converted_network(family, construction):
     torch.manual_seed(0)
     if family == "vit":
         model = vit(drop_rate=0.1, attn_drop_rate=0.1).double()
@@ -83,7 +93,7 @@ def test_gradients_equal_ordinary_autograd_of_the_converted_network(family, scal
 
         def loss(m):
             return m(input_ids=ids, labels=ids).loss
-    converted = make_reversible(model, scale=scale)
+    converted = make_reversible(model, construction=construction)
     assert isinstance(converted.get_submodule(find_stack(converted)), ReversibleLayers)
     reference = stored(converted)
     grads_of(converted, loss)
@@ -113,25 +123,41 @@ def test_one_converted_layer_is_the_pretrained_layer():
         converted = make_reversible(copy.deepcopy(pretrained), "blocks", scale).eval()
         torch.testing.assert_close(converted(x.double()), pretrained(x.double()), rtol=0,
                                    atol=1e-12)
+    for other in (Momentum(0.5), MEFT(0.5, 0.5)):  # their first layers are moved too
+        assert not other.first_layer_exact()
+        converted = make_reversible(copy.deepcopy(pretrained), "blocks", construction=other)
+        converted.eval()
+        assert not torch.allclose(converted(x.double()), pretrained(x.double()))
 
 
-def step0_gap(pretrained: nn.Module, scale: float) -> float:
+def step0_gap(pretrained: nn.Module, construction) -> float:
     """The largest distance of the converted network's logits from the pretrained one's,
     relative to their largest magnitude."""
     x, _ = images(8)
     with torch.no_grad():
         reference = pretrained.eval()(x.double())
-        converted = make_reversible(copy.deepcopy(pretrained), scale=scale).eval()(x.double())
-    return ((converted - reference).abs().max() / reference.abs().max()).item()
+        converted = make_reversible(copy.deepcopy(pretrained), construction=construction)
+        out = converted.eval()(x.double())
+    return ((out - reference).abs().max() / reference.abs().max()).item()
 
 
-def test_the_step0_gap_shrinks_with_the_scale_in_proportion():
-    # Rule 1: each layer after the first differs from the pretrained one by scale times the
-    # previous layer's update, so for small scales the gap is linear in the scale.
+@pytest.mark.parametrize("family", [Difference, Momentum, lambda p: MEFT(p, 1.0)],
+                         ids=["Difference", "Momentum", "MEFT"])
+def test_the_step0_gap_of_each_construction_shrinks_with_its_parameter_in_proportion(family):
+    # Rule 1: each construction's layers differ from the pretrained ones by its parameter
+    # times an update (Difference, Momentum) or a hidden state (MEFT), so for small parameters
+    # the gap is linear in it, and monotone from 1/2 down.
     pretrained = vit(depth=6).double()
-    gaps = {scale: step0_gap(pretrained, scale) for scale in (1.0, 2**-3, 2**-6, 2**-9)}
-    assert gaps[1.0] > gaps[2**-3] > gaps[2**-6] > gaps[2**-9] > 0
+    gaps = {p: step0_gap(pretrained, family(p)) for p in (0.5, 2**-3, 2**-6, 2**-9)}
+    assert gaps[0.5] > gaps[2**-3] > gaps[2**-6] > gaps[2**-9] > 0
     assert gaps[2**-6] / gaps[2**-9] == pytest.approx(8, rel=0.05)
+
+
+def test_the_step0_gap_of_the_difference_is_below_meft_at_the_same_division():
+    # At the same stream scale (the inverse divides by 1/4 alike), the difference moves the
+    # function by a fraction of an update, MEFT by a fraction of the hidden state.
+    pretrained = vit(depth=6).double()
+    assert step0_gap(pretrained, Difference(0.25)) < step0_gap(pretrained, MEFT(0.5, 0.5)) / 2
 
 
 def test_a_resnets_identity_shortcut_blocks_convert_and_update_their_statistics_once():
@@ -197,15 +223,17 @@ def train_step(model, x, y):
     F.cross_entropy(model(x), y).backward()
 
 
+@pytest.mark.parametrize("construction", [Difference(), Momentum(0.5)], ids=str)
 @pytest.mark.parametrize("depth", [4, 8, 16, 32])
-def test_activation_memory_is_flat_in_depth_measured_and_predicted(depth):
+def test_activation_memory_is_flat_in_depth_measured_and_predicted(depth, construction):
     x, y = images(8)
-    converted = make_reversible(vit(depth))
+    converted = make_reversible(vit(depth), construction=construction)
     measured = revnets.measure_memory(train_step, converted, x, y)
     predicted = revnets.predict_memory(train_step, converted, x, y)
     assert predicted.peak_bytes == measured.peak_bytes
     assert predicted.above_model_state_bytes == measured.above_model_state_bytes
-    at_four = revnets.measure_memory(train_step, make_reversible(vit(4)), x, y)
+    at_four = revnets.measure_memory(
+        train_step, make_reversible(vit(4), construction=construction), x, y)
     assert measured.above_model_state_bytes == at_four.above_model_state_bytes
     stored_peak = revnets.measure_memory(train_step, stored(converted), x, y)
     assert stored_peak.above_model_state_bytes > (depth / 4) * 0.9 * (
@@ -289,7 +317,12 @@ def test_auto_checkpoint_plans_around_a_converted_stack_predicted_to_the_byte():
     (lambda: make_reversible(vit(), "head"), "head is a Linear, not a stack of layers"),
     (lambda: make_reversible(vit(), "stack"), "has no module 'stack'.*e.g. 'blocks'"),
     (lambda: make_reversible(vit(), scale=0), r"scale must be a number in \(0, 1\]"),
-    (lambda: make_reversible(vit(), scale=0.5, exact=True), "exact=True needs scale=1"),
+    (lambda: make_reversible(vit(), scale=0.5, exact=True), "exact=True needs the additive"),
+    (lambda: make_reversible(vit(), construction=Momentum(0.5), exact=True),
+     r"exact=True needs the additive.*Momentum\(gamma=0.5\) multiplies a stream by -0.5"),
+    (lambda: make_reversible(vit(), scale=0.5, construction=MEFT()), "give one"),
+    (lambda: Momentum(1.0), r"Momentum's gamma must be a number in \(0, 1\)"),
+    (lambda: MEFT(0.1, 0.0), r"MEFT's beta must be a number in \(0, 1\]"),
     (lambda: make_reversible(make_reversible(vit()), "blocks"), "blocks is converted already"),
     (lambda: make_reversible(nn.Linear(2, 2)), "has no stack of alike layers"),
 ])
@@ -343,6 +376,43 @@ def test_each_layer_gets_its_own_arguments():
     layers = [model.layers.layer(i) for i in range(4)]
     torch.testing.assert_close(model(x, shifts), converted_function(layers, x, shifts, 0.5),
                                rtol=0, atol=1e-12)
+    reference = stored(model)
+    grads_of(model, lambda m: m(x, shifts).square().sum())
+    grads_of(reference, lambda m: m(x, shifts).square().sum())
+    assert max_grad_error(model, reference) < 1e-10
+
+
+def momentum_resnet(layers, x, arguments, gamma):
+    """Momentum ResNets (Sander et al. 2021) as written there: a velocity, from zero."""
+    v = torch.zeros_like(x)
+    for layer, argument in zip(layers, arguments):
+        v = gamma * v + (1 - gamma) * (layer(x, argument) - x)
+        x = x + v
+    return x
+
+
+def meft1(layers, x, arguments, lam, beta):
+    """MEFT1 (Liao et al. 2023) as written there at its start, the adapter G zero: per layer,
+    y1 = lam * x1 + L(x2), y2 = beta * x2 + G(y1), the streams then swapped."""
+    x1 = x2 = x
+    for layer, argument in zip(layers, arguments):
+        y1 = lam * x1 + layer(x2, argument)
+        y2 = beta * x2 + 0 * y1
+        x1, x2 = y2, y1
+    return x2
+
+
+@pytest.mark.parametrize("construction, written_out", [
+    (Momentum(0.25), lambda ls, x, a: momentum_resnet(ls, x, a, 0.25)),
+    (MEFT(0.5, 0.25), lambda ls, x, a: meft1(ls, x, a, 0.5, 0.25)),
+], ids=["Momentum", "MEFT"])
+def test_each_construction_computes_its_papers_recurrence(construction, written_out):
+    torch.manual_seed(0)
+    model = make_reversible(Loop(5).double(), construction=construction)
+    x, shifts = torch.randn(3, 8).double(), [torch.randn(8).double() for _ in range(5)]
+    layers = [model.layers.layer(i) for i in range(5)]
+    torch.testing.assert_close(model(x, shifts), written_out(layers, x, shifts), rtol=0,
+                               atol=1e-12)
     reference = stored(model)
     grads_of(model, lambda m: m(x, shifts).square().sum())
     grads_of(reference, lambda m: m(x, shifts).square().sum())

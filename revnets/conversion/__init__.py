@@ -3,6 +3,8 @@ layers (timm's ViT blocks, a Hugging Face decoder's layers, a ResNet's identity-
 as one reversible stage reusing their weights, so that its activation memory does not grow with
 its depth.
 
+- ``construction.py``: how the converted stack writes its two streams (:class:`Difference`,
+  revnets' own; :class:`Momentum`; :class:`MEFT`), one recurrence with three numbers.
 - ``stack.py``: the stack run as one stage (:class:`ReversibleLayers`), its layers where they
   were; what the model's own loop over its layers meets.
 """
@@ -11,21 +13,25 @@ its depth.
 # A pretrained stack computes z_n = L_n(z_{n-1}), n = 1..N (L(z) = z + F(z) for a residual
 # layer). No reversible network computes it: L_n forgets (z_{n-1} is not a function of z_n),
 # so a conversion changes the function, and says by how much.
-# 1. Two streams, both the stack's input at the start (z_{-1} = z_0 = x); layer n reads the
-#    stream written last and writes the other one:
-#        z_n = scale * z_{n-2} + L_n(z_{n-1}) - scale * z_{n-1}
-#    the coupling y = scale * x1 + h(x2) with h = L - scale * id (stack.LayerUpdate); layers 2k
-#    and 2k + 1 are f and g of reversible block k (an odd last layer's g is zero), and the
-#    stack's output is the stream written last. scale = 1: the RevNet coupling,
-#    z_n = z_{n-2} + F_n(z_{n-1}). scale -> 0: the pretrained recurrence. In between, each
-#    layer after the first differs from the pretrained one by scale * (z_{n-2} - z_{n-1}), minus
-#    scale times the previous layer's update: the first layer is exact, the rest drift by a
-#    fraction scale of one update each (measured at step 0 by tests/test_conversion.py and
-#    benchmarks/conversion.py).
-# 2. The inverse, z_{n-2} = (z_n - L_n(z_{n-1})) / scale + z_{n-1}, divides by scale: round-off
-#    in reconstruction grows by 1 / scale per layer. scale = 1 is as stable as any additive
-#    block; a small scale trains in float32 and drifts (check_reconstruction reports it), and
-#    keep_input_every bounds it at depth / k stored inputs.
+# 1. Two streams, z_0 = x the stack's input and z_{-1} = start * x (start = 1 but for MEFT's
+#    1 / beta); layer n reads the stream written last and writes the other one, by a
+#    construction (construction.py):
+#        z_n = stream * z_{n-2} + layer * L_n(z_{n-1}) + skip * z_{n-1}
+#    the coupling y = stream * x1 + h(x2) with h = layer * L + skip * id (stack.LayerUpdate);
+#    layers 2k and 2k + 1 are f and g of reversible block k (an odd last layer's g is zero),
+#    and the stack's output is the stream written last. Difference(scale) (make_reversible's
+#    scale): z_n = L_n(z_{n-1}) + scale * (z_{n-2} - z_{n-1}). scale = 1: the RevNet coupling,
+#    z_n = z_{n-2} + F_n(z_{n-1}); scale -> 0: the pretrained recurrence. In between, the first
+#    layer is exact and each later one differs from the pretrained one by scale times the
+#    previous layer's update. Momentum(gamma): the update is (1 - gamma) F_n plus gamma times
+#    the previous one (the first layer's scaled too). MEFT(lam, beta): each layer adds
+#    lam * beta times the hidden state two layers back. Each gap is linear in its parameter
+#    (measured at step 0 by tests/test_conversion.py and benchmarks/conversion.py).
+# 2. The inverse, z_{n-2} = (z_n - h(z_{n-1})) / stream, divides by stream: round-off in
+#    reconstruction grows by 1 / |stream| per layer. stream = 1 is as stable as any additive
+#    block; a small one trains in float32 and drifts (check_reconstruction reports it), and
+#    keep_input_every bounds it at depth / k stored inputs. Nothing else is kept: no side
+#    information, 0 bits per element per layer.
 # 3. The layers stay where they were, under their names (ReversibleLayers is the stack's
 #    nn.ModuleList, key for key, a named nn.Sequential's names kept); the reversible sequence
 #    over them is held unregistered, so state_dict, parameters, peft's injection, moves and
@@ -43,7 +49,8 @@ its depth.
 #    The layers' own submodules keep the modes set on them (a frozen BatchNorm).
 # 4. exact=True runs the stage on the fixed-point grid (NOTE [ Exact reversibility ]):
 #    reconstruction exact to the bit in float32, bfloat16 and float16 autocast, at no memory
-#    cost, scale = 1 only (a scaled stream leaves the grid, and its inverse divides).
+#    cost, stream = 1 only (Difference(1), MEFT(1, 1): a scaled stream leaves the grid, and
+#    its inverse divides).
 # 5. A Hugging Face cache is filled by the layers' calls. The reversible path runs each layer
 #    again in backward, so a training step with gradients runs them without an empty cache it
 #    is given, saying so (as transformers' checkpointing turns use_cache off), and refuses one
@@ -56,10 +63,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from revnets.conversion.construction import MEFT, Construction, Difference, Momentum
 from revnets.conversion.stack import ReversibleLayers
 from revnets.plan import Reconstruct, Store
 
-__all__ = ["ReversibleLayers", "find_stack", "make_reversible"]
+__all__ = ["MEFT", "Construction", "Difference", "Momentum", "ReversibleLayers", "find_stack",
+           "make_reversible"]
 
 
 def make_reversible(
@@ -67,6 +76,7 @@ def make_reversible(
     layers: str | Sequence[str] | None = None,
     scale: float = 1.0,
     *,
+    construction: Construction | None = None,
     dim: int = -1,
     exact: bool = False,
     memory: Reconstruct | Store = Reconstruct(),
@@ -79,13 +89,19 @@ def make_reversible(
     and layer n computes ``z_n = scale * z_{n-2} + layer_n(z_{n-1}) - scale * z_{n-1}`` (NOTE
     [ Reversible conversion ]): ``scale=1`` is the RevNet coupling, a smaller scale stays
     closer to the pretrained function and reconstructs with round-off grown by ``1 / scale``
-    per layer. ``dim``: where the two streams are stacked (-1: a transformer's width; 1: a
+    per layer. ``construction``: another recurrence over the two streams (:class:`Momentum`,
+    :class:`MEFT`; ``scale`` is ``Difference(scale)``). ``dim``: where the two streams are stacked (-1: a transformer's width; 1: a
     ResNet's channels). ``exact``: reconstruction exact to the bit under any autocast precision
     (``scale=1``). ``memory=Store()``: the same converted function with ordinary autograd (the
     reference, and the baseline of its memory). Each layer must map a tensor to a tensor of its
     shape; called whole, the stack gives every layer its other arguments, and in the model's
     own loop each layer gets those of its own call (masks, rotary embeddings).
     """
+    if construction is None:
+        construction = Difference(scale)
+    elif scale != 1.0:
+        raise ValueError(f"make_reversible: scale={scale} and construction={construction} both "
+                         f"say how the streams are written; give one (scale is Difference(scale))")
     names = [layers] if isinstance(layers, str) else (
         [find_stack(model)] if layers is None else list(layers))
     if not names:
@@ -107,7 +123,8 @@ def make_reversible(
         if not isinstance(stack, (nn.ModuleList, nn.Sequential)) or len(stack) < 1:
             raise ValueError(f"make_reversible: {name} is a {type(stack).__name__}, not a stack "
                              f"of layers (an nn.ModuleList or nn.Sequential of them)")
-        converted = ReversibleLayers(list(stack._modules.items()), scale, dim, memory, exact)
+        converted = ReversibleLayers(list(stack._modules.items()), construction, dim, memory,
+                                     exact)
         converted.training = stack.training  # its layers keep their own modes
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, converted)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import numbers
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -14,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from revnets.conversion.construction import Construction, Difference
 from revnets.plan import Reconstruct, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence
 from revnets.reversible.coupling import ScaledCoupling
@@ -22,16 +22,17 @@ __all__ = ["LayerUpdate", "Pending", "ReversibleLayers", "Zero"]
 
 
 class LayerUpdate(nn.Module):
-    """``h(x) = layer(x, *arguments) - scale * x``: a pretrained layer as the transform of a
-    coupling ``y = scale * x1 + h(x2)`` (rule 1). Each layer's own arguments come in the
+    """``h(x) = c.layer * layer(x, *arguments) + c.skip * x``: a pretrained layer as the
+    transform of a coupling ``y = c.stream * x1 + h(x2)`` (rule 1; ``c`` the construction,
+    construction.py). Each layer's own arguments come in the
     context: a layout (per layer of the stage, the pytree spec of its arguments and which
     leaves are theirs) and then the leaves, each once, so that tensors among them get their
     gradients from the engine."""
 
-    def __init__(self, layer: nn.Module, scale: float, position: int) -> None:
+    def __init__(self, layer: nn.Module, construction: Construction, position: int) -> None:
         super().__init__()
         self.layer = layer
-        self.scale = scale
+        self.factor, self.skip = construction.layer, construction.skip
         self.position = position  # its place in the stage's layout
 
     def forward(self, x: Tensor, layout: tuple | None = None, *leaves: Any) -> Tensor:
@@ -50,10 +51,14 @@ class LayerUpdate(nn.Module):
                 f"make_reversible: {type(self.layer).__name__} maps shape {tuple(x.shape)} to "
                 f"{tuple(out.shape)}; a converted layer keeps its input's shape, so convert only "
                 f"layers that keep it (a ResNet stage's blocks after its first: name them)")
-        return out - x if self.scale == 1 else out - self.scale * x
+        if self.factor != 1:
+            out = out * self.factor
+        if self.skip == -1:
+            return out - x
+        return out + self.skip * x if self.skip else out
 
     def extra_repr(self) -> str:
-        return f"scale={self.scale}"
+        return f"factor={self.factor}, skip={self.skip}"
 
 
 class Zero(nn.Module):
@@ -141,22 +146,22 @@ class ReversibleLayers(nn.ModuleList):
 
     planning_unit = True  # auto_checkpoint keeps the stage whole: it is reversible already
 
-    def __init__(self, layers: Sequence[tuple[str, nn.Module]], scale: float = 1.0,
-                 dim: int = -1, memory: Reconstruct | Store = Reconstruct(),
-                 exact: bool = False) -> None:
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]],
+                 construction: Construction = Difference(), dim: int = -1,
+                 memory: Reconstruct | Store = Reconstruct(), exact: bool = False) -> None:
         super().__init__()
         for name, layer in layers:  # the stack's own names (a named nn.Sequential's too)
             self.add_module(name, layer)
-        if (isinstance(scale, bool) or not isinstance(scale, (numbers.Real, Tensor))
-                or not 0 < float(scale) <= 1):
-            raise ValueError(f"make_reversible: scale must be a number in (0, 1], got {scale!r}")
-        scale = float(scale)
-        if exact and scale != 1:
+        if not isinstance(construction, Construction):
+            raise TypeError(f"make_reversible: construction must be a revnets.conversion "
+                            f"Construction (Difference, Momentum, MEFT), got {construction!r}")
+        if exact and not construction.additive:
             raise ValueError(
-                f"make_reversible: exact=True needs scale=1 (the additive coupling); scale="
-                f"{scale} multiplies a stream by it, which leaves the fixed-point grid, and its "
-                f"inverse divides by it (NOTE [ Reversible conversion ], rule 4)")
-        self.scale, self.dim, self.exact = scale, dim, exact
+                f"make_reversible: exact=True needs the additive coupling (scale=1, "
+                f"Difference(1.0)); {construction} multiplies a stream by "
+                f"{construction.stream}, which leaves the fixed-point grid, and its inverse "
+                f"divides by it (NOTE [ Reversible conversion ], rule 4)")
+        self.construction, self.dim, self.exact = construction, dim, exact
         # Unregistered (rule 3): the blocks hold the layers, which are this module's children.
         self._stages: dict[tuple[int, int], tuple[tuple[int, ...], ReversibleSequence]] = {}
         self._memory = memory
@@ -182,11 +187,12 @@ class ReversibleLayers(nn.ModuleList):
         ids = tuple(map(id, layers))  # a layer replaced or added since: built anew
         found = self._stages.get((start, stop))
         if found is None or found[0] != ids:
-            updates: list[nn.Module] = [LayerUpdate(layer, self.scale, i)
+            updates: list[nn.Module] = [LayerUpdate(layer, self.construction, i)
                                         for i, layer in enumerate(layers)]
             if len(updates) % 2:
                 updates.append(Zero())
-            coupling = "additive" if self.scale == 1 else ScaledCoupling(self.scale)
+            stream = self.construction.stream
+            coupling = "additive" if stream == 1 else ScaledCoupling(stream)
             blocks = [ReversibleBlock(updates[i], updates[i + 1], coupling, split_dim=self.dim)
                       for i in range(0, len(updates), 2)]
             stage = ReversibleSequence(blocks, Store() if isinstance(self._memory, Store)
@@ -216,7 +222,9 @@ class ReversibleLayers(nn.ModuleList):
                     leaves.append(leaf)
             layout.append((spec, tuple(where[id(leaf)] for leaf in found)))
         context = (tuple(layout), *leaves)
-        y1, y2 = stage.split(stage(torch.cat((x, x), dim=self.dim), *context))
+        start = self.construction.start
+        older = x if start == 1 else x * start
+        y1, y2 = stage.split(stage(torch.cat((older, x), dim=self.dim), *context))
         return y2 if len(calls) % 2 == 0 else y1
 
     # -- the model's own loop (rule 3) ----------------------------------------------------------
@@ -277,7 +285,7 @@ class ReversibleLayers(nn.ModuleList):
     __repr__ = nn.Module.__repr__  # of the layers, not what iterating gives
 
     def extra_repr(self) -> str:
-        return (f"scale={self.scale}, dim={self.dim}, memory={self._memory}"
+        return (f"{self.construction}, dim={self.dim}, memory={self._memory}"
                 + (", exact=True" if self.exact else ""))
 
 

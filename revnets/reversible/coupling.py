@@ -140,15 +140,17 @@ class AffineCoupling(Coupling):
 
 
 class ScaledCoupling(Coupling):
-    """``y = scale * x + h``, a fixed ``scale`` in (0, 1]: the coupling of a pretrained stack
-    made reversible (NOTE [ Reversible conversion ] in revnets/conversion/__init__.py), where a
-    small scale keeps the pretrained function closer. ``uncombine`` divides by ``scale``, so
-    round-off in reconstruction grows by ``1 / scale`` per block (``check_reconstruction``
-    reports it); ``scale=1`` is the additive coupling."""
+    """``y = scale * x + h``, a fixed nonzero ``scale`` in [-1, 1]: the coupling of a pretrained
+    stack made reversible (revnets/conversion/construction.py; a negative scale is a momentum),
+    where a small scale keeps the pretrained function closer. ``uncombine`` divides by
+    ``scale``, so round-off in reconstruction grows by ``1 / |scale|`` per block
+    (``check_reconstruction`` reports it); ``scale=1`` is the additive coupling."""
 
     def __init__(self, scale: float) -> None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
-            raise ValueError(f"ScaledCoupling: scale must be a number in (0, 1], got {scale!r}")
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                or not (0 < abs(scale) <= 1)):
+            raise ValueError(f"ScaledCoupling: scale must be a nonzero number in [-1, 1], got "
+                             f"{scale!r}")
         self.scale = float(scale)
 
     def combine(self, x: Tensor, h: Tensor) -> Tensor:
