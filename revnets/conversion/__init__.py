@@ -90,10 +90,11 @@ def make_reversible(
     [ Reversible conversion ]): ``scale=1`` is the RevNet coupling, a smaller scale stays
     closer to the pretrained function and reconstructs with round-off grown by ``1 / scale``
     per layer. ``construction``: another recurrence over the two streams (:class:`Momentum`,
-    :class:`MEFT`; ``scale`` is ``Difference(scale)``). ``dim``: where the two streams are stacked (-1: a transformer's width; 1: a
-    ResNet's channels). ``exact``: reconstruction exact to the bit under any autocast precision
-    (``scale=1``). ``memory=Store()``: the same converted function with ordinary autograd (the
-    reference, and the baseline of its memory). Each layer must map a tensor to a tensor of its
+    :class:`MEFT`; ``scale`` is ``Difference(scale)``). ``dim``: where the two streams are
+    stacked (-1: a transformer's width; 1: a ResNet's channels). ``exact``: reconstruction
+    exact to the bit under any autocast precision (``scale=1``). ``memory=Store()``: the same
+    converted function with ordinary autograd (the reference, and the baseline of its memory).
+    Each layer must map a tensor to a tensor of its
     shape; called whole, the stack gives every layer its other arguments, and in the model's
     own loop each layer gets those of its own call (masks, rotary embeddings).
     """
