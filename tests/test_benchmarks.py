@@ -141,8 +141,10 @@ def test_peers_overhead_quick_run_times_revnets_beside_ordinary_autograd():
 @pytest.mark.slow  # pretrains and fine-tunes two small models (about 40 s)
 def test_conversion_quick_run_fine_tunes_every_method_and_measures_depth():
     out = run_quick("conversion.py")
-    for method in ("'full'", "'checkpointing'", "'reversible'", "'reversible scale 0.5'"):
+    for method in ("'full'", "'checkpointing'", "'difference 1'", "'momentum 0.1'",
+                   "'meft 0.1/0.1'"):
         assert f"'method': {method}" in out
+    assert "'construction': 'meft 0.1/0.1'" in out and "'gradient_error'" in out
     assert "'depth': 8" in out and "'predicted_equal': False" not in out
 
 

@@ -53,9 +53,7 @@ class LayerUpdate(nn.Module):
                 f"layers that keep it (a ResNet stage's blocks after its first: name them)")
         if self.factor != 1:
             out = out * self.factor
-        if self.skip == -1:
-            return out - x
-        return out + self.skip * x if self.skip else out
+        return torch.add(out, x, alpha=self.skip) if self.skip else out  # no skip * x held
 
     def extra_repr(self) -> str:
         return f"factor={self.factor}, skip={self.skip}"

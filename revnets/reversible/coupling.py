@@ -30,9 +30,14 @@ class Coupling:
     engine knows about.
     """
 
-    #: The engine skips the extra ``combine`` in backward when it is a plain sum: its Jacobian is
-    #: the identity in both arguments.
+    #: The coupling is a plain sum ``y = x + h``: the engine may add into ``x`` in place, and
+    #: drop paths scale ``h`` alone.
     is_additive: bool = False
+
+    #: The coupling is ``y = x_factor * x + h`` (None: it is not): its Jacobian is
+    #: ``x_factor`` in ``x`` and the identity in ``h``, so the engine's backward scales the
+    #: gradient instead of running ``combine`` again with a graph, and writes into ``x``.
+    x_factor: float | None = None
 
     #: Reconstruction is exact to the bit (NOTE [ Exact reversibility ]): only such couplings may
     #: sit in a ``ReversibleSequence(exact=True)``.
@@ -64,6 +69,7 @@ class AdditiveCoupling(Coupling):
     arithmetic."""
 
     is_additive = True
+    x_factor = 1.0
 
     def combine(self, x: Tensor, h: Tensor) -> Tensor:
         return x + h
@@ -151,13 +157,19 @@ class ScaledCoupling(Coupling):
                 or not (0 < abs(scale) <= 1)):
             raise ValueError(f"ScaledCoupling: scale must be a nonzero number in [-1, 1], got "
                              f"{scale!r}")
-        self.scale = float(scale)
+        self.scale = self.x_factor = float(scale)
 
     def combine(self, x: Tensor, h: Tensor) -> Tensor:
         return x * self.scale + h
 
     def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
         return (y - h) / self.scale
+
+    def combine_(self, x: Tensor, h: Tensor) -> Tensor:
+        return x.mul_(self.scale).add_(h)  # the same two roundings as ``combine``
+
+    def uncombine_(self, y: Tensor, h: Tensor) -> Tensor:
+        return y.sub_(h).div_(self.scale)
 
     def __repr__(self) -> str:
         return f"ScaledCoupling(scale={self.scale})"

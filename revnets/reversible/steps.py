@@ -168,7 +168,7 @@ class ForwardRun:
 
 def _combine(coupling: Coupling, x: Tensor, h: Tensor, in_place: bool) -> Tensor:
     # Updating x in place saves an allocation per half; only into memory the engine owns.
-    if in_place and coupling.is_additive and torch.result_type(x, h) == x.dtype:
+    if in_place and coupling.x_factor is not None and torch.result_type(x, h) == x.dtype:
         return coupling.combine_(x, h)
     return coupling.combine(x, h)
 
@@ -182,7 +182,7 @@ def _user_code_ran(coupling: Coupling, run: ForwardRun) -> None:
 
 def _uncombine(coupling: Coupling, y: Tensor, h: Tensor) -> Tensor:
     # y is always the engine's own here (NOTE [ Layout ], rule 3).
-    if coupling.is_additive and torch.result_type(y, h) == y.dtype:
+    if coupling.x_factor is not None and torch.result_type(y, h) == y.dtype:
         return coupling.uncombine_(y, h)
     return coupling.uncombine(y, h)
 
@@ -218,6 +218,7 @@ class _CouplingBackward(BlockStep):
 
     def reverse(self, carry, back, need_input_grad):
         block, coupling, plan = self.block, self.block.coupling, self.plan
+        factor = coupling.x_factor  # y = factor * x + h: no combine to differentiate
         leaves = self._context(back).leaves
         n = len(leaves)
         y1, y2 = self._outputs(carry)
@@ -228,11 +229,11 @@ class _CouplingBackward(BlockStep):
         check_reached(h, [y1, *plan.g_params, *leaves], block, "g")
         x2 = self._second_half(y2, h, back)
         del y2
-        if coupling.is_additive:
+        if factor is not None:
             root = GradRoot(h)
             del h
             grad_y1, *g_grads = root.vjp([y1, *leaves, *plan.g_params], dy2)
-            grad_x2 = dy2
+            grad_x2 = dy2 if factor == 1 else dy2 * factor
         else:
             x2_leaf = x2.detach().requires_grad_()
             with torch.enable_grad(), back.autocast():
@@ -252,11 +253,11 @@ class _CouplingBackward(BlockStep):
         x1 = self._first_half(y1, h, back)
         del y1
         inputs = [*leaves, *plan.f_params]
-        if coupling.is_additive:
+        if factor is not None:
             root = GradRoot(h)
             del h
             grads = root.vjp([x2, *inputs] if need_input_grad else inputs, grad_y1)
-            grad_x1 = grad_y1
+            grad_x1 = grad_y1 if factor == 1 else grad_y1 * factor
         else:
             x1.requires_grad_()
             with torch.enable_grad(), back.autocast():
