@@ -206,7 +206,7 @@ def fine_tuning(task: str, data: dict, seeds: tuple[int, ...],
         converted = revnets.make_reversible(copy.deepcopy(pretrained),
                                             construction=construction)
         step0.append({"task": task, "construction": str(construction),
-                      "divides_by": abs(construction.stream),
+                      "divides_by": round(abs(construction.stream), 6),
                       "pretrained_task_metric": round(metric(converted, task, data, "pre"), 4)})
     exact = exactness(task, data, pretrained)
     rows = []
@@ -241,7 +241,8 @@ def exactness(task: str, data: dict, pretrained: nn.Module) -> list:
             ((p.grad - q.grad).norm() / q.grad.norm()).item()
             for p, q in zip(models["Reconstruct"].parameters(), models["Store"].parameters())
             if q.grad is not None and q.grad.norm() > 0)
-        rows.append({"task": task, "construction": method, "divides_by": abs(construction.stream),
+        rows.append({"task": task, "construction": method,
+                     "divides_by": round(abs(construction.stream), 6),
                      "reconstruction_drift": f"{report.max_rel_error:.2e}",
                      "gradient_error": f"{error:.2e}"})
         print(rows[-1], flush=True)
