@@ -201,6 +201,39 @@ def test_exact_conversion_reconstructs_to_the_bit_where_a_scale_drifts(dtype):
 
     assert drift(exact=True) == 0.0
     assert 0 < drift(scale=0.5) < drift(scale=0.125)  # rule 2: round-off grows by 1 / scale
+    for construction in (Difference(0.5), Momentum(0.5), MEFT(0.5, 0.5)):  # the lost bits kept
+        assert drift(construction=construction, exact=True) == 0.0, construction
+
+
+@pytest.mark.parametrize("options", [{}, {"store_last_blocks": 1}, {"keep_input_every": 2}],
+                         ids=["default", "store_last_blocks", "keep_input_every"])
+@pytest.mark.parametrize("construction", [Difference(0.5), Momentum(0.5), MEFT(0.5, 0.25)],
+                         ids=str)
+def test_exact_scaled_gradients_equal_the_exact_network_with_ordinary_autograd(construction,
+                                                                                options):
+    # Rule 4: the bits a scale 2^-k drops are kept, the inverse is exact, the gradients are
+    # ordinary autograd's of the same rounded function (float64 streams).
+    torch.manual_seed(0)
+    model = make_reversible(Loop(5).double(), construction=construction, exact=True,
+                            memory=revnets.Reconstruct(**options))
+    x, shifts = torch.randn(3, 8).double(), [torch.randn(8).double() for _ in range(5)]
+    reference = stored(model)
+    grads_of(model, lambda m: m(x, shifts).square().sum())
+    grads_of(reference, lambda m: m(x, shifts).square().sum())
+    assert max_grad_error(model, reference) < 1e-10
+
+
+def test_exact_scaled_memory_grows_by_the_kept_bits_alone_predicted_to_the_byte():
+    # One byte per element of a stream per layer (NOTE [ Exact reversibility ], rule 7).
+    x, y = images(8)
+    peaks = {}
+    for depth in (4, 8):
+        model = make_reversible(vit(depth), scale=0.5, exact=True)
+        measured = revnets.measure_memory(train_step, model, x, y)
+        assert revnets.predict_memory(train_step, model, x, y).peak_bytes == measured.peak_bytes
+        peaks[depth] = measured.above_model_state_bytes
+    stream = 8 * (16 + 1) * 32  # batch x (patches + class token) x width, one byte each
+    assert peaks[8] - peaks[4] == 4 * stream
 
 
 def test_exact_gradients_equal_the_exact_network_with_ordinary_autograd_in_bfloat16():
@@ -317,9 +350,10 @@ def test_auto_checkpoint_plans_around_a_converted_stack_predicted_to_the_byte():
     (lambda: make_reversible(vit(), "head"), "head is a Linear, not a stack of layers"),
     (lambda: make_reversible(vit(), "stack"), "has no module 'stack'.*e.g. 'blocks'"),
     (lambda: make_reversible(vit(), scale=0), r"scale must be a number in \(0, 1\]"),
-    (lambda: make_reversible(vit(), scale=0.5, exact=True), "exact=True needs the additive"),
-    (lambda: make_reversible(vit(), construction=Momentum(0.5), exact=True),
-     r"exact=True needs the additive.*Momentum\(gamma=0.5\) multiplies a stream by -0.5"),
+    (lambda: make_reversible(vit(), scale=0.3, exact=True), "exact=True needs a stream scale"),
+    (lambda: make_reversible(vit(), construction=Momentum(0.1), exact=True),
+     r"exact=True needs a stream scale \+-2\^-k.*Momentum\(gamma=0.1\) multiplies a stream by "
+     r"-0.1"),
     (lambda: make_reversible(vit(), scale=0.5, construction=MEFT()), "give one"),
     (lambda: Momentum(1.0), r"Momentum's gamma must be a number in \(0, 1\)"),
     (lambda: MEFT(0.1, 0.0), r"MEFT's beta must be a number in \(0, 1\]"),
@@ -329,6 +363,12 @@ def test_auto_checkpoint_plans_around_a_converted_stack_predicted_to_the_byte():
 def test_what_cannot_be_converted_is_refused_by_name(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_an_exact_sequence_refuses_a_scale_off_the_grid():
+    block = revnets.ReversibleBlock(nn.Linear(2, 2), nn.Linear(2, 2), revnets.ScaledCoupling(0.3))
+    with pytest.raises(TypeError, match=r"keeps the grid only with a scale \+-2\^-k"):
+        revnets.ReversibleSequence([block], exact=True)
 
 
 class Res(nn.Module):

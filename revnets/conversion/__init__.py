@@ -48,9 +48,10 @@ its depth.
 #    ``stack.layer(i)`` is the layer itself; attributes read or set on a stand-in are its.
 #    The layers' own submodules keep the modes set on them (a frozen BatchNorm).
 # 4. exact=True runs the stage on the fixed-point grid (NOTE [ Exact reversibility ]):
-#    reconstruction exact to the bit in float32, bfloat16 and float16 autocast, at no memory
-#    cost, stream = 1 only (Difference(1), MEFT(1, 1): a scaled stream leaves the grid, and
-#    its inverse divides).
+#    reconstruction exact to the bit in float32, bfloat16 and float16 autocast, for a stream
+#    scale +-2^-k (k = 0..8: scale 1, 0.5, 0.25; Momentum(0.5); MEFT(0.5, 0.5)); a scale below
+#    1 keeps the k bits per element its scaling drops, one byte per element per layer (rule 7
+#    there), which measure_memory counts and predict_memory predicts. Other scales are refused.
 # 5. A Hugging Face cache is filled by the layers' calls. The reversible path runs each layer
 #    again in backward, so a training step with gradients runs them without an empty cache it
 #    is given, saying so (as transformers' checkpointing turns use_cache off), and refuses one

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from revnets.conversion.construction import Construction, Difference
 from revnets.plan import Reconstruct, Store
-from revnets.reversible import ReversibleBlock, ReversibleSequence
+from revnets.reversible import ReversibleBlock, ReversibleSequence, grid
 from revnets.reversible.coupling import ScaledCoupling
 
 __all__ = ["LayerUpdate", "Pending", "ReversibleLayers", "Zero"]
@@ -153,12 +153,12 @@ class ReversibleLayers(nn.ModuleList):
         if not isinstance(construction, Construction):
             raise TypeError(f"make_reversible: construction must be a revnets.conversion "
                             f"Construction (Difference, Momentum, MEFT), got {construction!r}")
-        if exact and not construction.additive:
+        if exact and grid.exact_shift(construction.stream) is None:
             raise ValueError(
-                f"make_reversible: exact=True needs the additive coupling (scale=1, "
-                f"Difference(1.0)); {construction} multiplies a stream by "
-                f"{construction.stream}, which leaves the fixed-point grid, and its inverse "
-                f"divides by it (NOTE [ Reversible conversion ], rule 4)")
+                f"make_reversible: exact=True needs a stream scale +-2^-k, k = 0..8 (scale=1, "
+                f"0.5, 0.25, ...; Momentum(0.5), MEFT(0.5, 0.5)); {construction} multiplies a "
+                f"stream by {construction.stream}, which leaves the fixed-point grid "
+                f"(NOTE [ Reversible conversion ], rule 4)")
         self.construction, self.dim, self.exact = construction, dim, exact
         # Unregistered (rule 3): the blocks hold the layers, which are this module's children.
         self._stages: dict[tuple[int, int], tuple[tuple[int, ...], ReversibleSequence]] = {}

@@ -42,6 +42,7 @@ from revnets.reversible.coupling import (
     AffineCoupling,
     Coupling,
     ExactAdditiveCoupling,
+    ExactScaledCoupling,
     ScaledCoupling,
 )
 from revnets.reversible.sequence import ReversibleSequence, SequenceOptions
@@ -51,6 +52,7 @@ __all__ = [
     "AffineCoupling",
     "Coupling",
     "ExactAdditiveCoupling",
+    "ExactScaledCoupling",
     "ReversibleBlock",
     "ReversibleSequence",
     "ScaledCoupling",

@@ -3,6 +3,8 @@ maths, no state)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -11,7 +13,7 @@ from revnets.reversible import grid
 
 __all__ = [
     "KNOWN_COUPLINGS", "STOCK_COUPLINGS", "AdditiveCoupling", "AffineCoupling", "Coupling",
-    "ExactAdditiveCoupling", "ScaledCoupling", "make_coupling",
+    "ExactAdditiveCoupling", "ExactScaledCoupling", "ScaledCoupling", "make_coupling",
 ]
 
 
@@ -43,10 +45,36 @@ class Coupling:
     #: sit in a ``ReversibleSequence(exact=True)``.
     exact: bool = False
 
+    #: ``uncombine`` needs, beyond ``y`` and ``h``, what ``lost(x)`` returns for the ``x`` that
+    #: ``combine`` is given (the bits an exact scaling drops: NOTE [ Exact reversibility ],
+    #: rule 7); the engine keeps it from the forward to the backward and reconstructs with
+    #: ``uncombine_kept``.
+    keeps_lost: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A class that writes its own combine or uncombine is trusted to be additive, scaled or
+        # in place only where it says so itself: what it inherits described its base's maths.
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if "combine" in own or "uncombine" in own:
+            for name, plain in (("is_additive", False), ("x_factor", None),
+                                ("combine_", Coupling.combine_),
+                                ("uncombine_", Coupling.uncombine_)):
+                if name not in own:
+                    setattr(cls, name, plain)
+
     def combine(self, x: Tensor, h: Tensor) -> Tensor:
         raise NotImplementedError
 
     def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def lost(self, x: Tensor) -> Tensor:
+        """What ``uncombine_kept`` needs of ``x`` (``keeps_lost`` couplings)."""
+        raise NotImplementedError
+
+    def uncombine_kept(self, y: Tensor, h: Tensor, lost: Tensor) -> Tensor:
+        """``x`` from ``y``, ``h`` and ``lost(x)``, as a new tensor (``keeps_lost`` couplings)."""
         raise NotImplementedError
 
     def combine_(self, x: Tensor, h: Tensor) -> Tensor:
@@ -92,6 +120,8 @@ class ExactAdditiveCoupling(AdditiveCoupling):
     float64."""
 
     exact = True
+    is_additive = True
+    x_factor = 1.0
 
     def combine(self, x: Tensor, h: Tensor) -> Tensor:
         y = x + grid.snap(h, x.dtype)
@@ -157,7 +187,11 @@ class ScaledCoupling(Coupling):
                 or not (0 < abs(scale) <= 1)):
             raise ValueError(f"ScaledCoupling: scale must be a nonzero number in [-1, 1], got "
                              f"{scale!r}")
-        self.scale = self.x_factor = float(scale)
+        self.scale = float(scale)
+
+    @property
+    def x_factor(self) -> float:  # type: ignore[override]
+        return self.scale  # follows a scale set later
 
     def combine(self, x: Tensor, h: Tensor) -> Tensor:
         return x * self.scale + h
@@ -175,8 +209,54 @@ class ScaledCoupling(Coupling):
         return f"ScaledCoupling(scale={self.scale})"
 
 
+class ExactScaledCoupling(ScaledCoupling):
+    """``y = scale * x + round(h)`` on the grid of the stream, ``scale = +-2^-k`` (k = 1..8):
+    ``scale * x`` rounded down to the grid, the k bits of each element that drops kept by the
+    engine (one byte per element: ``lost``), so that ``uncombine_kept`` recovers ``x`` bit for
+    bit (NOTE [ Exact reversibility ], rule 7). Gradients are straight-through (``scale`` in
+    ``x``, the identity in ``h``). ``ReversibleSequence(exact=True)`` puts its scaled couplings
+    in this form and its input on the grid."""
+
+    exact = True
+    keeps_lost = True
+    x_factor = ScaledCoupling.x_factor  # straight-through: scale in x
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(scale)
+        if grid.exact_shift(self.scale) is None:
+            raise ValueError(
+                f"ExactScaledCoupling: scale must be +-2^-k with k in 0..8 (0.5, 0.25, -0.5, "
+                f"...), got {scale!r}: another scale leaves the fixed-point grid")
+
+    def combine(self, x: Tensor, h: Tensor) -> Tensor:
+        scaled = x * self.scale
+        down = grid.scale_down_(x.detach().clone(), self.scale)
+        y = scaled + (down - scaled).detach() + grid.snap(h, x.dtype)  # value: down + round(h)
+        grid.check_range(y, "a reversible block's output")
+        return y
+
+    def uncombine(self, y: Tensor, h: Tensor) -> Tensor:
+        raise RuntimeError(
+            f"{self!r}: inverting it needs the bits its forward dropped, which the reversible "
+            f"engine keeps; block.inverse cannot reconstruct without them (run the block in a "
+            f"ReversibleSequence, or use the additive coupling)")
+
+    def combine_(self, x: Tensor, h: Tensor) -> Tensor:
+        return grid.add_(grid.scale_down_(x, self.scale), h)  # range-checked by the engine
+
+    def lost(self, x: Tensor) -> Tensor:
+        return grid.lost_bits(x, self.scale)
+
+    def uncombine_kept(self, y: Tensor, h: Tensor, lost: Tensor) -> Tensor:
+        return grid.scale_up_(grid.sub_(y.clone(), h), lost, self.scale)
+
+    def __repr__(self) -> str:
+        return f"ExactScaledCoupling(scale={self.scale})"
+
+
 # The couplings revnets defines: tested, drawing no random numbers.
-STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling, ScaledCoupling)
+STOCK_COUPLINGS = (AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling, ScaledCoupling,
+                   ExactScaledCoupling)
 
 # Couplings whose code is revnets' own, running torch operators that draw nothing and write
 # only into memory they made: a block using one is known where its f and g are

@@ -30,16 +30,31 @@ computes a slightly different function whose inverse is exact:
    tensor; the addition then scales it back by ``2^-k``, exactly. Nothing is stored: memory is
    that of the default reversible path, flat in depth.
 
-Only additive couplings have this form (an affine coupling's scale does not keep the grid); other
-couplings, and invertible modules that do not declare ``exact = True``, are refused by name.
+7. A scaled coupling ``y = scale * x + h`` keeps the grid where ``scale = +-2^-k`` (k = 0..8,
+   :func:`exact_shift`): with ``m = sign * x * 2^K`` (an integer), ``scale * x`` is
+   ``(m / 2^k) * 2^-K`` and ``y = floor(m / 2^k) * 2^-K + round(h)``; the k low bits of ``m``
+   that the floor drops (``m mod 2^k``, one byte per element, :func:`lost_bits`) are what its
+   inverse needs beyond ``y`` and ``h``: the engine keeps them from the forward to the backward
+   (``Coupling.keeps_lost``), so memory grows by a byte per element of a stream per scaled
+   coupling, and reconstruction is exact to the bit. Gradients are straight-through:
+   ``scale`` in ``x``, the identity in ``h``.
+
+Additive couplings and those scaled couplings have this form (an affine coupling's scale does
+not keep the grid); other couplings, and invertible modules that do not declare
+``exact = True``, are refused by name.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["FRACTION_BITS", "GridWatch", "check_range", "enter_grid", "grid_range", "snap"]
+__all__ = [
+    "FRACTION_BITS", "GridWatch", "check_range", "enter_grid", "exact_shift", "grid_range",
+    "lost_bits", "scale_down_", "scale_up_", "snap",
+]
 
 #: ``k``: the grid is the multiples of ``2^-k`` (float32: 6.1e-5, float64: 1.5e-11).
 FRACTION_BITS = {torch.float32: 14, torch.float64: 36}
@@ -80,6 +95,47 @@ def sub_(y: Tensor, h: Tensor) -> Tensor:
     """``y -= round(h)`` in place: the exact inverse of :func:`add_`."""
     _check_stream(y.dtype)
     return y.sub_(scaled(h, y.dtype), alpha=2.0 ** -FRACTION_BITS[y.dtype])
+
+
+def exact_shift(scale: float) -> int | None:
+    """k where ``scale = +-2^-k`` with k in 0..8 (rule 7), else None."""
+    magnitude = abs(float(scale))
+    if magnitude == 0:
+        return None
+    k = -math.log2(magnitude)
+    return int(k) if k == int(k) and 0 <= k <= 8 else None
+
+
+def _integers(x: Tensor, scale: float) -> Tensor:
+    """``m = sign * x * 2^K`` as a new tensor: integers for ``x`` on the grid (rule 7)."""
+    _check_stream(x.dtype)
+    return x.mul(math.copysign(2.0 ** FRACTION_BITS[x.dtype], scale))
+
+
+def lost_bits(x: Tensor, scale: float) -> Tensor:
+    """The bits ``scale_down_`` drops of ``x``: ``m mod 2^k``, one byte per element (rule 7)."""
+    m = _integers(x, scale)
+    k = exact_shift(scale)
+    low = m - torch.floor(m * 2.0 ** -k) * 2.0 ** k
+    return low.to(torch.uint8)
+
+
+def scale_down_(x: Tensor, scale: float) -> Tensor:
+    """``x = floor(m / 2^k) * 2^-K`` in place: ``scale * x`` on the grid, rounded down
+    (rule 7)."""
+    _check_stream(x.dtype)
+    big = 2.0 ** FRACTION_BITS[x.dtype]
+    return x.mul_(math.copysign(big, scale) * 2.0 ** -exact_shift(scale)).floor_().mul_(
+        1.0 / big)
+
+
+def scale_up_(v: Tensor, lost: Tensor, scale: float) -> Tensor:
+    """The inverse of :func:`scale_down_` given its :func:`lost_bits`, in place: ``x`` bit for
+    bit (rule 7)."""
+    _check_stream(v.dtype)
+    big = 2.0 ** FRACTION_BITS[v.dtype]
+    return v.mul_(big * 2.0 ** exact_shift(scale)).add_(lost).mul_(math.copysign(1.0 / big,
+                                                                                scale))
 
 
 class _Snap(torch.autograd.Function):

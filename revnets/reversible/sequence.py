@@ -13,7 +13,12 @@ from revnets.plan import Checkpoint, Decision, Reconstruct, Store
 from revnets.replay.hooks import has_forward_hooks, hooked
 from revnets.reversible import compiled, grid
 from revnets.reversible.block import ReversibleBlock, split_halves
-from revnets.reversible.coupling import AdditiveCoupling, ExactAdditiveCoupling
+from revnets.reversible.coupling import (
+    AdditiveCoupling,
+    ExactAdditiveCoupling,
+    ExactScaledCoupling,
+    ScaledCoupling,
+)
 from revnets.reversible.function import ReversibleFunction
 from revnets.reversible.invertible import Invertible
 from revnets.reversible.steps import BlockPlan
@@ -116,8 +121,9 @@ class ReversibleSequence(nn.Module):
             or changes it (a plan switching ``memory`` keeps it). It puts the blocks' couplings
             in their exact form, so blocks shared with another sequence are exact there too:
             build a reference of copies (``copy.deepcopy``), not of the same blocks. Additive
-            couplings only (others, and invertible modules without ``exact = True``, are refused
-            by name); the output is in the stream dtype.
+            couplings, and scaled ones with a scale +-2^-k (which keep the k bits per element
+            their scaling drops, one byte each: rule 7); others, and invertible modules without
+            ``exact = True``, are refused by name. The output is in the stream dtype.
         preserve_rng_state: replay the random number generators so that dropout and any other
             randomness in f and g draw the same numbers in the backward recomputation.
         reuse_memory: let backward add the blocks' gradients into the gradient it is given, where
@@ -347,7 +353,16 @@ def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:
                         "inverse is exact for grid values (a permutation, zero padding), or "
                         "drop exact=True"
                     )
-            elif not block.coupling.exact and type(block.coupling) is not AdditiveCoupling:
+            elif (type(block.coupling) is ScaledCoupling
+                  and grid.exact_shift(block.coupling.scale) is None):
+                raise TypeError(
+                    f"ReversibleSequence(exact=True): block {i} has the coupling "
+                    f"{block.coupling!r}; a scaled coupling keeps the grid only with a scale "
+                    f"+-2^-k, k = 0..8 (0.5, -0.25, ...: NOTE [ Exact reversibility ], rule 7). "
+                    f"Use such a scale, or drop exact=True"
+                )
+            elif (not block.coupling.exact
+                  and type(block.coupling) not in (AdditiveCoupling, ScaledCoupling)):
                 raise TypeError(
                     f"ReversibleSequence(exact=True): block {i} has the coupling "
                     f"{block.coupling!r}, which has no exact form; exact reconstruction needs "
@@ -355,10 +370,15 @@ def _make_exact(blocks: Iterable[nn.Module], exact: bool) -> None:
                 )
     for block in blocks:
         if isinstance(block, ReversibleBlock):
-            if exact and type(block.coupling) is AdditiveCoupling:
+            kind = type(block.coupling)
+            if exact and kind is AdditiveCoupling:
                 block.coupling = ExactAdditiveCoupling()
-            elif not exact and type(block.coupling) is ExactAdditiveCoupling:
+            elif exact and kind is ScaledCoupling:
+                block.coupling = ExactScaledCoupling(block.coupling.scale)
+            elif not exact and kind is ExactAdditiveCoupling:
                 block.coupling = AdditiveCoupling()
+            elif not exact and kind is ExactScaledCoupling:
+                block.coupling = ScaledCoupling(block.coupling.scale)
 
 
 def _refuse_low_precision_parameters(sequence: ReversibleSequence) -> None:

@@ -180,11 +180,19 @@ def _user_code_ran(coupling: Coupling, run: ForwardRun) -> None:
         run.chain.cut()
 
 
-def _uncombine(coupling: Coupling, y: Tensor, h: Tensor) -> Tensor:
+def _uncombine(coupling: Coupling, y: Tensor, h: Tensor, lost: Tensor | None = None) -> Tensor:
     # y is always the engine's own here (NOTE [ Layout ], rule 3).
+    if coupling.keeps_lost:
+        return coupling.uncombine_kept(y, h, lost)
     if coupling.x_factor is not None and torch.result_type(y, h) == y.dtype:
         return coupling.uncombine_(y, h)
     return coupling.uncombine(y, h)
+
+
+def _lost(coupling: Coupling, x: Tensor) -> Tensor | None:
+    """What the coupling's inverse needs of ``x`` beyond its output (NOTE [ Exact
+    reversibility ], rule 7), taken before ``x`` is combined (in place)."""
+    return coupling.lost(x.detach()) if coupling.keeps_lost else None
 
 
 class _CouplingBackward(BlockStep):
@@ -291,6 +299,8 @@ class CouplingStep(_CouplingBackward):
         self.compiled: dict[str, str | None] = {}
         # f's and g's drop-path scales (NOTE [ Drop path outside the transforms ]).
         self.scales: dict[str, Tensor | None] = {}
+        # The bits the couplings' scaling dropped of x1 ("f") and x2 ("g"), where kept.
+        self.lost: dict[str, Tensor | None] = {}
         self._kept: tuple[Tensor, Tensor] | None = None
 
     def forward(self, x1, x2, mine, context, run):
@@ -305,10 +315,12 @@ class CouplingStep(_CouplingBackward):
         h = self._run("f", x2, context.values, run)
         if self.kept is None:
             check_uncombine_once(block.coupling, x1, h)
+        self.lost["f"] = _lost(block.coupling, x1)
         y1 = dense(_combine(block.coupling, x1, h, mine), True, run.memory_format)
         del h
         _user_code_ran(block.coupling, run)
         h = self._run("g", y1, context.values, run)
+        self.lost["g"] = _lost(block.coupling, x2)
         y2 = _combine(block.coupling, x2, h, True)
         _user_code_ran(block.coupling, run)
         if run.grid is not None:
@@ -361,8 +373,10 @@ class CouplingStep(_CouplingBackward):
             h = self._run("f", x2, context, run)
             if self.kept is None:
                 check_uncombine_once(block.coupling, x1.detach(), h.detach())
+            self.lost["f"] = _lost(block.coupling, x1)
             y1 = block.coupling.combine(x1, h)
             del h
+            self.lost["g"] = _lost(block.coupling, x2)
             y2 = block.coupling.combine(x2, self._run("g", y1, context, run))
             if hooked:
                 output = block.merge(y1, y2)
@@ -401,20 +415,23 @@ class CouplingStep(_CouplingBackward):
             return self.block.transform(name, half, *back.context.args(), call=call, scale=scale)
 
     def _second_half(self, y2, h, back):
+        lost = self.lost.pop("g", None)
         if self._kept is not None:
             return self._kept[1].detach().requires_grad_()
         with torch.no_grad(), back.autocast():
-            return _uncombine(self.block.coupling, y2, h).requires_grad_()
+            return _uncombine(self.block.coupling, y2, h, lost).requires_grad_()
 
     def _first_half(self, y1, h, back):
+        lost = self.lost.pop("f", None)
         if self._kept is not None:
             return self._kept[0].detach()
         with torch.no_grad(), back.autocast():
-            return _uncombine(self.block.coupling, y1.detach(), h)
+            return _uncombine(self.block.coupling, y1.detach(), h, lost)
 
     def _finish(self, carry):
         carry.mine = (self._kept is None, self._kept is None)
         self._kept = None
+        self.lost.clear()
 
 
 class StoredCouplingStep(_CouplingBackward):
@@ -428,6 +445,7 @@ class StoredCouplingStep(_CouplingBackward):
         self.last = last
         self.output: Tensor | None = None
         self.mine = False
+        self.lost: Tensor | None = None  # the bits the coupling's scaling dropped of x1
 
     def forward(self, x1, x2, mine, context, run):
         block, coupling = self.block, self.block.coupling
@@ -438,6 +456,7 @@ class StoredCouplingStep(_CouplingBackward):
         scales = block.drop_path_scales(x1)
         with torch.enable_grad():
             self.h = {"f": block.transform("f", self.x2, *args, scale=scales["f"])}
+        self.lost = _lost(coupling, x1)  # x2 is kept: only x1 is reconstructed
         self.y1 = coupling.combine(x1, self.h["f"].detach()).requires_grad_()
         with torch.enable_grad():
             self.h["g"] = block.transform("g", self.y1, *args, scale=scales["g"])
@@ -473,9 +492,10 @@ class StoredCouplingStep(_CouplingBackward):
     def _first_half(self, y1, h, back):
         with torch.no_grad(), back.autocast():
             # y1 is the step's own (made out of place in the forward), unless hooks saw it.
-            if self.plan.hooked:
+            lost, self.lost = self.lost, None
+            if self.plan.hooked and lost is None:
                 return self.block.coupling.uncombine(y1.detach(), h)
-            return _uncombine(self.block.coupling, y1.detach(), h)
+            return _uncombine(self.block.coupling, y1.detach(), h, lost)  # new where kept
 
     def _finish(self, carry):
         carry.mine = (not self.plan.hooked, self.mine)
