@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import revnets
+from revnets.facts.operators import SELECTIVE_OPS
 from revnets.memory import measure_memory
 from revnets.planning import CheckpointedModules
 
@@ -498,3 +499,111 @@ def test_another_thread_sharing_a_module_runs_its_own_forward():
         thread.join(timeout=300)
     assert not errors and not any(thread.is_alive() for thread in threads)
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+class _Products(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products a step runs, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in SELECTIVE_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def products_of_a_step(model, x) -> int:
+    with _Products() as products:
+        train_step(model, x)
+    return products.count
+
+
+def test_a_module_checkpointed_selectively_trains_as_the_model_and_runs_no_product_again():
+    """Checkpoint(selective=True) keeps a module's products and recomputes the rest (its
+    BatchNorm, GELU, dropout): the model's gradients and buffers, as many products as the model
+    runs itself; Checkpoint() runs each block's forward products again."""
+    model, x = untraceable(torch.float64)
+    blocks = [f"blocks.{i}" for i in range(len(model.blocks))]
+    selective = CheckpointedModules(model, dict.fromkeys(blocks, revnets.Checkpoint(selective=True)))
+    whole = CheckpointedModules(model, blocks)
+    assert selective.names == whole.names == tuple(blocks)
+
+    def step(trained):
+        torch.manual_seed(1)  # the same dropout masks
+        train_step(trained, x)
+        return [p.grad.clone() for p in model.parameters()], [b.clone() for b in model.buffers()]
+
+    buffers = [b.clone() for b in model.buffers()]
+    results = []
+    for trained in (model, selective):
+        for b, saved in zip(model.buffers(), buffers):
+            b.copy_(saved)
+        results.append(step(trained))
+    (own_grads, own_buffers), (grads, after) = results
+    assert max((a - b).abs().max().item() for a, b in zip(own_grads, grads)) < 1e-10
+    assert all(torch.equal(a, b) for a, b in zip(own_buffers, after))
+    runs = products_of_a_step(model, x)
+    assert products_of_a_step(selective, x) == runs
+    # Whole: each block's four Linears but the last, whose output no backward reads (torch's
+    # recomputation stops once it has what the backward needs).
+    assert products_of_a_step(whole, x) == runs + 3 * len(blocks)
+
+
+def test_the_planner_keeps_products_where_the_budget_leaves_room_for_them():
+    """Just below the unplanned peak, a plan that recomputes only what is cheap to recompute:
+    some module checkpointed selectively, measured == predicted, within the budget."""
+    model, x = untraceable()
+    unplanned = unplanned_peak(model, x)
+    planned = plan(model, x, int(0.97 * unplanned))
+    decisions = planned.decisions
+    assert any(d.selective for d in decisions.values())
+    assert [part.decision for part in planned.memory_plan.parts] == list(decisions.values())
+    measured = measure_memory(train_step, planned, x).peak_bytes
+    assert measured == planned.memory_plan.peak_bytes <= int(0.97 * unplanned)
+
+
+class ProductWrittenInPlace(nn.Module):
+    """A Linear whose output the next ReLU overwrites: kept by a selective checkpoint, torch
+    would refuse the backward (the kept output's version changed). Without that ReLU, keeping
+    the products would save the Tanhs' outputs."""
+
+    def __init__(self, width: int = 32, depth: int = 4):
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(inplace=True), nn.Tanh(),
+                          nn.Tanh(), nn.Linear(4 * width, width)) for _ in range(depth))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h.flip(0) if h.shape[0] > 1 else h  # untraceable
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_a_module_whose_product_is_written_in_place_is_never_checkpointed_selectively():
+    model, x = ProductWrittenInPlace(), torch.randn(256, 8)
+    unplanned = unplanned_peak(model, x)
+    chosen = []
+    for share in (0.98, 0.95, 0.9, 0.8, 0.7):
+        with pytest.warns(UserWarning):
+            try:
+                planned = revnets.auto_checkpoint(model, x, int(share * unplanned))
+            except revnets.PlanningError:
+                continue
+        train_step(planned, x)  # the backward runs
+        chosen += [(name, d.selective) for name, d in planned.decisions.items()]
+    assert chosen
+    unsafe = {f"blocks.{i}" for i in range(4)} | {f"blocks.{i}.0" for i in range(4)}
+    assert not [name for name, selective in chosen if selective and name in unsafe]
+
+
+def test_a_module_plan_refuses_a_decision_that_is_no_checkpoint_of_a_module():
+    model, _ = untraceable()
+    for decision in (revnets.Store(), revnets.Checkpoint(segments=2)):
+        with pytest.raises(TypeError, match=r"blocks.0.*Checkpoint\(\) or "
+                                            r"Checkpoint\(selective=True\)"):
+            CheckpointedModules(model, {"blocks.0": decision})

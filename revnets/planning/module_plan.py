@@ -8,7 +8,7 @@ import functools
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from revnets.checkpoint import checkpoint_forward
-from revnets.facts.operators import flops_of
+from revnets.facts.operators import SELECTIVE_OPS, flops_of
 from revnets.facts.tensors import storage_key
 from revnets.graph.trace_state import Attributes, version_of
 from revnets.memory import Predictor
@@ -46,14 +46,19 @@ __all__ = ["CheckpointedModules", "ModuleProfile", "plan_modules"]
 # or state its modules hold (a config dict, a float the parent changes), is written between
 # its call and the loss, is never checkpointed: its recomputation would read the written value.
 # Its inputs go to torch's checkpoint as positional tensors, which torch checks for writes
-# before it recomputes.
+# before it recomputes. A module is checkpointed whole (``Checkpoint()``: its inputs kept) or
+# selectively (``Checkpoint(selective=True)``: the outputs of its matrix products and attention
+# kept too, the rest recomputed: NOTE [ Selective recomputation ] in revnets/facts/operators.py),
+# never selectively where the forward writes in place to such an output after making it.
 # A prediction of the unplanned step profiles every module call: the storages it saves for
 # backward besides its inputs and the model's state, what a checkpoint keeps instead (its
-# inputs), and what rerunning it costs, counted (the floating-point operations of its products
-# and the elements its operators make), so that every call at one budget ranks the same plans
-# the same way. For each depth of the call tree, its modules (and the leaves above it), ordered
-# by bytes saved per cost, give plans of growing prefixes; a modelled peak (the unplanned peak,
-# less what each saves, plus the largest recomputation) orders them, and an exact prediction
+# inputs; selectively, the outputs of its products too), and what rerunning it costs, counted
+# (the floating-point operations of its products and the elements its operators make; a
+# selective checkpoint's without its products'), so that every call at one budget ranks the
+# same plans the same way. For each depth of the call tree, its modules (and the leaves above
+# it), ordered by bytes saved per cost, give plans of growing prefixes, checkpointed whole,
+# selectively, or whole with the rest of the depth selective; a modelled peak (the unplanned
+# peak, less what each saves, plus the largest recomputation) orders them, and an exact prediction
 # accepts one, as for chains (NOTE [ Modelled search, exact acceptance ] in
 # planning/search/options.py). The
 # ``FLOORS`` plans of least modelled peak are predicted last, from the cheapest; where none
@@ -73,10 +78,21 @@ class ModuleProfile:
     cost: int  # operations of its products and elements its operators make
     leaf: bool  # it calls no other module
     written: bool  # its input, or state its modules hold, is written before the backward
+    products: int = 0  # bytes of the outputs of its products: what a selective one keeps too
+    product_cost: int = 0  # the part of ``cost`` its products are: what it does not rerun
+    selective_safe: bool = True  # no such output is written in place before the backward
 
     @property
     def saving(self) -> int:
         return self.saved - self.kept
+
+    def saving_of(self, decision: Checkpoint) -> int:
+        """Bytes the module's checkpoint saves: ``Checkpoint()`` or selective."""
+        return self.saving - self.products if decision.selective else self.saving
+
+    def cost_of(self, decision: Checkpoint) -> int:
+        """What rerunning it costs: its products' left out of a selective checkpoint's."""
+        return self.cost - self.product_cost if decision.selective else self.cost
 
 
 @dataclass
@@ -87,8 +103,12 @@ class _Calls:
     cost: int = 0
     leaf: bool = True
     written: bool = False
+    products: dict[int, int] = field(default_factory=dict)  # storage address: bytes
+    product_cost: int = 0
+    selective_safe: bool = True
     inputs: list[tuple[weakref.ref, int | None]] = field(default_factory=list)
     state: list[Attributes] = field(default_factory=list)
+    made: list[tuple[weakref.ref, int | None]] = field(default_factory=list)  # products' outputs
 
 
 class _Profiler(TorchDispatchMode):
@@ -156,8 +176,11 @@ class _Profiler(TorchDispatchMode):
             calls.written |= any(t is not None and version_of(t) != version
                                  for t, version in ((ref(), v) for ref, v in calls.inputs))
             calls.written |= any(state.changed() is not None for state in calls.state)
+            calls.selective_safe &= not any(t is not None and version_of(t) != version
+                                            for t, version in ((ref(), v) for ref, v in calls.made))
             calls.inputs.clear()
             calls.state.clear()
+            calls.made.clear()
 
     def _pack(self, t: Tensor) -> Tensor:
         address = storage_key(t)
@@ -171,15 +194,25 @@ class _Profiler(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._forward and self._stack:
-            cost = flops_of(func, args, kwargs, out) + sum(
-                t.numel() for t in tree_leaves(out) if isinstance(t, Tensor))
-            for calls, _ in self._stack:
+            made = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+            cost = flops_of(func, args, kwargs, out) + sum(t.numel() for t in made)
+            product = func in SELECTIVE_OPS
+            for entry in self._stack:
+                if entry is None:
+                    continue
+                calls = entry[0]
                 calls.cost += cost
+                if product:
+                    calls.product_cost += cost
+                    calls.products.update(
+                        (storage_key(t), t.untyped_storage().nbytes()) for t in made)
+                    calls.made += [(weakref.ref(t), version_of(t)) for t in made]
         return out
 
     def profiles(self) -> list[ModuleProfile]:
         return [ModuleProfile(name, c.depth, sum(c.saved.values()), c.kept, c.cost, c.leaf,
-                              c.written)
+                              c.written, sum(c.products.values()), c.product_cost,
+                              c.selective_safe)
                 for name, c in self.calls.items()]
 
 
@@ -192,8 +225,8 @@ class _CheckpointedForward:
     in a thread running none of them (another model sharing the module), the forward as it
     was. It reads as that forward (``inspect.signature``, ``__wrapped__``, ``__self__``)."""
 
-    def __init__(self, module: nn.Module, forward: Any) -> None:
-        self.module, self.forward = module, forward
+    def __init__(self, module: nn.Module, forward: Any, decision: Checkpoint) -> None:
+        self.module, self.forward, self.decision = module, forward, decision
         functools.update_wrapper(self, forward)
         self.__self__ = module
         self.__func__ = getattr(forward, "__func__", forward)
@@ -215,7 +248,8 @@ class _CheckpointedForward:
 
         tensors = tuple(leaves[i] for i in where)
         others = tuple(leaf for leaf in leaves if not isinstance(leaf, Tensor))
-        return checkpoint_forward(self.module, forward, tensors, {}, given=others)
+        return checkpoint_forward(self.module, forward, tensors, {},
+                                  selective=self.decision.selective, given=others)
 
 
 class _Running(threading.local):
@@ -234,21 +268,23 @@ def _running() -> dict[int, int]:
 
 
 @contextlib.contextmanager
-def _checkpointed(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
-    """The forward of each module of ``names`` run as a checkpoint in this thread, the module
-    left in place (NOTE [ Plans of whole modules ]); put back as it was after the last step
-    using it, unless the step set a forward of its own."""
-    modules = list({id(m): m for m in map(model.get_submodule, names)}.values())
+def _checkpointed(model: nn.Module, decisions: Mapping[str, Checkpoint]) -> Iterator[None]:
+    """The forward of each module of ``decisions`` run as its checkpoint in this thread, the
+    module left in place (NOTE [ Plans of whole modules ]); put back as it was after the last
+    step using it, unless the step set a forward of its own."""
+    chosen = {id(model.get_submodule(name)): (model.get_submodule(name), decision)
+              for name, decision in decisions.items()}
+    modules = [module for module, _ in chosen.values()]
     running = _running()
     with _LOCK:
-        for module in modules:
+        for module, decision in chosen.values():
             key = id(module)
             if key in _INSTALLED:
                 found, own, wrapper, users = _INSTALLED[key]
                 _INSTALLED[key] = (found, own, wrapper, users + 1)
                 continue
             own = module.__dict__.get("forward", _NONE)  # a forward set on the object already
-            wrapper = _CheckpointedForward(module, module.forward)
+            wrapper = _CheckpointedForward(module, module.forward, decision)
             module.__dict__["forward"] = wrapper
             _INSTALLED[key] = (module, own, wrapper, 1)
     for module in modules:
@@ -281,14 +317,27 @@ class CheckpointedModules(ModelView):
 
     memory_plan: MemoryPlan
 
-    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+    def __init__(self, model: nn.Module,
+                 decisions: Mapping[str, Checkpoint] | Sequence[str]) -> None:
         super().__init__(model)
-        self._names = tuple(names)
+        if not isinstance(decisions, Mapping):
+            decisions = dict.fromkeys(decisions, Checkpoint())
+        for name, decision in decisions.items():
+            if not isinstance(decision, Checkpoint) or decision.segments is not None:
+                raise TypeError(f"CheckpointedModules: {name!r} is given {decision!r}; a module "
+                                f"is checkpointed whole or selectively: Checkpoint() or "
+                                f"Checkpoint(selective=True)")
+        self._decisions = dict(sorted(decisions.items(), key=lambda item: item[0]))
 
     @property
     def names(self) -> tuple[str, ...]:
         """The modules checkpointed, or the model's own ``names`` where it has one."""
-        return self.models_own("names", self._names)
+        return self.models_own("names", tuple(self._decisions))
+
+    @property
+    def decisions(self) -> dict[str, Checkpoint]:
+        """How each module of ``names`` is checkpointed: whole, or selectively."""
+        return dict(self._decisions)
 
     @property
     def memory(self) -> MemoryPlan:
@@ -299,36 +348,63 @@ class CheckpointedModules(ModelView):
         model = self._model[0]
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
-        with _checkpointed(model, self._names):
+        with _checkpointed(model, self._decisions):
             return model(*args, **kwargs)
 
 
 @dataclass(frozen=True)
 class _Candidate:
-    names: tuple[str, ...]
+    decisions: tuple[tuple[str, Checkpoint], ...]
     cost: int
     modelled: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.decisions)
+
+    @property
+    def order(self) -> tuple[tuple[str, bool], ...]:
+        """What ties between candidates are broken by."""
+        return tuple((name, decision.selective) for name, decision in self.decisions)
+
+
+_WHOLE, _SELECTIVE = Checkpoint(), Checkpoint(selective=True)
 
 
 def _candidates(profiles: Sequence[ModuleProfile], unplanned: int,
                 around: dict[str, set[str]]) -> list[_Candidate]:
     """Prefixes of each depth's modules, most bytes saved per cost first, none inside another
-    (``around``: the names of the modules each is inside), with their modelled peaks (NOTE
-    [ Plans of whole modules ])."""
-    found: dict[tuple[str, ...], _Candidate] = {}
+    (``around``: the names of the modules each is inside), checkpointed whole, selectively, or
+    whole with the rest of the depth selective, with their modelled peaks (NOTE [ Plans of
+    whole modules ])."""
+    found: dict[tuple[tuple[str, Checkpoint], ...], _Candidate] = {}
+
+    def add(chosen: Sequence[tuple[ModuleProfile, Checkpoint]]) -> None:
+        if not chosen:
+            return
+        saving = sum(p.saving_of(d) for p, d in chosen)
+        cost = sum(p.cost_of(d) for p, d in chosen)
+        largest = max(p.saved - (p.products if d.selective else 0) for p, d in chosen)
+        decisions = tuple(sorted(((p.name, d) for p, d in chosen), key=lambda nd: nd[0]))
+        found.setdefault(decisions, _Candidate(decisions, cost, unplanned - saving + largest))
+
     for depth in sorted({p.depth for p in profiles}):
         level = [p for p in profiles if p.saving > 0 and not p.written and (
             p.depth == depth or (p.leaf and p.depth < depth))]
         # A module shared by two parents may be called at one depth and named inside another.
         names = {p.name for p in level}
         level = [p for p in level if not around[p.name] & names]
-        level.sort(key=lambda p: -p.saving / max(p.cost, 1))
-        saving = cost = largest = 0
-        for k, p in enumerate(level, 1):
-            saving, cost, largest = saving + p.saving, cost + p.cost, max(largest, p.saved)
-            names = tuple(sorted(q.name for q in level[:k]))
-            found.setdefault(names, _Candidate(names, cost, unplanned - saving + largest))
-    return sorted(found.values(), key=lambda c: (c.cost, c.modelled, c.names))
+        whole = sorted(level, key=lambda p: (-p.saving / max(p.cost, 1), p.name))
+        selective = sorted((p for p in level if p.selective_safe and p.saving_of(_SELECTIVE) > 0),
+                           key=lambda p: (-p.saving_of(_SELECTIVE) / max(p.cost_of(_SELECTIVE), 1),
+                                          p.name))
+        for k in range(1, len(whole) + 1):
+            add([(p, _WHOLE) for p in whole[:k]])
+            add([(p, _SELECTIVE) for p in selective[:k]])
+            first = {p.name for p in whole[:k]}
+            add([(p, _WHOLE) for p in whole[:k]]
+                + [(p, _SELECTIVE) for p in selective if p.name not in first])
+    return sorted(found.values(), key=lambda c: (c.cost, c.modelled, c.order))
 
 
 def plan_modules(
@@ -365,21 +441,22 @@ def plan_modules(
     if not candidates:
         raise no_fit(budget, unplanned, f"{type(model).__name__} as it is: no module it calls "
                                         f"saves memory checkpointed")
-    floors = sorted(candidates, key=lambda c: (c.modelled, c.cost, c.names))[:FLOORS]
+    floors = sorted(candidates, key=lambda c: (c.modelled, c.cost, c.order))[:FLOORS]
     tries = [c for c in candidates
              if fits(c.modelled, budget) and c not in floors][:MAX_PREDICTIONS]
     peaks: dict[_Candidate, int] = {}
-    for candidate in (*tries, *sorted(floors, key=lambda c: (c.cost, c.modelled, c.names))):
-        planned = CheckpointedModules(model, candidate.names)
+    for candidate in (*tries, *sorted(floors, key=lambda c: (c.cost, c.modelled, c.order))):
+        planned = CheckpointedModules(model, dict(candidate.decisions))
         peaks[candidate] = predictor.predict(
             training_step, (planned, example_input, loss_fn, optimizer), {}).peak_bytes
         if fits(peaks[candidate], budget):
-            parts = tuple(PartPlan(name, Checkpoint(), profiles[name].kept, math.nan)
-                          for name in candidate.names)
+            parts = tuple(PartPlan(name, decision, profiles[name].kept + (
+                              profiles[name].products if decision.selective else 0), math.nan)
+                          for name, decision in candidate.decisions)
             planned.memory_plan = MemoryPlan(stages, Checkpoint(), parts, peaks[candidate],
                                              budget)
             return planned
-    lowest = min(floors, key=lambda c: (peaks[c], c.cost, c.names))
+    lowest = min(floors, key=lambda c: (peaks[c], c.cost, c.order))
     if peaks[lowest] >= unplanned:
         raise no_fit(budget, unplanned, f"{type(model).__name__} as it is")
     raise no_fit(budget, peaks[lowest], f"checkpoints of {len(lowest.names)} whole modules, "
