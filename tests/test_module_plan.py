@@ -525,7 +525,8 @@ def test_a_module_checkpointed_selectively_trains_as_the_model_and_runs_no_produ
     runs itself; Checkpoint() runs each block's forward products again."""
     model, x = untraceable(torch.float64)
     blocks = [f"blocks.{i}" for i in range(len(model.blocks))]
-    selective = CheckpointedModules(model, dict.fromkeys(blocks, revnets.Checkpoint(selective=True)))
+    selective = CheckpointedModules(
+        model, dict.fromkeys(blocks, revnets.Checkpoint(selective=True)))
     whole = CheckpointedModules(model, blocks)
     assert selective.names == whole.names == tuple(blocks)
 
