@@ -32,6 +32,7 @@ __all__ = [
     "Checkpointed",
     "checkpoint",
     "checkpoint_segments",
+    "open_checkpoint",
     "run_checkpointed_segments",
     "segment_bounds",
 ]
@@ -101,7 +102,7 @@ def checkpoint_forward(
 ) -> Any:
     """``forward(*args, **kwargs)`` as :func:`checkpoint` runs ``module``, its replay following
     ``module``: ``forward`` is ``module`` itself, or its forward alone, whose module's own hooks
-    run once around it (NOTE [ Plans of whole modules ] in ``planning/module_plan.py``).
+    run once around it (NOTE [ Plans of whole modules ] in ``planning/modules/plan.py``).
     ``given``: what ``forward`` holds of the call besides ``args`` and ``kwargs`` (arguments it
     closes over), replayed as found with them (NOTE [ Replay ], rule 2).
     ``watched``: ``forward`` is other code of the module's (a method), whose run is watched
@@ -148,6 +149,30 @@ def checkpoint_forward(
     )
 
 
+def open_checkpoint(
+    modules: Sequence[nn.Module], recompute: Callable[..., Any], args: tuple, given: tuple = (),
+) -> Iterator[None]:
+    """A checkpoint whose forward is whatever runs until the generator returned is exhausted
+    (``next`` once, after the forward): the calls of a run of ``modules``, which
+    ``recompute(*args)`` runs again in backward, replayed (NOTE [ Replay ]) as a checkpointed
+    module's forward is. Exhaust it after the run's last call, ``close()`` it where the run
+    fails (NOTE [ Runs of modules ] in ``planning/modules/install.py``)."""
+    tracing = ", ".join(func_transforms()) or ("make_fx or AOTAutograd" if aot_traced() else
+                                               "dynamo" if torch.compiler.is_dynamo_compiling()
+                                               else "")
+    if tracing:
+        raise RuntimeError(
+            f"revnets.checkpoint: a checkpointed run of {len(modules)} modules runs under "
+            f"{tracing}, which its recomputation cannot follow. Train the model eagerly, or "
+            f"plan it with one checkpoint per module")
+    replay = _Replay(modules[0], True, _device(False, args, {}), given=(*args, *given),
+                     run=modules)
+    generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator_impl(
+        recompute, args, {}, preserve_rng_state=True, context_fn=replay.contexts)
+    next(generator)
+    return generator
+
+
 def _initialising(module: nn.Module) -> bool:
     return any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
                for m in submodules(module))
@@ -170,16 +195,18 @@ def _device(watched: bool, args: tuple, kwargs: dict) -> torch.device | None:
 
 
 class _Replay:
-    """The recording of one checkpointed call's forward, for its recomputation."""
+    """The recording of one checkpointed call's forward (or of a run of modules' calls), for
+    its recomputation."""
 
     def __init__(
         self, module: nn.Module, preserve_rng_state: bool, device: torch.device | None,
-        selective: bool = False, given: tuple = (),
+        selective: bool = False, given: tuple = (), run: Sequence[nn.Module] = (),
     ) -> None:
         self.module = module
         # ``given``: the call's arguments, whose containers and plain objects (a cache the
         # forward fills) the replay finds as the run did (NOTE [ Replay ], rule 2).
-        self.recording = Recording([module], preserve_rng_state, device=device, given=given)
+        self.recording = Recording(list(run) or [module], preserve_rng_state, device=device,
+                                   given=given)
         self.selective = selective
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:

@@ -12,7 +12,7 @@ from revnets.planning.costs.layer_profile import LayerProfile
 from revnets.planning.costs.profile import profile_chain
 from revnets.planning.costs.step_times import ForwardTimes
 from revnets.planning.model_chain import forward_times
-from revnets.planning.module_plan import CheckpointedModules
+from revnets.planning.modules.plan import CheckpointedModules
 from revnets.planning.search.budget import PlanningError
 from revnets.planning.search.chain import (
     budget_plan,

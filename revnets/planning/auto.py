@@ -22,7 +22,7 @@ from revnets.planning.budget import (
 from revnets.planning.chain_planner import ChainPlanner
 from revnets.planning.costs.step_times import ForwardTimes
 from revnets.planning.model_chain import Untraceable, choose_preset, planning_chain
-from revnets.planning.module_plan import plan_modules
+from revnets.planning.modules.plan import plan_modules
 from revnets.planning.planned import PlannedModel
 from revnets.planning.untouched import ModelState, collector_paused
 from revnets.replay import forked_rng, generators_held
@@ -83,7 +83,7 @@ def auto_checkpoint(
     cannot be traced: a zoo model gets the cheapest preset that fits; any other, with a warning
     naming why, comes back as a :class:`CheckpointedModules` whose training steps run its own
     forward with whole modules it calls checkpointed (NOTE [ Plans of whole modules ] in
-    ``planning/module_plan.py``; ``measure_time`` and ``compiled`` are not used there).
+    ``planning/modules/plan.py``; ``measure_time`` and ``compiled`` are not used there).
     Raises :class:`PlanningError` stating the smallest reachable budget when no plan fits.
     Python's cycle collector is paused while it plans, and resumed as it was.
     """

@@ -25,8 +25,8 @@ LossFn = Callable[[Any], Tensor]
 # What a plan is made for is one call of the model's own forward: ``model(example_input)``, or,
 # where the example input is a mapping (a dict, a Hugging Face batch), ``model(**example_input)``
 # (input_ids=, attention_mask=, labels=, ...). A model called with keywords is planned through
-# its own forward (NOTE [ Plans of whole modules ] in module_plan.py), never as a traced graph:
-# the chain of a graph takes one input.
+# its own forward (NOTE [ Plans of whole modules ] in planning/modules/plan.py), never as a
+# traced graph: the chain of a graph takes one input.
 def forward_of(model: nn.Module, example_input: Any) -> Any:
     """``model`` called on ``example_input`` (NOTE [ Example inputs ])."""
     if isinstance(example_input, Mapping):

@@ -110,7 +110,7 @@ def forward_times(model: nn.Module, example_input: Any) -> ForwardTimes:
     the search ranks its candidates right (NOTE [ Times measured once ]). ``model`` is left as
     it was (its buffers, and the random number generators too). A model torch.fx cannot trace
     has no steps: its plans are ranked on sizes and counted costs alone (NOTE [ Plans of whole
-    modules ] in ``planning/module_plan.py``), and its times are empty."""
+    modules ] in ``planning/modules/plan.py``), and its times are empty."""
     check_request("forward_times", model, example_input)
     kept, draws = ModelState(model), Draws(model)
     try:

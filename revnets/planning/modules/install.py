@@ -1,0 +1,247 @@
+"""The checkpointed forwards a plan of modules sets over the modules' own for a training step:
+one module's, or a run's (NOTE [ Plans of whole modules ] in plan.py, NOTE [ Runs of modules ])."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from revnets.checkpoint import checkpoint_forward, open_checkpoint
+from revnets.plan import Checkpoint
+from revnets.planning.modules.profile import hidden_of, objects_of
+
+__all__ = ["Part", "checkpointed", "names_of"]
+
+Part = str | tuple[str, ...]  # a module's name, or the names of a run of modules
+
+# NOTE [ Runs of modules ]
+# A run is modules the model's code calls one after another under one caller (a decoder's
+# layers in its loop), each given the one before's output first and the same other objects (a
+# cache, a mask), nothing computed between them, each called once and with no hooks of its
+# own: the profiler finds them (ModuleProfiler.runs). Checkpointed as one, a run keeps its
+# first module's inputs alone where one checkpoint per module keeps every module's: below the
+# peak of transformers' checkpointing of every layer where the step peaks outside the layers
+# (the logits and their gradient). Its checkpoint opens before its first module's forward and
+# closes after its last's (revnets.checkpoint.open_checkpoint); each module's forward runs
+# when the model calls it, its hooks around it, its output handed back, so the model's code
+# sees what it sees unplanned. Each call is recorded with the output it was given replaced by
+# a mark (no reference to it kept: that would keep it alive), and the recomputation runs the
+# recorded calls in order, each given its predecessor's recomputed output. What breaks the
+# run at step time (the run left before its last module, another hidden state or other
+# objects given, a module called twice) is refused by name, and the checkpoint is closed.
+
+
+class _CheckpointedForward:
+    """A module's forward run as a checkpoint, set over its class's for the steps under way:
+    in a thread running none of them (another model sharing the module), the forward as it
+    was. It reads as that forward (``inspect.signature``, ``__wrapped__``, ``__self__``)."""
+
+    def __init__(self, module: nn.Module, forward: Any, decision: Checkpoint) -> None:
+        self.module, self.forward, self.decision = module, forward, decision
+        functools.update_wrapper(self, forward)
+        self.__self__ = module
+        self.__func__ = getattr(forward, "__func__", forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if id(self.module) not in _running():
+            return self.forward(*args, **kwargs)
+        # Every tensor handed over positionally: torch checks those for writes in place
+        # before it recomputes (a keyword's or a list's, it would read as written).
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+
+        def forward(*tensors: Tensor) -> Any:
+            values = list(leaves)
+            for i, tensor in zip(where, tensors):
+                values[i] = tensor
+            args, kwargs = tree_unflatten(values, spec)
+            return self.forward(*args, **kwargs)
+
+        tensors = tuple(leaves[i] for i in where)
+        others = tuple(leaf for leaf in leaves if not isinstance(leaf, Tensor))
+        return checkpoint_forward(self.module, forward, tensors, {},
+                                  selective=self.decision.selective, given=others)
+
+
+class _RunMember(_CheckpointedForward):
+    """Module ``index`` of a run checkpointed as one, set over its class's forward."""
+
+    def __init__(self, module: nn.Module, forward: Any, run: _Run, index: int) -> None:
+        super().__init__(module, forward, Checkpoint())
+        self.run, self.index = run, index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if id(self.module) not in _running():
+            return self.forward(*args, **kwargs)
+        return self.run.call(self.index, self.forward, args, kwargs)
+
+
+class _RunState(threading.local):
+    """A run's checkpoint under way in this thread (NOTE [ Runs of modules ])."""
+
+    def __init__(self) -> None:
+        self.checkpoint: Iterator[None] | None = None
+        self.calls: list[tuple[Any, list, Any, int | None]] = []  # forward, leaves, spec, mark
+        self.last: Tensor | None = None  # the hidden state the last call returned
+        self.objects: tuple[int, ...] = ()
+
+
+class _Run:
+    """A run of modules checkpointed as one (NOTE [ Runs of modules ])."""
+
+    def __init__(self, names: tuple[str, ...], modules: list[nn.Module]) -> None:
+        self.names, self.modules = names, modules
+        self.state = _RunState()
+
+    def call(self, index: int, forward: Any, args: tuple, kwargs: dict) -> Any:
+        state = self.state
+        leaves, spec = tree_flatten((args, kwargs))
+        if index == 0:
+            self.abandon()
+            state.objects = objects_of((args, kwargs))
+            state.calls = [(forward, leaves, spec, None)]  # this checkpoint's, to the end
+            tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
+            others = tuple(leaf for leaf in leaves if not isinstance(leaf, Tensor))
+            state.checkpoint = open_checkpoint(
+                self.modules, functools.partial(_recompute, state.calls), tensors, others)
+        else:
+            self._follows(index, leaves, (args, kwargs))
+            mark = next(i for i, leaf in enumerate(leaves) if leaf is state.last)
+            state.calls.append((forward, [None if i == mark else leaf
+                                          for i, leaf in enumerate(leaves)], spec, mark))
+        try:
+            out = forward(*args, **kwargs)
+        except BaseException:
+            self.abandon()
+            raise
+        if index < len(self.modules) - 1:
+            state.last = hidden_of(out)
+            return out
+        state.last, checkpoint, state.checkpoint = None, state.checkpoint, None
+        next(checkpoint, None)  # closes it: the run's forward ends here
+        state.calls = []
+        return out
+
+    def _follows(self, index: int, leaves: list, given: Any) -> None:
+        state = self.state
+        expected = len(state.calls) if state.checkpoint is not None else 0
+        if index != expected or not any(leaf is state.last for leaf in leaves) \
+                or objects_of(given) != state.objects:
+            self.abandon()
+            raise RuntimeError(
+                f"auto_checkpoint: the plan checkpoints {self.names[0]} .. {self.names[-1]} as "
+                f"one run, each module given the one before's output, but {self.names[index]} "
+                f"was called " + (f"after {self.names[expected - 1]}" if expected else
+                                  "before the run's first module") + " with other arguments "
+                "than the planned step's (another hidden state, other objects, or out of "
+                "order). Plan the model again with the step it runs")
+
+    def left_open(self) -> bool:
+        return self.state.checkpoint is not None
+
+    def abandon(self) -> None:
+        if self.state.checkpoint is not None:
+            self.state.checkpoint.close()
+        self.state.checkpoint, self.state.last, self.state.calls = None, None, []
+
+
+class _Running(threading.local):
+    def __init__(self) -> None:
+        self.modules: dict[int, int] = {}  # id: steps under way in this thread
+
+
+_RUNNING = _Running()
+_INSTALLED: dict[int, tuple[nn.Module, Any, Any, int]] = {}
+_LOCK = threading.Lock()
+_NONE = object()
+
+
+def _running() -> dict[int, int]:
+    return _RUNNING.modules
+
+
+@contextlib.contextmanager
+def checkpointed(model: nn.Module, decisions: Mapping[Part, Checkpoint]) -> Iterator[None]:
+    """The forward of each module of ``decisions`` run as its checkpoint in this thread, a run's
+    modules' as one (NOTE [ Runs of modules ]), the module left in place (NOTE [ Plans of whole
+    modules ]); put back as it was after the last step using it, unless the step set a forward
+    of its own."""
+    chosen: dict[int, tuple[nn.Module, Any]] = {}
+    runs = []
+    for part, decision in decisions.items():
+        if isinstance(part, str):
+            module = model.get_submodule(part)
+            chosen[id(module)] = (module, functools.partial(_CheckpointedForward, module,
+                                                            decision=decision))
+            continue
+        members = [model.get_submodule(name) for name in part]
+        runs.append(run := _Run(part, members))
+        for index, module in enumerate(members):
+            chosen[id(module)] = (module, functools.partial(_RunMember, module, run=run,
+                                                            index=index))
+    modules = [module for module, _ in chosen.values()]
+    running = _running()
+    with _LOCK:
+        for module, make in chosen.values():
+            key = id(module)
+            if key in _INSTALLED:
+                found, own, wrapper, users = _INSTALLED[key]
+                _INSTALLED[key] = (found, own, wrapper, users + 1)
+                continue
+            own = module.__dict__.get("forward", _NONE)  # a forward set on the object already
+            wrapper = make(module.forward)
+            module.__dict__["forward"] = wrapper
+            _INSTALLED[key] = (module, own, wrapper, 1)
+    for module in modules:
+        running[id(module)] = running.get(id(module), 0) + 1
+    try:
+        yield
+        left = [run for run in runs if run.left_open()]
+        for run in left:
+            run.abandon()
+        if left:
+            raise RuntimeError(
+                f"auto_checkpoint: the plan checkpoints {left[0].names[0]} .. "
+                f"{left[0].names[-1]} as one run, and the model's forward returned before "
+                f"calling {left[0].names[-1]} (an early exit, a layer skipped). Plan the model "
+                f"again with the step it runs")
+    finally:
+        for run in runs:
+            run.abandon()
+        for module in modules:
+            running[id(module)] -= 1
+            if not running[id(module)]:
+                del running[id(module)]
+        with _LOCK:
+            for module in modules:
+                found, own, wrapper, users = _INSTALLED.pop(id(module))
+                if users > 1:
+                    _INSTALLED[id(module)] = (found, own, wrapper, users - 1)
+                elif module.__dict__.get("forward") is wrapper:
+                    if own is _NONE:
+                        del module.__dict__["forward"]
+                    else:
+                        module.__dict__["forward"] = own
+
+
+def _recompute(calls: list[tuple[Any, list, Any, int | None]], *tensors: Tensor) -> Any:
+    """A run's recorded calls again, each given its predecessor's recomputed output."""
+    out = None
+    for forward, leaves, spec, mark in calls:
+        values = list(leaves)
+        if mark is not None:
+            values[mark] = hidden_of(out)
+        args, kwargs = tree_unflatten(values, spec)
+        out = forward(*args, **kwargs)
+    return out
+
+
+def names_of(part: Part) -> tuple[str, ...]:
+    """The modules of a plan's part: one, or a run's."""
+    return (part,) if isinstance(part, str) else part
