@@ -601,3 +601,32 @@ def test_ddp_over_two_processes_equals_one_process_on_the_whole_batch(tmp_path):
     for name, grad in torch.load(results).items():
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad,
                                    rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name, value", [("construction", Momentum(0.5)), ("exact", True)])
+def test_an_option_set_after_a_forward_computes_as_converted_with_it_and_so_does_a_copy(name,
+                                                                                         value):
+    torch.manual_seed(0)
+    pretrained = Loop(5).double()
+    x, shifts = torch.randn(3, 8).double(), [torch.randn(8).double() for _ in range(5)]
+    given = {"construction": Difference(0.5)}
+
+    def converted(**options):
+        return make_reversible(copy.deepcopy(pretrained), **options)
+
+    model = converted(**given)
+    before = model(x, shifts)  # its stage built
+    setattr(model.layers, name, value)
+    expected = converted(**{**given, name: value})(x, shifts)
+    assert not torch.equal(expected, before)  # the option changes the function
+    torch.testing.assert_close(model(x, shifts), expected, rtol=0, atol=0)
+    torch.testing.assert_close(copy.deepcopy(model)(x, shifts), expected, rtol=0, atol=0)
+
+
+def test_an_option_set_after_converting_is_checked_as_when_converting():
+    model = make_reversible(Loop(4), scale=0.5, exact=True)
+    with pytest.raises(ValueError, match=r"exact=True needs a stream scale \+-2\^-k"):
+        model.layers.construction = Momentum(0.1)
+    with pytest.raises(TypeError, match="construction must be a revnets.conversion Construction"):
+        model.layers.construction = 0.25
+    assert model.layers.construction == Difference(0.5)  # kept

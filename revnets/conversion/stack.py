@@ -150,21 +150,45 @@ class ReversibleLayers(nn.ModuleList):
         super().__init__()
         for name, layer in layers:  # the stack's own names (a named nn.Sequential's too)
             self.add_module(name, layer)
-        if not isinstance(construction, Construction):
-            raise TypeError(f"make_reversible: construction must be a revnets.conversion "
-                            f"Construction (Difference, Momentum, MEFT), got {construction!r}")
-        if exact and grid.exact_shift(construction.stream) is None:
-            raise ValueError(
-                f"make_reversible: exact=True needs a stream scale +-2^-k, k = 0..8 (scale=1, "
-                f"0.5, 0.25, ...; Momentum(0.5), MEFT(0.5, 0.5)); {construction} multiplies a "
-                f"stream by {construction.stream}, which leaves the fixed-point grid "
-                f"(NOTE [ Reversible conversion ], rule 4)")
-        self.construction, self.dim, self.exact = construction, dim, exact
+        _check(construction, exact)
+        self._construction, self._dim, self._exact = construction, dim, exact
         # Unregistered (rule 3): the blocks hold the layers, which are this module's children.
-        self._stages: dict[tuple[int, int], tuple[tuple[int, ...], ReversibleSequence]] = {}
+        # Each stage is built for its layers and for (construction, dim, exact), its key.
+        self._stages: dict[tuple[int, int], tuple[tuple, ReversibleSequence]] = {}
         self._memory = memory
         self._run: _Run | None = None
         self.sequence(0, len(self))  # refuses a bad option now, not in the first step
+
+    # What the stage computes. Each may be set after a forward and takes effect at the next:
+    # the stages are keyed on them (sequence), so the stack and a copy of it compute alike.
+    @property
+    def construction(self) -> Construction:
+        """How the stack writes its two streams (construction.py)."""
+        return self._construction
+
+    @construction.setter
+    def construction(self, value: Construction) -> None:
+        _check(value, self._exact)
+        self._construction = value
+
+    @property
+    def dim(self) -> int:
+        """Where the two streams are stacked."""
+        return self._dim
+
+    @dim.setter
+    def dim(self, value: int) -> None:
+        self._dim = value
+
+    @property
+    def exact(self) -> bool:
+        """Whether the stage runs on the fixed-point grid (rule 4)."""
+        return self._exact
+
+    @exact.setter
+    def exact(self, value: bool) -> None:
+        _check(self._construction, value)
+        self._exact = value
 
     @property
     def memory(self) -> Reconstruct | Store:
@@ -182,9 +206,10 @@ class ReversibleLayers(nn.ModuleList):
         """The reversible sequence of layers ``start:stop``: layers ``2k`` and ``2k + 1`` of it
         are f and g of block k (rule 1)."""
         layers = list(self._modules.values())[start:stop]
-        ids = tuple(map(id, layers))  # a layer replaced or added since: built anew
+        # A layer replaced or added since, or another construction: built anew.
+        key = (tuple(map(id, layers)), self._construction, self._dim, self._exact)
         found = self._stages.get((start, stop))
-        if found is None or found[0] != ids:
+        if found is None or found[0] != key:
             updates: list[nn.Module] = [LayerUpdate(layer, self.construction, i)
                                         for i, layer in enumerate(layers)]
             if len(updates) % 2:
@@ -195,7 +220,7 @@ class ReversibleLayers(nn.ModuleList):
                       for i in range(0, len(updates), 2)]
             stage = ReversibleSequence(blocks, Store() if isinstance(self._memory, Store)
                                        else self._memory, exact=self.exact)
-            self._stages[start, stop] = found = (ids, stage)
+            self._stages[start, stop] = found = (key, stage)
         return found[1]
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -283,8 +308,8 @@ class ReversibleLayers(nn.ModuleList):
     __repr__ = nn.Module.__repr__  # of the layers, not what iterating gives
 
     def extra_repr(self) -> str:
-        return (f"{self.construction}, dim={self.dim}, memory={self._memory}"
-                + (", exact=True" if self.exact else ""))
+        return (f"{self._construction}, dim={self._dim}, memory={self._memory}"
+                + (", exact=True" if self._exact else ""))
 
 
 class _Slice:
@@ -329,6 +354,18 @@ class _Layer:
     def __repr__(self) -> str:
         kind = type(self._owner.layer(self._index)).__name__
         return f"<layer {self._index} of a converted stack: {kind}>"
+
+
+def _check(construction: object, exact: bool) -> None:
+    if not isinstance(construction, Construction):
+        raise TypeError(f"make_reversible: construction must be a revnets.conversion "
+                        f"Construction (Difference, Momentum, MEFT), got {construction!r}")
+    if exact and grid.exact_shift(construction.stream) is None:
+        raise ValueError(
+            f"make_reversible: exact=True needs a stream scale +-2^-k, k = 0..8 (scale=1, "
+            f"0.5, 0.25, ...; Momentum(0.5), MEFT(0.5, 0.5)); {construction} multiplies a "
+            f"stream by {construction.stream}, which leaves the fixed-point grid "
+            f"(NOTE [ Reversible conversion ], rule 4)")
 
 
 def _set_mode(stage: ReversibleSequence, training: bool) -> None:
