@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from revnets.conversion.construction import Construction, Difference
+from revnets.conversion.drift import warn_of_drift
 from revnets.plan import Reconstruct, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence, grid
 from revnets.reversible.coupling import ScaledCoupling
@@ -158,6 +159,7 @@ class ReversibleLayers(nn.ModuleList):
         self._memory = memory
         self._run: _Run | None = None
         self.sequence(0, len(self))  # refuses a bad option now, not in the first step
+        warn_of_drift(construction, len(self), memory, exact, stacklevel=3)  # from make_reversible
 
     # What the stage computes. Each may be set after a forward and takes effect at the next:
     # the stages are keyed on them (sequence), so the stack and a copy of it compute alike.
@@ -170,6 +172,7 @@ class ReversibleLayers(nn.ModuleList):
     def construction(self, value: Construction) -> None:
         _check(value, self._exact)
         self._construction = value
+        warn_of_drift(value, len(self), self._memory, self._exact, stacklevel=3)
 
     @property
     def dim(self) -> int:
@@ -189,6 +192,7 @@ class ReversibleLayers(nn.ModuleList):
     def exact(self, value: bool) -> None:
         _check(self._construction, value)
         self._exact = value
+        warn_of_drift(self._construction, len(self), self._memory, value, stacklevel=3)
 
     @property
     def memory(self) -> Reconstruct | Store:
@@ -201,6 +205,7 @@ class ReversibleLayers(nn.ModuleList):
         self._memory = decision
         for _, stage in self._stages.values():
             stage.set_memory(decision)
+        warn_of_drift(self._construction, len(self), decision, self._exact, stacklevel=3)
 
     def sequence(self, start: int, stop: int) -> ReversibleSequence:
         """The reversible sequence of layers ``start:stop``: layers ``2k`` and ``2k + 1`` of it
