@@ -708,3 +708,47 @@ def test_the_predicted_amplification_gives_the_float32_gradient_error_to_its_ord
     grads_of(reference, lambda m: F.cross_entropy(m(x.double()), y))
     predicted = 2.0 ** -24 * amplification(construction, depth, memory)
     assert predicted / 10 < max_grad_error(model, reference) < predicted * 10
+
+
+@pytest.mark.parametrize("call", [
+    lambda: make_reversible(Loop(), scale=torch.tensor(0.5)),
+    lambda: Difference(torch.tensor(0.5)),
+    lambda: revnets.ScaledCoupling(torch.tensor(0.5)),
+], ids=["make_reversible", "Difference", "ScaledCoupling"])
+def test_a_tensor_given_as_a_scale_is_refused_naming_float(call):
+    # A scale is a fixed number: a tensor (which may require grad, or sit on a device) is not
+    # silently read as one.
+    with pytest.raises(TypeError, match=r"scale must be a number, got a tensor \(tensor\(0.5000\)"
+                                        r"\); give float\(scale\)"):
+        call()
+
+
+def test_numpy_scalars_are_numbers_kept_as_python_floats():
+    np = pytest.importorskip("numpy")
+    coupling = revnets.ScaledCoupling(np.float32(0.5))
+    assert type(coupling.scale) is float and coupling.scale == 0.5
+    torch.manual_seed(0)
+    pretrained = Loop().double()
+    x = torch.randn(3, 8).double()
+    given = make_reversible(copy.deepcopy(pretrained), scale=np.float32(0.5))
+    assert given.layers.construction == Difference(0.5)
+    assert type(given.layers.construction.scale) is float
+    assert type(Momentum(np.float64(0.25)).gamma) is float
+    torch.testing.assert_close(given(x), make_reversible(pretrained, scale=0.5)(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: make_reversible(Loop(), None, Momentum(0.1)),
+     r"Momentum\(gamma=0.1\) was given as scale, the third positional argument.*"
+     r"make_reversible\(model, layers, construction=Momentum\(gamma=0.1\)\)"),
+    (lambda: make_reversible(Loop(), None, MEFT), r"MEFT was given as scale.*construction=MEFT"),
+    (lambda: make_reversible(Loop(), construction=Momentum),
+     r"construction=Momentum is the class; give one of its constructions, e.g. "
+     r"construction=Momentum\(gamma=0.1\)"),
+    (lambda: make_reversible(Loop(), construction=0.5),
+     "construction must be a revnets.conversion Construction"),
+], ids=["instance-as-scale", "class-as-scale", "class-as-construction", "number"])
+def test_a_construction_given_in_the_wrong_place_or_as_its_class_is_refused_naming_the_call(
+        call, message):
+    with pytest.raises(TypeError, match=message):
+        call()

@@ -68,7 +68,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from revnets.conversion.construction import MEFT, Construction, Difference, Momentum
+from revnets.conversion.construction import MEFT, Construction, Difference, Momentum, real
 from revnets.conversion.drift import ReconstructionDriftWarning, amplification
 from revnets.conversion.stack import ReversibleLayers
 from revnets.plan import Reconstruct, Store
@@ -104,6 +104,13 @@ def make_reversible(
     shape; called whole, the stack gives every layer its other arguments, and in the model's
     own loop each layer gets those of its own call (masks, rotary embeddings).
     """
+    if isinstance(scale, Construction) or (isinstance(scale, type)
+                                           and issubclass(scale, Construction)):
+        name = scale.__name__ if isinstance(scale, type) else repr(scale)
+        raise TypeError(f"make_reversible: {name} was given as scale, the third positional "
+                        f"argument (a number: Difference(scale)); give a construction by "
+                        f"keyword: make_reversible(model, layers, construction={name})")
+    scale = real("make_reversible", "scale", scale)
     if construction is None:
         construction = Difference(scale)
     elif scale != 1.0:

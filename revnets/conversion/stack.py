@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from revnets.conversion.construction import Construction, Difference
+from revnets.conversion.construction import Construction, Difference, construction_of
 from revnets.conversion.drift import warn_of_drift
 from revnets.plan import Reconstruct, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence, grid
@@ -362,9 +362,7 @@ class _Layer:
 
 
 def _check(construction: object, exact: bool) -> None:
-    if not isinstance(construction, Construction):
-        raise TypeError(f"make_reversible: construction must be a revnets.conversion "
-                        f"Construction (Difference, Momentum, MEFT), got {construction!r}")
+    construction = construction_of(construction)
     if exact and grid.exact_shift(construction.stream) is None:
         raise ValueError(
             f"make_reversible: exact=True needs a stream scale +-2^-k, k = 0..8 (scale=1, "
