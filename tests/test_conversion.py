@@ -752,3 +752,133 @@ def test_a_construction_given_in_the_wrong_place_or_as_its_class_is_refused_nami
         call, message):
     with pytest.raises(TypeError, match=message):
         call()
+
+
+# -- composing with torch's own wrappers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, backend", [
+    ("vit", "aot_eager"),
+    pytest.param("gpt2", "aot_eager", marks=pytest.mark.slow),  # about 10 s
+    pytest.param("vit", "inductor", marks=pytest.mark.slow),  # about 15 s of compiling
+])
+def test_a_compiled_converted_model_gets_the_gradients_of_the_uncompiled_one(family, backend):
+    # float32. aot_eager runs the same kernels as eager (measured: equal to the bit); inductor
+    # fuses them and reorders float32 sums (measured 5e-7 relative): 1e-5 bounds both.
+    torch.manual_seed(0)
+    if family == "vit":
+        model = make_reversible(vit(), scale=0.5)
+        x, y = images()
+
+        def loss(m):
+            return F.cross_entropy(m(x), y)
+    else:  # the model's own loop over the converted layers; no dropout to draw alike
+        model = make_reversible(hugging_face("gpt2", resid_pdrop=0.0, embd_pdrop=0.0,
+                                             attn_pdrop=0.0, use_cache=False), scale=0.5)
+        ids = tokens()
+
+        def loss(m):
+            return m(input_ids=ids, labels=ids).loss
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend)
+    try:
+        for _ in range(2):  # the second step runs what the first compiled
+            model.zero_grad(set_to_none=True)
+            loss(compiled).backward()
+    finally:
+        torch._dynamo.reset()
+    grads_of(eager, loss)
+    assert max_grad_error(model, eager) < 1e-5
+
+
+def test_a_converted_resnet_stage_in_channels_last_gets_the_gradients_of_a_contiguous_one():
+    torch.manual_seed(0)
+    resnet = timm.create_model("resnet18", num_classes=10).double()
+    contiguous = make_reversible(resnet, "layer1", dim=1)
+    channels_last = copy.deepcopy(contiguous).to(memory_format=torch.channels_last)
+    assert channels_last.layer1.layer(0).conv1.weight.is_contiguous(
+        memory_format=torch.channels_last)
+    x, y = images()
+    x = x.double()
+    grads_of(contiguous, lambda m: F.cross_entropy(m(x), y))
+    grads_of(channels_last, lambda m: F.cross_entropy(
+        m(x.contiguous(memory_format=torch.channels_last)), y))
+    assert max_grad_error(channels_last, contiguous) < 1e-10  # float64: round-off alone
+
+
+def _fsdp_worker(rank: int, world: int, store: str, results: str, sharded: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = make_reversible(vit().double())
+        if sharded == "stack":
+            fully_shard(model.blocks, reshard_after_forward=False)
+        fully_shard(model)
+        x, y = images(4)
+        part = slice(2 * rank, 2 * rank + 2)
+        F.cross_entropy(model(x[part].double()), y[part]).backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(grads, results)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", ["model", "stack"])
+def test_fsdp2_over_two_processes_equals_one_process_on_the_whole_batch(sharded, tmp_path):
+    # fully_shard on the model (its hooks gather the stack's parameters with its own) or on the
+    # converted stack too, which the model calls whole; gradients gathered back to full tensors.
+    import torch.multiprocessing as mp
+
+    results = tmp_path / "grads.pt"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "store"), str(results), sharded), nprocs=2)
+    torch.manual_seed(0)
+    model = make_reversible(vit().double())
+    x, y = images(4)
+    F.cross_entropy(model(x.double()), y).backward()
+    grads = torch.load(results)
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(grads[name], parameter.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture
+def one_process(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_on_a_layer_of_a_converted_stack_is_refused_naming_where_to_shard(one_process):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_reversible(vit())
+    fully_shard(model.blocks.layer(1))
+    fully_shard(model)
+    with pytest.raises(RuntimeError, match=r"layer 1 of a converted stack is sharded with FSDP2's "
+                                           r"fully_shard.*shard the converted stack where the "
+                                           r"model calls it whole \(fully_shard\(stack\)"):
+        model(images()[0])
+
+
+def test_fsdp2_on_a_stack_the_models_loop_calls_layer_by_layer_is_refused_naming_the_model(
+        one_process):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_reversible(hugging_face("gpt2", use_cache=False))
+    fully_shard(model.transformer.h)
+    fully_shard(model)
+    with pytest.raises(RuntimeError, match=r"this model's own loop calls its layers one by one.*"
+                                           r"shard the model holding it alone "
+                                           r"\(fully_shard\(model\)\)"):
+        model(input_ids=tokens())

@@ -235,6 +235,7 @@ class ReversibleLayers(nn.ModuleList):
         """Layers ``start:start + len(calls)`` on ``x`` as one stage, layer ``start + i`` given
         the arguments ``calls[i]``."""
         _refuse_recorded_hidden_states()
+        _refuse_sharded_layers(self)
         stage = self.sequence(start, start + len(calls))
         _set_mode(stage, self.training)
         if isinstance(stage.memory, Reconstruct) and self.training and torch.is_grad_enabled():
@@ -298,6 +299,7 @@ class ReversibleLayers(nn.ModuleList):
             if not isinstance(hidden, Tensor):
                 raise TypeError(f"make_reversible: layer {index} of a converted stack takes the "
                                 f"hidden state first, got {type(hidden).__name__}")
+            _refuse_sharded_loop(self)
             token = Pending(hidden)
             self._run = run = _Run(index, hidden, token, [(args, kwargs)])
         if index < stop - 1:
@@ -377,6 +379,36 @@ def _set_mode(stage: ReversibleSequence, training: bool) -> None:
     stage.training = stage.blocks.training = training
     for block in stage.blocks:
         block.training = block.f.training = block.g.training = training
+
+
+# FSDP2 (fully_shard) gathers a sharded module's parameters in hooks around its calls. The
+# stage runs each layer itself, again in backward, so a layer sharded alone is refused; the
+# stack sharded gathers them when it is called whole, and a module holding it, always.
+SHARD_HOLDER = ("shard the converted stack where the model calls it whole (fully_shard(stack), "
+                "then fully_shard(model)), or the model holding it alone (fully_shard(model))")
+
+
+def _refuse_sharded_layers(stack: ReversibleLayers) -> None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for name, module in stack.named_modules():
+        if module is not stack and isinstance(module, fsdp.FSDPModule):
+            raise RuntimeError(
+                f"make_reversible: layer {name} of a converted stack is sharded with FSDP2's "
+                f"fully_shard, whose hooks gather and free its parameters around calls the "
+                f"reversible stage does not make (it runs each layer itself, and again in "
+                f"backward); {SHARD_HOLDER}")
+
+
+def _refuse_sharded_loop(stack: ReversibleLayers) -> None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(stack, fsdp.FSDPModule):
+        raise RuntimeError(
+            "make_reversible: a converted stack sharded with FSDP2's fully_shard gathers its "
+            "parameters in hooks when it is called whole, but this model's own loop calls its "
+            "layers one by one, which runs none; shard the model holding it alone "
+            "(fully_shard(model)), whose hooks gather the stack's parameters with its own")
 
 
 def _refuse_recorded_hidden_states() -> None:
