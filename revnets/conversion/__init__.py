@@ -100,6 +100,8 @@ def make_reversible(
     stacked (-1: a transformer's width; 1: a ResNet's channels). ``exact``: reconstruction
     exact to the bit under any autocast precision (``scale=1``). ``memory=Store()``: the same
     converted function with ordinary autograd (the reference, and the baseline of its memory).
+    Warns (:class:`ReconstructionDriftWarning`) where float32 reconstruction would amplify
+    round-off more than 1e4 times (drift.py), naming the fixes.
     Each layer must map a tensor to a tensor of its
     shape; called whole, the stack gives every layer its other arguments, and in the model's
     own loop each layer gets those of its own call (masks, rotary embeddings).
