@@ -4,7 +4,10 @@ as one reversible stage reusing their weights, so that its activation memory doe
 its depth.
 
 - ``construction.py``: how the converted stack writes its two streams (:class:`Difference`,
-  revnets' own; :class:`Momentum`; :class:`MEFT`), one recurrence with three numbers.
+  revnets' own; :class:`Momentum`; :class:`MEFT`), one recurrence with four numbers.
+- ``drift.py``: how far reconstruction drifts (:func:`amplification`), predicted when a stack
+  is converted, and the :class:`ReconstructionDriftWarning` where float32 gradients would not
+  be the network's.
 - ``stack.py``: the stack run as one stage (:class:`ReversibleLayers`), its layers where they
   were; what the model's own loop over its layers meets.
 """
@@ -29,9 +32,10 @@ its depth.
 #    (measured at step 0 by tests/test_conversion.py and benchmarks/conversion.py).
 # 2. The inverse, z_{n-2} = (z_n - h(z_{n-1})) / stream, divides by stream: round-off in
 #    reconstruction grows by 1 / |stream| per layer. stream = 1 is as stable as any additive
-#    block; a small one trains in float32 and drifts (check_reconstruction reports it), and
-#    keep_input_every bounds it at depth / k stored inputs. Nothing else is kept: no side
-#    information, 0 bits per element per layer.
+#    block; a small one drifts (check_reconstruction reports it), |stream|^-(N - 1) over N
+#    layers, and keep_input_every=k bounds it at |stream|^-(2k - 2) for depth / k stored
+#    inputs. Converting warns where that passes 1e4, float32 gradients erring by about 6e-4
+#    (drift.py). Nothing else is kept: no side information, 0 bits per element per layer.
 # 3. The layers stay where they were, under their names (ReversibleLayers is the stack's
 #    nn.ModuleList, key for key, a named nn.Sequential's names kept); the reversible sequence
 #    over them is held unregistered, so state_dict, parameters, peft's injection, moves and
@@ -64,12 +68,13 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from revnets.conversion.construction import MEFT, Construction, Difference, Momentum
+from revnets.conversion.construction import MEFT, Construction, Difference, Momentum, real
+from revnets.conversion.drift import ReconstructionDriftWarning, amplification
 from revnets.conversion.stack import ReversibleLayers
 from revnets.plan import Reconstruct, Store
 
-__all__ = ["MEFT", "Construction", "Difference", "Momentum", "ReversibleLayers", "find_stack",
-           "make_reversible"]
+__all__ = ["MEFT", "Construction", "Difference", "Momentum", "ReconstructionDriftWarning",
+           "ReversibleLayers", "amplification", "find_stack", "make_reversible"]
 
 
 def make_reversible(
@@ -95,10 +100,19 @@ def make_reversible(
     stacked (-1: a transformer's width; 1: a ResNet's channels). ``exact``: reconstruction
     exact to the bit under any autocast precision (``scale=1``). ``memory=Store()``: the same
     converted function with ordinary autograd (the reference, and the baseline of its memory).
+    Warns (:class:`ReconstructionDriftWarning`) where float32 reconstruction would amplify
+    round-off more than 1e4 times (drift.py), naming the fixes.
     Each layer must map a tensor to a tensor of its
     shape; called whole, the stack gives every layer its other arguments, and in the model's
     own loop each layer gets those of its own call (masks, rotary embeddings).
     """
+    if isinstance(scale, Construction) or (isinstance(scale, type)
+                                           and issubclass(scale, Construction)):
+        name = scale.__name__ if isinstance(scale, type) else repr(scale)
+        raise TypeError(f"make_reversible: {name} was given as scale, the third positional "
+                        f"argument (a number: Difference(scale)); give a construction by "
+                        f"keyword: make_reversible(model, layers, construction={name})")
+    scale = real("make_reversible", "scale", scale)
     if construction is None:
         construction = Difference(scale)
     elif scale != 1.0:

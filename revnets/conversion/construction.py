@@ -28,14 +28,27 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["MEFT", "Construction", "Difference", "Momentum"]
+import torch
+
+__all__ = ["MEFT", "Construction", "Difference", "Momentum", "construction_of", "real"]
+
+
+def real(owner: str, name: str, value: object) -> float:
+    """``value``, a real number (a Python or numpy one), as a float; a tensor or anything else
+    refused by name. A construction's numbers are fixed: a tensor, which may be trained or live
+    on a device, is not taken for one."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{owner}: {name} must be a number, got a tensor ({value!r}); give "
+            f"float({name}) if it is a fixed one (it is not trained: the inverse divides by it)")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
+    return float(value)
 
 
 def _fraction(owner: str, name: str, value: object, *, closed: bool) -> float:
     """``value`` as a float in (0, 1] (``closed``) or (0, 1), refused by name otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{owner}: {name} must be a number, got {value!r}")
-    value = float(value)
+    value = real(owner, name, value)
     if not (0 < value <= 1 if closed else 0 < value < 1):
         interval = "(0, 1]" if closed else "(0, 1)"
         raise ValueError(f"make_reversible: {owner}'s {name} must be a number in {interval}, "
@@ -150,3 +163,19 @@ class MEFT(Construction):
     @property
     def start(self) -> float:
         return 1.0 / self.beta
+
+
+def construction_of(value: object) -> Construction:
+    """``value``, a Construction; a class given for one (``construction=Momentum``) or anything
+    else refused by name."""
+    if isinstance(value, type) and issubclass(value, Construction):
+        try:
+            example = repr(value())
+        except TypeError:
+            example = f"{value.__name__}(...)"
+        raise TypeError(f"make_reversible: construction={value.__name__} is the class; give one "
+                        f"of its constructions, e.g. construction={example}")
+    if not isinstance(value, Construction):
+        raise TypeError(f"make_reversible: construction must be a revnets.conversion "
+                        f"Construction (Difference, Momentum, MEFT), got {value!r}")
+    return value

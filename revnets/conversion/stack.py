@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from revnets.conversion.construction import Construction, Difference
+from revnets.conversion.construction import Construction, Difference, construction_of
+from revnets.conversion.drift import warn_of_drift
 from revnets.plan import Reconstruct, Store
 from revnets.reversible import ReversibleBlock, ReversibleSequence, grid
 from revnets.reversible.coupling import ScaledCoupling
@@ -150,21 +151,48 @@ class ReversibleLayers(nn.ModuleList):
         super().__init__()
         for name, layer in layers:  # the stack's own names (a named nn.Sequential's too)
             self.add_module(name, layer)
-        if not isinstance(construction, Construction):
-            raise TypeError(f"make_reversible: construction must be a revnets.conversion "
-                            f"Construction (Difference, Momentum, MEFT), got {construction!r}")
-        if exact and grid.exact_shift(construction.stream) is None:
-            raise ValueError(
-                f"make_reversible: exact=True needs a stream scale +-2^-k, k = 0..8 (scale=1, "
-                f"0.5, 0.25, ...; Momentum(0.5), MEFT(0.5, 0.5)); {construction} multiplies a "
-                f"stream by {construction.stream}, which leaves the fixed-point grid "
-                f"(NOTE [ Reversible conversion ], rule 4)")
-        self.construction, self.dim, self.exact = construction, dim, exact
+        _check(construction, exact)
+        self._construction, self._dim, self._exact = construction, dim, exact
         # Unregistered (rule 3): the blocks hold the layers, which are this module's children.
-        self._stages: dict[tuple[int, int], tuple[tuple[int, ...], ReversibleSequence]] = {}
+        # Each stage is built for its layers and for (construction, dim, exact), its key.
+        self._stages: dict[tuple[int, int], tuple[tuple, ReversibleSequence]] = {}
         self._memory = memory
         self._run: _Run | None = None
         self.sequence(0, len(self))  # refuses a bad option now, not in the first step
+        warn_of_drift(construction, len(self), memory, exact, stacklevel=3)  # from make_reversible
+
+    # What the stage computes. Each may be set after a forward and takes effect at the next:
+    # the stages are keyed on them (sequence), so the stack and a copy of it compute alike.
+    @property
+    def construction(self) -> Construction:
+        """How the stack writes its two streams (construction.py)."""
+        return self._construction
+
+    @construction.setter
+    def construction(self, value: Construction) -> None:
+        _check(value, self._exact)
+        self._construction = value
+        warn_of_drift(value, len(self), self._memory, self._exact, stacklevel=3)
+
+    @property
+    def dim(self) -> int:
+        """Where the two streams are stacked."""
+        return self._dim
+
+    @dim.setter
+    def dim(self, value: int) -> None:
+        self._dim = value
+
+    @property
+    def exact(self) -> bool:
+        """Whether the stage runs on the fixed-point grid (rule 4)."""
+        return self._exact
+
+    @exact.setter
+    def exact(self, value: bool) -> None:
+        _check(self._construction, value)
+        self._exact = value
+        warn_of_drift(self._construction, len(self), self._memory, value, stacklevel=3)
 
     @property
     def memory(self) -> Reconstruct | Store:
@@ -177,14 +205,16 @@ class ReversibleLayers(nn.ModuleList):
         self._memory = decision
         for _, stage in self._stages.values():
             stage.set_memory(decision)
+        warn_of_drift(self._construction, len(self), decision, self._exact, stacklevel=3)
 
     def sequence(self, start: int, stop: int) -> ReversibleSequence:
         """The reversible sequence of layers ``start:stop``: layers ``2k`` and ``2k + 1`` of it
         are f and g of block k (rule 1)."""
         layers = list(self._modules.values())[start:stop]
-        ids = tuple(map(id, layers))  # a layer replaced or added since: built anew
+        # A layer replaced or added since, or another construction: built anew.
+        key = (tuple(map(id, layers)), self._construction, self._dim, self._exact)
         found = self._stages.get((start, stop))
-        if found is None or found[0] != ids:
+        if found is None or found[0] != key:
             updates: list[nn.Module] = [LayerUpdate(layer, self.construction, i)
                                         for i, layer in enumerate(layers)]
             if len(updates) % 2:
@@ -195,7 +225,7 @@ class ReversibleLayers(nn.ModuleList):
                       for i in range(0, len(updates), 2)]
             stage = ReversibleSequence(blocks, Store() if isinstance(self._memory, Store)
                                        else self._memory, exact=self.exact)
-            self._stages[start, stop] = found = (ids, stage)
+            self._stages[start, stop] = found = (key, stage)
         return found[1]
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -205,6 +235,7 @@ class ReversibleLayers(nn.ModuleList):
         """Layers ``start:start + len(calls)`` on ``x`` as one stage, layer ``start + i`` given
         the arguments ``calls[i]``."""
         _refuse_recorded_hidden_states()
+        _refuse_sharded_layers(self)
         stage = self.sequence(start, start + len(calls))
         _set_mode(stage, self.training)
         if isinstance(stage.memory, Reconstruct) and self.training and torch.is_grad_enabled():
@@ -268,6 +299,7 @@ class ReversibleLayers(nn.ModuleList):
             if not isinstance(hidden, Tensor):
                 raise TypeError(f"make_reversible: layer {index} of a converted stack takes the "
                                 f"hidden state first, got {type(hidden).__name__}")
+            _refuse_sharded_loop(self)
             token = Pending(hidden)
             self._run = run = _Run(index, hidden, token, [(args, kwargs)])
         if index < stop - 1:
@@ -283,8 +315,8 @@ class ReversibleLayers(nn.ModuleList):
     __repr__ = nn.Module.__repr__  # of the layers, not what iterating gives
 
     def extra_repr(self) -> str:
-        return (f"{self.construction}, dim={self.dim}, memory={self._memory}"
-                + (", exact=True" if self.exact else ""))
+        return (f"{self._construction}, dim={self._dim}, memory={self._memory}"
+                + (", exact=True" if self._exact else ""))
 
 
 class _Slice:
@@ -331,12 +363,52 @@ class _Layer:
         return f"<layer {self._index} of a converted stack: {kind}>"
 
 
+def _check(construction: object, exact: bool) -> None:
+    construction = construction_of(construction)
+    if exact and grid.exact_shift(construction.stream) is None:
+        raise ValueError(
+            f"make_reversible: exact=True needs a stream scale +-2^-k, k = 0..8 (scale=1, "
+            f"0.5, 0.25, ...; Momentum(0.5), MEFT(0.5, 0.5)); {construction} multiplies a "
+            f"stream by {construction.stream}, which leaves the fixed-point grid "
+            f"(NOTE [ Reversible conversion ], rule 4)")
+
+
 def _set_mode(stage: ReversibleSequence, training: bool) -> None:
     """The stage's own modules (its blocks, their couplings' transforms) in the stack's mode;
     the layers' submodules keep theirs (a frozen BatchNorm, dropout kept on for sampling)."""
     stage.training = stage.blocks.training = training
     for block in stage.blocks:
         block.training = block.f.training = block.g.training = training
+
+
+# FSDP2 (fully_shard) gathers a sharded module's parameters in hooks around its calls. The
+# stage runs each layer itself, again in backward, so a layer sharded alone is refused; the
+# stack sharded gathers them when it is called whole, and a module holding it, always.
+SHARD_HOLDER = ("shard the converted stack where the model calls it whole (fully_shard(stack), "
+                "then fully_shard(model)), or the model holding it alone (fully_shard(model))")
+
+
+def _refuse_sharded_layers(stack: ReversibleLayers) -> None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for name, module in stack.named_modules():
+        if module is not stack and isinstance(module, fsdp.FSDPModule):
+            raise RuntimeError(
+                f"make_reversible: layer {name} of a converted stack is sharded with FSDP2's "
+                f"fully_shard, whose hooks gather and free its parameters around calls the "
+                f"reversible stage does not make (it runs each layer itself, and again in "
+                f"backward); {SHARD_HOLDER}")
+
+
+def _refuse_sharded_loop(stack: ReversibleLayers) -> None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(stack, fsdp.FSDPModule):
+        raise RuntimeError(
+            "make_reversible: a converted stack sharded with FSDP2's fully_shard gathers its "
+            "parameters in hooks when it is called whole, but this model's own loop calls its "
+            "layers one by one, which runs none; shard the model holding it alone "
+            "(fully_shard(model)), whose hooks gather the stack's parameters with its own")
 
 
 def _refuse_recorded_hidden_states() -> None:

@@ -25,9 +25,11 @@ Read top down:
 - ``sequence.py``: the sequence (the module users build);
 - ``function.py``: the autograd Function: forward records a tape, backward walks it;
 - ``tape.py``: the tape and what steps hand each other (NOTE [ Layout ]);
-- ``steps.py``: one step per block, forward and reverse, behind one interface (an invertible
-  module's in ``invertible_step.py``); ``hooked.py``: the graph a hooked block's forward builds
-  for its hooks, and the refusal to backpropagate into it;
+- ``steps/``: one step per block, forward and reverse, behind one interface (``step.py``): a
+  coupling recomputed (``recomputed.py``) or stored (``stored.py``), sharing their backward
+  (``coupling_backward.py``) and the coupling's in-place and kept-bits arithmetic
+  (``arithmetic.py``), and an invertible module (``invertible.py``); ``hooked.py``: the graph a
+  hooked block's forward builds for its hooks, and the refusal to backpropagate into it;
 - ``compiled.py``: f and g compiled inside the engine, when asked (NOTE [ Compiled transforms ]);
 - ``gradient_memory.py``: which gradients backward may write into (NOTE [ Gradient memory ]);
 - ``reach.py``: what is differentiated, and the refusal of anything else (NOTE [ What the engine

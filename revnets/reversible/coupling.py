@@ -3,6 +3,7 @@ maths, no state)."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -183,7 +184,12 @@ class ScaledCoupling(Coupling):
     (``check_reconstruction`` reports it); ``scale=1`` is the additive coupling."""
 
     def __init__(self, scale: float) -> None:
-        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+        if isinstance(scale, torch.Tensor):
+            raise TypeError(f"ScaledCoupling: scale must be a number, got a tensor ({scale!r}); "
+                            f"give float(scale) (a coupling is stateless: a scale to train "
+                            f"belongs in f or g)")
+        # Any real number (numpy's too), kept as a Python float.
+        if (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                 or not (0 < abs(scale) <= 1)):
             raise ValueError(f"ScaledCoupling: scale must be a nonzero number in [-1, 1], got "
                              f"{scale!r}")

@@ -1,5 +1,5 @@
 """The autograd Function a reversible sequence runs as: its forward records the tape, its backward
-walks the tape's steps in reverse. Everything a block does lives in its step (steps.py)."""
+walks the tape's steps in reverse. Everything a block does lives in its step (steps/)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from revnets.reversible import gradient_memory
 from revnets.reversible.gradient_memory import GradientMemory
 from revnets.reversible.grid import GridWatch
 from revnets.reversible.invertible import Invertible
-from revnets.reversible.invertible_step import InvertibleStep
 from revnets.reversible.steps import (
     Backward,
     BlockPlan,
     BlockStep,
     CouplingStep,
     ForwardRun,
+    InvertibleStep,
     StoredCouplingStep,
 )
 from revnets.reversible.tape import Carry, Context, Tape, memory_format

@@ -142,7 +142,7 @@ def _requires_grad(value: Any) -> bool:
 class Tape:
     """Everything one forward of a sequence leaves for its backward."""
 
-    steps: list[Any] = field(default_factory=list)  # a BlockStep per block (steps.py)
+    steps: list[Any] = field(default_factory=list)  # a BlockStep per block (steps/)
     autocast: AutocastState | None = None
     memory_format: torch.memory_format = torch.contiguous_format
     report: Any = None  # a ReconstructionReport, while revnets.check_reconstruction is on

@@ -1,4 +1,5 @@
-"""The step of an invertible module in a reversible sequence (see steps.py for the interface)."""
+"""The step of an :class:`~revnets.Invertible` module in a reversible sequence (the interface in
+step.py): inverted with its ``inverse``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from revnets.reversible.hooked import graph_start, hooks_own_graph, refuse_gradi
 from revnets.reversible.inverse_check import check_inverse_once
 from revnets.reversible.invertible import InjectivePad, Invertible, SpaceToDepth
 from revnets.reversible.reach import GradRoot, check_reached
-from revnets.reversible.steps import REMEDY, BlockPlan, BlockStep
+from revnets.reversible.steps.step import REMEDY, BlockPlan, BlockStep
 from revnets.reversible.tape import Layout
 
 __all__ = ["InvertibleStep"]
