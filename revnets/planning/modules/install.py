@@ -103,7 +103,13 @@ class _Run:
         state = self.state
         leaves, spec = tree_flatten((args, kwargs))
         if index == 0:
-            self.abandon()
+            if state.checkpoint is not None:
+                self.abandon()
+                raise RuntimeError(
+                    f"auto_checkpoint: the plan checkpoints {self.names[0]} .. {self.names[-1]} "
+                    f"as one run, each module called once, but {self.names[0]} was called "
+                    f"again before {self.names[-1]} (a layer run twice, a loop restarted). "
+                    f"Plan the model again with the step it runs")
             state.objects = objects_of((args, kwargs))
             state.calls = [(forward, leaves, spec, None)]  # this checkpoint's, to the end
             tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))

@@ -253,7 +253,7 @@ def plan_modules(
         peaks[candidate] = predictor.predict(
             training_step, (planned, example_input, loss_fn, optimizer), {}).peak_bytes
         if fits(peaks[candidate], budget):
-            parts = tuple(PartPlan(part if isinstance(part, str) else f"{part[0]} .. {part[-1]}",
+            parts = tuple(PartPlan(_label(part),
                                    decision, profiles[names_of(part)[0]].kept + (
                                        profiles[part].products if decision.selective else 0),
                                    math.nan)
@@ -264,8 +264,9 @@ def plan_modules(
     lowest = min(floors, key=lambda c: (peaks[c], c.cost, c.order))
     if peaks[lowest] >= unplanned:
         raise no_fit(budget, unplanned, f"{type(model).__name__} as it is")
-    raise no_fit(budget, peaks[lowest], f"checkpoints of {len(lowest.names)} whole modules, "
-                                        f"{_listed(lowest.names)}")
+    labels = [_label(part) for part, _ in lowest.decisions]
+    raise no_fit(budget, peaks[lowest], f"checkpoints of {len(lowest.names)} whole modules"
+                 + (f" in {len(labels)} parts" if lowest.runs else "") + f", {_listed(labels)}")
 
 
 def _around(model: nn.Module) -> dict[str, set[str]]:
@@ -284,6 +285,11 @@ def _around(model: nn.Module) -> dict[str, set[str]]:
 
     walk(model, frozenset())
     return above
+
+
+def _label(part: Part) -> str:
+    """A part as a plan prints it: a module's name, or a run's first and last."""
+    return part if isinstance(part, str) else f"{part[0]} .. {part[-1]}"
 
 
 def _listed(names: Sequence[str]) -> str:

@@ -233,9 +233,17 @@ class ModuleProfiler(TorchDispatchMode):
     def runs(self) -> list[tuple[str, ...]]:
         """Runs of two or more modules the forward called one after another, each once, each
         given the one before's output and nothing computed between them (NOTE [ Runs of
-        modules ]); none with hooks of its own."""
-        return [tuple(run) for run in self._runs if len(run) > 1 and all(
-            self.calls[name].calls == 1 and name not in self._hooked for name in run)]
+        modules ]): a run the forward called is cut where a module has hooks of its own or
+        was called more than once, the pieces either side kept."""
+        pieces: list[list[str]] = []
+        for run in self._runs:
+            pieces.append([])
+            for name in run:
+                if self.calls[name].calls == 1 and name not in self._hooked:
+                    pieces[-1].append(name)
+                elif pieces[-1]:
+                    pieces.append([])
+        return [tuple(piece) for piece in pieces if len(piece) > 1]
 
 
 def _same(t: Tensor) -> Tensor:
