@@ -16,7 +16,7 @@ from revnets.checkpoint import checkpoint_forward, open_checkpoint
 from revnets.plan import Checkpoint
 from revnets.planning.modules.profile import hidden_of, objects_of
 
-__all__ = ["Part", "checkpointed", "names_of"]
+__all__ = ["Part", "checkpointed", "is_inside", "names_of"]
 
 Part = str | tuple[str, ...]  # a module's name, or the names of a run of modules
 
@@ -36,14 +36,28 @@ Part = str | tuple[str, ...]  # a module's name, or the names of a run of module
 # run at step time (the run left before its last module, another hidden state or other
 # objects given, a module called twice) is refused by name, and the checkpoint is closed.
 
+# NOTE [ Nested checkpoints ]
+# A part of a plan may hold other parts (a decoder layer, and its attention and MLP): where a
+# step peaks in one layer's recomputation and backward (deep, narrow models), one checkpoint a
+# layer holds all of that layer's activations there, and checkpoints inside it hold one
+# sublayer's at a time. torch's non-reentrant checkpoints nest where the recomputation saves
+# what the forward saved, in the same order (it matches them by position): so the parts inside
+# run as checkpoints in the step's forward, where the part around them saves their inputs as
+# it saves anything (not kept: recomputed), and again in its recomputation, entered there
+# around the recomputed forward, since the step's forward has set the modules' own forwards
+# back by then. The backward runs a part inside another three times. Both are whole
+# checkpoints (CheckpointedModules refuses selective ones there: a selective part inside
+# another would keep its products from the step's forward, in every layer, to its backward).
+
 
 class _CheckpointedForward:
     """A module's forward run as a checkpoint, set over its class's for the steps under way:
     in a thread running none of them (another model sharing the module), the forward as it
     was. It reads as that forward (``inspect.signature``, ``__wrapped__``, ``__self__``)."""
 
-    def __init__(self, module: nn.Module, forward: Any, decision: Checkpoint) -> None:
-        self.module, self.forward, self.decision = module, forward, decision
+    def __init__(self, module: nn.Module, forward: Any, decision: Checkpoint,
+                 inner: Any = contextlib.nullcontext) -> None:
+        self.module, self.forward, self.decision, self.inner = module, forward, decision, inner
         functools.update_wrapper(self, forward)
         self.__self__ = module
         self.__func__ = getattr(forward, "__func__", forward)
@@ -54,17 +68,16 @@ class _CheckpointedForward:
         # Every tensor handed over positionally: torch checks those for writes in place
         # before it recomputes (a keyword's or a list's, it would read as written).
         leaves, spec = tree_flatten((args, kwargs))
-        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
+        others = tuple(leaf for leaf in leaves if not isinstance(leaf, Tensor))
+        skeleton = _without_tensors(leaves)
 
         def forward(*tensors: Tensor) -> Any:
-            values = list(leaves)
-            for i, tensor in zip(where, tensors):
-                values[i] = tensor
+            values = _with_tensors(skeleton, tensors)
             args, kwargs = tree_unflatten(values, spec)
-            return self.forward(*args, **kwargs)
+            with self.inner():  # in its recomputation too: NOTE [ Nested checkpoints ]
+                return self.forward(*args, **kwargs)
 
-        tensors = tuple(leaves[i] for i in where)
-        others = tuple(leaf for leaf in leaves if not isinstance(leaf, Tensor))
         return checkpoint_forward(self.module, forward, tensors, {},
                                   selective=self.decision.selective, given=others)
 
@@ -95,8 +108,9 @@ class _RunState(threading.local):
 class _Run:
     """A run of modules checkpointed as one (NOTE [ Runs of modules ])."""
 
-    def __init__(self, names: tuple[str, ...], modules: list[nn.Module]) -> None:
-        self.names, self.modules = names, modules
+    def __init__(self, names: tuple[str, ...], modules: list[nn.Module],
+                 inner: Any = contextlib.nullcontext) -> None:
+        self.names, self.modules, self.inner = names, modules, inner
         self.state = _RunState()
 
     def call(self, index: int, forward: Any, args: tuple, kwargs: dict) -> Any:
@@ -111,11 +125,13 @@ class _Run:
                     f"again before {self.names[-1]} (a layer run twice, a loop restarted). "
                     f"Plan the model again with the step it runs")
             state.objects = objects_of((args, kwargs))
-            state.calls = [(forward, leaves, spec, None)]  # this checkpoint's, to the end
+            # this checkpoint's, to the end; its tensors are the checkpoint's inputs
+            state.calls = [(forward, _without_tensors(leaves), spec, None)]
             tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
             others = tuple(leaf for leaf in leaves if not isinstance(leaf, Tensor))
             state.checkpoint = open_checkpoint(
-                self.modules, functools.partial(_recompute, state.calls), tensors, others)
+                self.modules, functools.partial(_recompute, self.inner, state.calls), tensors,
+                others)
         else:
             self._follows(index, leaves, (args, kwargs))
             mark = next(i for i, leaf in enumerate(leaves) if leaf is state.last)
@@ -181,13 +197,16 @@ def checkpointed(model: nn.Module, decisions: Mapping[Part, Checkpoint]) -> Iter
     chosen: dict[int, tuple[nn.Module, Any]] = {}
     runs = []
     for part, decision in decisions.items():
+        inside = {other: d for other, d in decisions.items() if is_inside(other, part)}
+        inner = functools.partial(checkpointed, model, inside) if inside \
+            else contextlib.nullcontext
         if isinstance(part, str):
             module = model.get_submodule(part)
             chosen[id(module)] = (module, functools.partial(_CheckpointedForward, module,
-                                                            decision=decision))
+                                                            decision=decision, inner=inner))
             continue
         members = [model.get_submodule(name) for name in part]
-        runs.append(run := _Run(part, members))
+        runs.append(run := _Run(part, members, inner))
         for index, module in enumerate(members):
             chosen[id(module)] = (module, functools.partial(_RunMember, module, run=run,
                                                             index=index))
@@ -236,18 +255,41 @@ def checkpointed(model: nn.Module, decisions: Mapping[Part, Checkpoint]) -> Iter
                         module.__dict__["forward"] = own
 
 
-def _recompute(calls: list[tuple[Any, list, Any, int | None]], *tensors: Tensor) -> Any:
-    """A run's recorded calls again, each given its predecessor's recomputed output."""
+def _recompute(inner: Any, calls: list[tuple[Any, list, Any, int | None]],
+               *tensors: Tensor) -> Any:
+    """A run's recorded calls again, each given its predecessor's recomputed output, the parts
+    inside the run checkpointed (``inner``)."""
     out = None
-    for forward, leaves, spec, mark in calls:
-        values = list(leaves)
-        if mark is not None:
-            values[mark] = hidden_of(out)
-        args, kwargs = tree_unflatten(values, spec)
-        out = forward(*args, **kwargs)
+    with inner():
+        for forward, leaves, spec, mark in calls:
+            values = _with_tensors(leaves, tensors) if mark is None else list(leaves)
+            if mark is not None:
+                values[mark] = hidden_of(out)
+            args, kwargs = tree_unflatten(values, spec)
+            out = forward(*args, **kwargs)
     return out
+
+
+_TENSOR = object()  # where a recorded call's tensor was: not held, handed to the checkpoint
+
+
+def _without_tensors(leaves: list) -> list:
+    """A call's arguments with its tensors left out: a checkpoint's inputs are its to keep
+    (saved, where a checkpoint around it recomputes them: NOTE [ Nested checkpoints ])."""
+    return [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+
+
+def _with_tensors(skeleton: list, tensors: tuple) -> list:
+    given = iter(tensors)
+    return [next(given) if leaf is _TENSOR else leaf for leaf in skeleton]
 
 
 def names_of(part: Part) -> tuple[str, ...]:
     """The modules of a plan's part: one, or a run's."""
     return (part,) if isinstance(part, str) else part
+
+
+def is_inside(part: Part, other: Part) -> bool:
+    """Whether every module of ``part`` is a submodule of one of ``other``'s, by name."""
+    return part != other and all(any(name.startswith(f"{outer}.") for outer in names_of(other))
+                                 for name in names_of(part))

@@ -4,6 +4,7 @@ and the search that chooses them."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from revnets.memory import Predictor
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, training_step
 from revnets.planning.model_view import ModelView
-from revnets.planning.modules.install import Part, checkpointed, names_of
+from revnets.planning.modules.install import Part, checkpointed, is_inside, names_of
 from revnets.planning.modules.profile import ModuleProfile, ModuleProfiler
 from revnets.planning.search.budget import fits, no_fit
 from revnets.reversible import ReversibleSequence
@@ -58,6 +59,7 @@ __all__ = ["CheckpointedModules", "plan_modules"]
 # fits, a refusal names the least of their exact peaks, which they meet again when asked for.
 MAX_PREDICTIONS = 4  # exact predictions of plans within the budget as modelled, cheapest first
 FLOORS = 3  # then those of least modelled peak
+NESTED_FLOORS = 1  # below every floor, the least of them with checkpoints nested inside
 
 
 class CheckpointedModules(ModelView):
@@ -65,7 +67,9 @@ class CheckpointedModules(ModelView):
     forward around them (NOTE [ Plans of whole modules ]); without grad, the model as it is.
     ``decisions``: by module name, ``Checkpoint()`` (whole) or ``Checkpoint(selective=True)``;
     by a tuple of names, a run of modules checkpointed as one (``Checkpoint()``, NOTE [ Runs of
-    modules ] in install.py); names alone are checkpointed whole. It is the model itself to
+    modules ] in install.py); names alone are checkpointed whole. A part inside another (a
+    layer's attention inside the layer) is checkpointed in the other's recomputation too, both
+    whole (NOTE [ Nested checkpoints ] in install.py). It is the model itself to
     everything but its forward (NOTE [ A planned model is the model ]). The plan's peak is that
     of the training step planned, in the modes the modules had then."""
 
@@ -93,6 +97,14 @@ class CheckpointedModules(ModelView):
                 raise ValueError(f"CheckpointedModules: {sorted(seen & set(names_of(part)))} "
                                  f"are in two parts of the plan; each module is in one")
             seen |= set(names_of(part))
+        for part, decision in decisions.items():
+            around = [other for other in decisions if is_inside(part, other)]
+            if around and (decision.selective or decisions[around[0]].selective):
+                raise TypeError(
+                    f"CheckpointedModules: {part!r} is inside {around[0]!r}, and one of them "
+                    f"is checkpointed selectively; a part inside another, and the part around "
+                    f"it, are checkpointed whole: Checkpoint() (NOTE [ Nested checkpoints ] in "
+                    f"planning/modules/install.py)")
         self._decisions = dict(sorted(decisions.items(), key=lambda item: names_of(item[0])))
 
     @property
@@ -195,6 +207,31 @@ def _candidates(profiles: Sequence[ModuleProfile], runs: Sequence[tuple[str, ...
     return sorted(found.values(), key=lambda c: (c.cost, c.modelled, c.order))
 
 
+def _nested(candidate: _Candidate, profiles: Mapping[str, ModuleProfile],
+            runs: Sequence[tuple[str, ...]], around: dict[str, set[str]]) -> list[_Candidate]:
+    """``candidate`` with the modules one level inside its parts checkpointed in them too (NOTE
+    [ Nested checkpoints ] in install.py): each alone, or the runs they make as one (its parts
+    whole). Modelled as ``candidate``, predicted exactly."""
+    chosen = set(candidate.names)
+    inner = [p for part, _ in candidate.decisions for name in names_of(part)
+             for p in profiles.values() if p.depth == profiles[name].depth + 1
+             and name in around[p.name] and p.saving > 0 and not p.written
+             and p.name not in chosen]
+    names = {p.name for p in inner}
+    pieces = [piece for run in runs for piece in _eligible(run, names)]
+    inside = {name for piece in pieces for name in piece}
+    variants = [[(p.name, _WHOLE) for p in inner]]
+    if pieces:
+        variants.append([(piece, _WHOLE) for piece in pieces]
+                        + [(p.name, _WHOLE) for p in inner if p.name not in inside])
+    return [_Candidate(tuple(sorted((*candidate.decisions, *extra),
+                                    key=lambda pd: names_of(pd[0]))),
+                       candidate.cost + sum(profiles[name].cost for part, _ in extra
+                                            for name in names_of(part)),
+                       candidate.modelled)
+            for extra in variants if extra]
+
+
 def _eligible(run: tuple[str, ...], names: set[str]) -> list[tuple[str, ...]]:
     """The longest pieces of ``run``, two modules or more, of modules among ``names``."""
     pieces: list[list[str]] = [[]]
@@ -236,8 +273,8 @@ def plan_modules(
     # stores what it would reconstruct).
     predictor.predict(profiler, (model, example_input, loss_fn, optimizer), {})
     profiles = {p.name: p for p in profiler.profiles()}
-    candidates = _candidates(list(profiles.values()), profiler.runs(), unplanned,
-                             _around(model))
+    around = _around(model)
+    candidates = _candidates(list(profiles.values()), profiler.runs(), unplanned, around)
     if not candidates:
         raise no_fit(budget, unplanned, f"{type(model).__name__} as it is: no module it calls "
                                         f"saves memory checkpointed")
@@ -248,25 +285,44 @@ def plan_modules(
     tries = [c for c in candidates
              if fits(c.modelled, budget) and c not in floors][:MAX_PREDICTIONS]
     peaks: dict[_Candidate, int] = {}
-    for candidate in (*tries, *sorted(floors, key=lambda c: (c.cost, c.modelled, c.order))):
-        planned = CheckpointedModules(model, dict(candidate.decisions))
-        peaks[candidate] = predictor.predict(
-            training_step, (planned, example_input, loss_fn, optimizer), {}).peak_bytes
-        if fits(peaks[candidate], budget):
-            parts = tuple(PartPlan(_label(part),
-                                   decision, profiles[names_of(part)[0]].kept + (
-                                       profiles[part].products if decision.selective else 0),
-                                   math.nan)
-                          for part, decision in candidate.decisions)
-            planned.memory_plan = MemoryPlan(stages, Checkpoint(), parts, peaks[candidate],
-                                             budget)
-            return planned
+
+    def first_fitting(chosen: Sequence[_Candidate]) -> CheckpointedModules | None:
+        for candidate in chosen:
+            planned = CheckpointedModules(model, dict(candidate.decisions))
+            peaks[candidate] = predictor.predict(
+                training_step, (planned, example_input, loss_fn, optimizer), {}).peak_bytes
+            if fits(peaks[candidate], budget):
+                parts = tuple(PartPlan(_label(part), decision,
+                                       profiles[names_of(part)[0]].kept + (
+                                           profiles[part].products if decision.selective else 0),
+                                       math.nan)
+                              for part, decision in candidate.decisions)
+                planned.memory_plan = MemoryPlan(stages, Checkpoint(), parts, peaks[candidate],
+                                                 budget)
+                return planned
+        return None
+
+    by_cost = functools.partial(sorted, key=lambda c: (c.cost, c.modelled, c.order))
+    if planned := first_fitting((*tries, *by_cost(floors))):
+        return planned
+    # Below every floor: the lowest floors with checkpoints inside their parts.
+    whole = [c for c in floors if not any(d.selective for _, d in c.decisions)]
+    lowest = sorted(whole, key=lambda c: (peaks[c], c.cost, c.order))[:NESTED_FLOORS]
+    nested = [n for c in lowest for n in _nested(c, profiles, profiler.runs(), around)]
+    if planned := first_fitting(by_cost(nested)):
+        return planned
+    floors += nested
     lowest = min(floors, key=lambda c: (peaks[c], c.cost, c.order))
     if peaks[lowest] >= unplanned:
         raise no_fit(budget, unplanned, f"{type(model).__name__} as it is")
-    labels = [_label(part) for part, _ in lowest.decisions]
-    raise no_fit(budget, peaks[lowest], f"checkpoints of {len(lowest.names)} whole modules"
-                 + (f" in {len(labels)} parts" if lowest.runs else "") + f", {_listed(labels)}")
+    parts = [part for part, _ in lowest.decisions]
+    tops = [part for part in parts if not any(is_inside(part, other) for other in parts)]
+    count = sum(len(names_of(part)) for part in tops)
+    raise no_fit(budget, peaks[lowest], f"checkpoints of {count} whole modules"
+                 + (f" in {len(tops)} parts" if len(tops) < count else "")
+                 + f", {_listed([_label(part) for part in tops])}"
+                 + (f", and {len(parts) - len(tops)} parts inside them (nested)"
+                    if len(tops) < len(parts) else ""))
 
 
 def _around(model: nn.Module) -> dict[str, set[str]]:
