@@ -21,8 +21,9 @@ Each row says which torch.compile point of the same process, if any, reaches no 
 less time (``beaten_by``): a revnets point with none is at or below compile's curve there.
 
 The Hugging Face models (transformers' Llama and GPT-2 from their configs, random weights) are
-planned as checkpoints of whole modules (torch.fx cannot trace them; ``compiled=True`` does not
-apply there, so they have no "revnets + compile" points) beside transformers' own gradient
+planned as checkpoints of modules (torch.fx cannot trace them): layers and their sublayers,
+whole or selective, runs of layers, checkpoints nested inside others; ``compiled=True`` does not
+apply there, so they have no "revnets + compile" points, beside transformers' own gradient
 checkpointing, of every layer and of every second one.
 """
 

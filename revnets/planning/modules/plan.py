@@ -27,7 +27,8 @@ __all__ = ["CheckpointedModules", "plan_modules"]
 # NOTE [ Plans of whole modules ]
 # A model whose own forward torch.fx cannot trace (Python control flow on shapes: CrossViT) has
 # no chain of steps to cut, but it has its modules, each called by its code. Its plan is a set
-# of them, none inside another, that run as checkpoints. For a step with grad enabled, each
+# of them that run as checkpoints, one inside another where one level is not enough (NOTE
+# [ Nested checkpoints ] in install.py). For a step with grad enabled, each
 # gets an instance attribute ``forward`` over its class's, which runs that forward as a
 # checkpoint (revnets.checkpoint: generators, module state and the hooks of its submodules
 # replayed), removed after. The module itself stays where it is: the model's code sees the same
