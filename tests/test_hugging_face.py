@@ -218,6 +218,29 @@ def test_every_budget_gets_a_plan_within_it_or_a_refusal_naming_one_that_plans(n
         assert measured == planned.memory_plan.peak_bytes <= budget, (share, name)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit"])
+def test_at_hf_checkpointings_own_peak_the_plan_recomputes_each_part_once(name):
+    """HF's checkpointing of every layer keeps each layer's inputs and the generator state
+    torch's checkpoint copies for it (NOTE [ Generator states torch keeps ]); at its measured
+    peak the planner's plan fits, measured == predicted, and recomputes no part twice, as HF
+    recomputes its layers once: none is nested inside another (benchmarks/frontier.py times
+    the two side by side)."""
+    inputs = inputs_of(name)
+    hf = build(name, use_cache=False) if name != "vit" else build(name)
+    hf.gradient_checkpointing_enable()
+    hf_peak = revnets.measure_memory(step, hf, inputs).peak_bytes
+    assert revnets.predict_memory(step, hf, inputs).peak_bytes == hf_peak
+    model = build(name, use_cache=False) if name != "vit" else build(name)
+    planned = revnets.auto_checkpoint(model, inputs, hf_peak, loss_fn=lambda out: out.loss,
+                                      measure_time=False)
+    measured = revnets.measure_memory(step, planned, inputs).peak_bytes
+    assert measured == planned.memory_plan.peak_bytes <= hf_peak
+    inside = revnets.planning.modules.install.is_inside
+    parts = [p for part in planned.decisions
+             for p in (part if isinstance(part, tuple) else (part,))]
+    assert not any(inside(a, b) for a in parts for b in parts if a != b), parts
+
+
 def deep(name: str, **options) -> torch.nn.Module:
     """Eight layers, width 64, a vocabulary of 4096, the cache off (as HF's checkpointing sets
     it): a step that peaks at the logits, where a run of layers pays."""

@@ -265,6 +265,40 @@ def test_random_number_state_is_the_only_memory_that_grows_with_depth():
     assert above[8, 0.3] - above[4, 0.3] == 4 * 2 * state_bytes
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_the_generator_states_torchs_checkpoint_keeps_are_measured_and_predicted(use_reentrant):
+    """torch.utils.checkpoint copies the CPU generator's state for each call, outside the
+    dispatcher (NOTE [ Generator states torch keeps ]): keeping them peaks whole states above
+    keeping none, measured == predicted; revnets' checkpoint, whose replay keeps the state
+    itself and has torch keep none, peaks where torch's does."""
+    state_bytes = torch.get_rng_state().numel()
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1)) for _ in range(3))
+    x = torch.randn(8, 64, requires_grad=True)
+
+    def step(run):
+        x.grad = None
+        layers.zero_grad(set_to_none=True)
+        h = x
+        for layer in layers:
+            h = run(layer, h)
+        h.sum().backward()
+
+    runs = {
+        keeps: lambda layer, h, keeps=keeps: torch.utils.checkpoint.checkpoint(
+            layer, h, use_reentrant=use_reentrant, preserve_rng_state=keeps)
+        for keeps in (True, False)}
+    peaks = {}
+    for keeps, run in runs.items():
+        step(run)
+        peaks[keeps] = measure_memory(step, run).peak_bytes
+        assert predict_memory(step, run).peak_bytes == peaks[keeps]
+    kept = peaks[True] - peaks[False]
+    assert kept > 0 and kept % state_bytes == 0
+    if not use_reentrant:
+        assert measure_memory(step, revnets.checkpoint).peak_bytes == peaks[True]
+
+
 def test_tracker_device_without_index_means_the_current_one():
     assert MemoryTracker(device="cpu").device == torch.device("cpu")
     assert MemoryTracker(device="meta").device == torch.device("meta")

@@ -174,6 +174,26 @@ class Attributes:
                 return f"{type(who or module).__name__} (a tensor it holds, written in place)"
         return None
 
+    def tensor_changed(self, modules: Iterable[nn.Module] | None = None) -> str | None:
+        """As :meth:`changed`, for the changes a replay refuses rather than puts back (NOTE
+        [ Replay ], rules 2 and 3): a module's tensor attribute, parameter or buffer replaced, or a
+        tensor among the state written in place. Numbers, containers and plain objects' attributes
+        changed are put back as the run found them."""
+        for who, saved_state, tensors in self._entries(modules):
+            for module, holder, saved in saved_state:
+                if holder is module:
+                    now = vars(module)
+                    if any(now.get(k) is not saved.get(k) for k in now.keys() | saved.keys()
+                           if isinstance(now.get(k), Tensor) or isinstance(saved.get(k), Tensor)):
+                        return f"{type(module).__name__} (a tensor attribute replaced)"
+                elif holder is module._parameters or holder is module._buffers:
+                    if not saved.same():
+                        return f"{type(module).__name__} (a parameter or buffer replaced)"
+            for module, tensor, version, _ in tensors:
+                if version_of(tensor) != version:
+                    return f"{type(who or module).__name__} (a tensor it holds, written in place)"
+        return None
+
     def restore(self, modules: Iterable[nn.Module] | None = None) -> None:
         """Put back the state of ``modules`` (all of them: None)."""
         for _, saved, tensors in self._entries(modules):

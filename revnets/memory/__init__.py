@@ -9,13 +9,16 @@
   kernels allocate otherwise.
 - ``call_arguments``: what a measured or predicted call is given (its modules and optimizers,
   their device), and containers rebuilt with other elements.
+- ``generator_states``: generator states torch copies outside the dispatcher (its
+  checkpoint's), shown to the trackers running.
 - ``allocator``: :func:`allocator_peak`, the allocator's own peak, which sees compiled code.
 - ``timeline``: a step's memory over its operators, by category and module, and its picture.
 
 Import rules: the modules import one another absolutely (``from revnets.memory.measure import
-...``), in that order (call_arguments; cpu_kernels; fake_copies; fake_device; measure; predict;
-timeline; allocator alone), and of the rest of revnets only :mod:`revnets.replay`; planning,
-training and the package's face import them, never the other way.
+...``), in that order (call_arguments; cpu_kernels; fake_copies; fake_device;
+generator_states; measure; predict; timeline; allocator alone), and of the rest of revnets only
+:mod:`revnets.replay`; planning, training and the package's face import them, never the other
+way.
 """
 
 from revnets.memory.allocator import allocator_peak

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from revnets.facts import MiB
 from revnets.memory.call_arguments import device_of, owners_in, refuse_uninitialised
 from revnets.memory.fake_copies import StandIns
+from revnets.memory.generator_states import shown_generator_states
 from revnets.replay.watch import DEVICE_QUERY, operator_tensors
 
 __all__ = ["MemoryReport", "MemoryTracker", "Watch", "measure_call", "measure_memory"]
@@ -188,11 +189,15 @@ class MemoryTracker(TorchDispatchMode):
             self._see(tensor, allocated=0)
         if self.device is None:
             self.device = next((t.device for t, _ in labels), None)
+        self._generator_states = shown_generator_states(
+            lambda state: self._see(state, allocated=self.clock))
+        self._generator_states.__enter__()  # NOTE [ Generator states torch keeps ]
         super().__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self._generator_states.__exit__(*exc)
         for tensor, label in _label_owned(self.owners):
             storage = self._storages.get(_storage_key(tensor))
             if storage is not None:

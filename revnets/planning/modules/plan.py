@@ -37,9 +37,12 @@ __all__ = ["CheckpointedModules", "plan_modules"]
 # forward, which reads as the module's own (its signature). (A stand-in module swapped in at its
 # parent was seen by that code: ``isinstance`` failed, writes landed on the stand-in,
 # ``modules()`` met both.) Only the thread running the step checkpoints: the forward goes back
-# when the last step using it ends, unless the step set one of its own. A module whose input,
-# or state its modules hold (a config dict, a float the parent changes), is written between
-# its call and the loss, is never checkpointed: its recomputation would read the written value.
+# when the last step using it ends, unless the step set one of its own. A module whose input
+# is written between its call and the loss, or a tensor its modules hold (replaced, or written
+# in place), is never checkpointed: its recomputation would read the written value, or its
+# replay refuse it. Other state they hold that code changes after the call (a config dict, a
+# float the parent changes, transformers' ``config.problem_type`` its loss sets) is put back as
+# the call found it for the recomputation (NOTE [ Replay ], rule 2).
 # Its inputs go to torch's checkpoint as positional tensors, which torch checks for writes
 # before it recomputes. A module is checkpointed whole (``Checkpoint()``: its inputs kept) or
 # selectively (``Checkpoint(selective=True)``: the outputs of its matrix products and attention

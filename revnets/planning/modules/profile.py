@@ -31,7 +31,7 @@ class ModuleProfile:
     kept: int  # bytes of its tensor inputs: what a checkpoint keeps of it instead
     cost: int  # operations of its products and elements its operators make
     leaf: bool  # it calls no other module
-    written: bool  # its input, or state its modules hold, is written before the backward
+    written: bool  # its input, or a tensor its modules hold, written or replaced before backward
     products: int = 0  # bytes of the outputs of its products: what a selective one keeps too
     product_cost: int = 0  # the part of ``cost`` its products are: what it does not rerun
     selective_safe: bool = True  # no such output is written in place before the backward
@@ -190,7 +190,8 @@ class ModuleProfiler(TorchDispatchMode):
         for calls in self.calls.values():
             calls.written |= any(t is not None and version_of(t) != version
                                  for t, version in ((ref(), v) for ref, v in calls.inputs))
-            calls.written |= any(state.changed() is not None for state in calls.state)
+            # State changed since the call otherwise is put back as found for its recomputation.
+            calls.written |= any(state.tensor_changed() is not None for state in calls.state)
             calls.selective_safe &= not any(t is not None and version_of(t) != version
                                             for t, version in ((ref(), v) for ref, v in calls.made))
             calls.inputs.clear()
