@@ -11,7 +11,7 @@ one meter. Time: median of interleaved steps, over the eager step's.
     python benchmarks/frontier.py            # gpt, resnet50, vit, hf-llama, hf-gpt2
     python benchmarks/frontier.py --quick    # small sizes, to check that it runs
     python benchmarks/frontier.py --only gpt
-    python benchmarks/frontier.py --only hf-llama,hf-gpt2   # Hugging Face models (revnets[hf])
+    python benchmarks/frontier.py --only hf-llama   # a Hugging Face model (revnets[hf]); or hf-gpt2
     python benchmarks/frontier.py --device cuda   # on a GPU: the caching allocator's peak
     python benchmarks/frontier.py --only resnet --processes 3
         # each model in three fresh processes: a compiled step's speed moves by a few percent
@@ -24,7 +24,8 @@ The Hugging Face models (transformers' Llama and GPT-2 from their configs, rando
 planned as checkpoints of modules (torch.fx cannot trace them): layers and their sublayers,
 whole or selective, runs of layers, checkpoints nested inside others; ``compiled=True`` does not
 apply there, so they have no "revnets + compile" points, beside transformers' own gradient
-checkpointing, of every layer and of every second one.
+checkpointing, of every layer and of every second one, and revnets' plan at the peak that
+transformers' checkpointing of every layer measures (``revnets at hf's peak``).
 """
 
 from __future__ import annotations
@@ -257,6 +258,11 @@ def frontier(
             smallest = refusal.smallest_budget
     if smallest is not None:  # the lowest revnets reaches: the budget a refusal names
         budgets["smallest"] = smallest
+    hf_every = {every: with_hf_checkpointing(model, every) for every in (1, 2)}
+    if hf_every[1] is not None:  # revnets at transformers' checkpointing's own peak
+        budgets["at hf's peak"] = revnets.measure_memory(
+            step_of(hf_every[1], x, y)).peak_bytes
+        hf_every[1].zero_grad(set_to_none=True)
     traceable = not hasattr(model, "gradient_checkpointing_enable")  # Hugging Face's are not
     for label, budget in budgets.items():
         for under_compile in (False, True) if traceable else (False,):
@@ -273,8 +279,7 @@ def frontier(
         if wrapped is not None:
             steps["torch checkpoint " + ("SAC (matmuls kept)" if selective else "per block")] = \
                 step_of(wrapped, x, y)
-    for every in (1, 2):
-        wrapped = with_hf_checkpointing(model, every)
+    for every, wrapped in hf_every.items():
         if wrapped is not None:
             step = step_of(wrapped, x, y)
             step.model = wrapped  # a copy: its own gradients to free before a measured step
@@ -401,7 +406,9 @@ def main(argv: list[str] | None = None) -> None:
         ) + "Time: median of "
         f"{args.repeats} interleaved steps over the eager step's. revnets: `auto_checkpoint` "
         "at budgets keeping the given share of the activation part of the eager peak, and at "
-        "the smallest budget a refusal names where one was refused, every plan of a model on "
+        "the smallest budget a refusal names where one was refused, and for Hugging Face "
+        "models at the peak `revnets.measure_memory` measures under transformers' "
+        "checkpointing of every layer (at hf's peak), every plan of a model on "
         "one measurement of its forward times (`revnets.forward_times`); revnets + compile: "
         "plans at the same budgets made for a compiled model (`auto_checkpoint(..., "
         "compiled=True)`: "
