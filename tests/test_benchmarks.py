@@ -148,6 +148,16 @@ def test_conversion_quick_run_fine_tunes_every_method_and_measures_depth():
     assert "'depth': 8" in out and "'predicted_equal': False" not in out
 
 
+@pytest.mark.slow  # plans and times two small transformers models (about 15 s)
+def test_hf_checkpointing_quick_run_plans_at_transformers_peak(tmp_path):
+    pytest.importorskip("transformers")
+    out = run_quick("hf_checkpointing.py", "--results", str(tmp_path))
+    for model in ("'llama'", "'gpt2'"):
+        assert f"'model': {model}" in out
+    assert out.count("'method': \"revnets at hf's peak\"") == 2
+    assert list(tmp_path.glob("hf_checkpointing-*-quick.md"))
+
+
 @pytest.mark.slow  # compiles the model at each budget, in two processes
 def test_frontier_quick_run_measures_every_family(tmp_path):
     out = run_quick("frontier.py", "--only", "gpt", "--processes", "2", "--results",
