@@ -65,6 +65,13 @@ def step(model, inputs):
     model(**inputs).loss.backward()
 
 
+def hf_checkpointing_peak(model, inputs) -> int:
+    """The measured peak of ``model``'s step under transformers' own checkpointing of every
+    layer."""
+    model.gradient_checkpointing_enable()
+    return revnets.measure_memory(step, model, inputs).peak_bytes
+
+
 def least_budget(model, inputs, **options) -> int:
     """The smallest budget the planner reaches, read from its refusal of 1 byte."""
     with pytest.raises(revnets.PlanningError) as refused:
@@ -223,12 +230,11 @@ def test_at_hf_checkpointings_own_peak_the_plan_recomputes_each_part_once(name):
     """HF's checkpointing of every layer keeps each layer's inputs and the generator state
     torch's checkpoint copies for it (NOTE [ Generator states torch keeps ]); at its measured
     peak the planner's plan fits, measured == predicted, and recomputes no part twice, as HF
-    recomputes its layers once: none is nested inside another (benchmarks/frontier.py times
-    the two side by side)."""
+    recomputes its layers once: none is nested inside another (benchmarks/hf_checkpointing.py
+    times the two side by side)."""
     inputs = inputs_of(name)
     hf = build(name, use_cache=False) if name != "vit" else build(name)
-    hf.gradient_checkpointing_enable()
-    hf_peak = revnets.measure_memory(step, hf, inputs).peak_bytes
+    hf_peak = hf_checkpointing_peak(hf, inputs)
     assert revnets.predict_memory(step, hf, inputs).peak_bytes == hf_peak
     model = build(name, use_cache=False) if name != "vit" else build(name)
     planned = revnets.auto_checkpoint(model, inputs, hf_peak, loss_fn=lambda out: out.loss,
@@ -266,9 +272,7 @@ def test_runs_of_layers_go_below_hf_checkpointing_of_every_layer(name):
     g = torch.Generator().manual_seed(0)
     inputs = {"input_ids": torch.randint(1, 4096, (2, 128), generator=g),
               "labels": torch.randint(1, 4096, (2, 128), generator=g)}
-    hf = deep(name)
-    hf.gradient_checkpointing_enable()
-    hf_peak = revnets.measure_memory(step, hf, inputs).peak_bytes
+    hf_peak = hf_checkpointing_peak(deep(name), inputs)
     model = deep(name)
     least = least_budget(model, inputs, measure_time=False)
     planned = revnets.auto_checkpoint(model, inputs, least, loss_fn=lambda out: out.loss,
@@ -310,9 +314,7 @@ def test_where_a_layer_peaks_the_least_budget_is_under_075x_of_hf_checkpointing(
     g = torch.Generator().manual_seed(0)
     inputs = {"input_ids": torch.randint(1, 128, (2, 64), generator=g),
               "labels": torch.randint(1, 128, (2, 64), generator=g)}
-    hf = narrow_gpt2(layers)
-    hf.gradient_checkpointing_enable()
-    hf_peak = revnets.measure_memory(step, hf, inputs).peak_bytes
+    hf_peak = hf_checkpointing_peak(narrow_gpt2(layers), inputs)
     model = narrow_gpt2(layers)
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     least = least_budget(model, inputs, measure_time=False)

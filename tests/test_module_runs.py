@@ -97,13 +97,13 @@ def test_a_run_of_layers_goes_below_one_checkpoint_per_layer_measured_as_predict
     assert peak(as_one, x) == predict_memory(train_step, as_one, x).peak_bytes
 
 
-def test_a_run_trains_as_the_model_gradients_buffers_and_draws():
-    model, x = decoder(torch.float64)
-    run = CheckpointedModules(model, {LAYERS: revnets.Checkpoint()})
-    assert run.names == LAYERS
+def steps_of(model, planned, x, between=lambda: None):
+    """One step of ``model`` and one of ``planned`` from the same buffers and seed (the same
+    dropout masks), ``between()`` called between them: each one's gradients, buffers after,
+    and the generator's next draw after."""
 
     def step(trained):
-        torch.manual_seed(1)  # the same dropout masks
+        torch.manual_seed(1)
         train_step(trained, x)
         return ([p.grad.clone() for p in model.parameters()],
                 [b.clone() for b in model.buffers()], torch.rand(1))
@@ -112,7 +112,16 @@ def test_a_run_trains_as_the_model_gradients_buffers_and_draws():
     own = step(model)
     for b, saved in zip(model.buffers(), buffers):
         b.copy_(saved)
-    theirs = step(run)
+    between()
+    return own, step(planned)
+
+
+def test_a_run_trains_as_the_model_gradients_buffers_and_draws():
+    model, x = decoder(torch.float64)
+    run = CheckpointedModules(model, {LAYERS: revnets.Checkpoint()})
+    assert run.names == LAYERS
+
+    own, theirs = steps_of(model, run, x)
     assert max((a - b).abs().max().item() for a, b in zip(own[0], theirs[0])) < 1e-10
     assert all(torch.equal(a, b) for a, b in zip(own[1], theirs[1]))  # BatchNorm, once a step
     assert torch.equal(own[2], theirs[2])  # the generator left where the model leaves it

@@ -6,7 +6,7 @@ selective part in a nesting is refused by name."""
 
 import pytest
 import torch
-from test_module_runs import LAYERS, decoder
+from test_module_runs import LAYERS, decoder, steps_of
 
 import revnets
 from revnets.memory import measure_memory, predict_memory
@@ -36,18 +36,7 @@ def test_a_nested_plan_trains_as_the_model_gradients_buffers_draws_and_hooks(nes
     model.layers[1].mlp.register_forward_hook(lambda *args: calls.append(1))
     planned = CheckpointedModules(model, NESTINGS[nesting])
 
-    def step(trained):
-        torch.manual_seed(1)  # the same dropout masks
-        train_step(trained, x)
-        return ([p.grad.clone() for p in model.parameters()],
-                [b.clone() for b in model.buffers()], torch.rand(1))
-
-    buffers = [b.clone() for b in model.buffers()]
-    own = step(model)
-    for b, saved in zip(model.buffers(), buffers):
-        b.copy_(saved)
-    calls.clear()
-    theirs = step(planned)
+    own, theirs = steps_of(model, planned, x, between=calls.clear)
     assert max((a - b).abs().max().item() for a, b in zip(own[0], theirs[0])) < 1e-10
     assert all(torch.equal(a, b) for a, b in zip(own[1], theirs[1]))  # BatchNorm, once a step
     assert torch.equal(own[2], theirs[2])  # the generator left where the model leaves it
