@@ -247,6 +247,22 @@ def test_at_hf_checkpointings_own_peak_the_plan_recomputes_each_part_once(name):
     assert not any(inside(a, b) for a in parts for b in parts if a != b), parts
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "vit", "llama_lora"])
+def test_the_least_budget_is_below_hf_checkpointings_peak(name):
+    """Each family's least reachable budget (read from the refusal of 1 byte) is below the
+    measured peak of transformers' own checkpointing of every layer, and plans there."""
+    options = {} if name in ("vit", "bert") else {"use_cache": False}
+    made = (lambda: lora(build("llama", **options))) if name == "llama_lora" else (
+        lambda: build(name, **options))
+    inputs = inputs_of(name)
+    hf_peak = hf_checkpointing_peak(made(), inputs)
+    model = made()
+    least = least_budget(model, inputs, measure_time=False)
+    planned = revnets.auto_checkpoint(model, inputs, least, loss_fn=lambda out: out.loss,
+                                      measure_time=False)
+    assert revnets.measure_memory(step, planned, inputs).peak_bytes <= least < hf_peak
+
+
 def deep(name: str, **options) -> torch.nn.Module:
     """Eight layers, width 64, a vocabulary of 4096, the cache off (as HF's checkpointing sets
     it): a step that peaks at the logits, where a run of layers pays."""
