@@ -208,7 +208,7 @@ class _Replay:
         # ``given``: the call's arguments, whose containers and plain objects (a cache the
         # forward fills) the replay finds as the run did (NOTE [ Replay ], rule 2).
         self.recording = Recording(list(run) or [module], preserve_rng_state, device=device,
-                                   given=given)
+                                   given=given, torch_recomputes=True)
         self.selective = selective
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:

@@ -36,10 +36,11 @@ from revnets.replay.state import (
     Slot,
     put_attribute,
     same_state,
+    without_added,
 )
 from revnets.replay.stateless import StatelessDraws
 from revnets.replay.unchanged import changed_since
-from revnets.replay.watch import Watch
+from revnets.replay.watch import Watch, recomputed_wrong
 
 __all__ = ["Recording"]
 
@@ -69,8 +70,11 @@ class Recording:
         device: torch.device | None = None,
         prefix: str = "",
         given: Sequence[Any] = (),
+        torch_recomputes: bool = False,
     ) -> None:
         self.modules = list(modules)
+        # Torch's checkpoint recomputes the run (NOTE [ Recomputed wrong by torch ]).
+        self.torch_recomputes = torch_recomputes
         # What the call is given (its arguments): the containers and plain objects among them
         # are state the run may change (a cache it fills), as the modules' own (rule 2).
         self.given = tuple(given)
@@ -92,6 +96,7 @@ class Recording:
         self.external: list[tuple[Tensor, Tensor]] = []
         # the modules' containers and plain objects' attributes, as found
         self.containers: list[ContainerCopy | AttributesCopy] = []
+        self.attribute_names: list[tuple[dict, frozenset[str]]] = []  # the modules', after it
         self.held: list[Slot] = []  # tensors of modules held unregistered that the run read
         self.loose: list[Loose] = []  # tensors in containers and plain objects it read
         self.assigned: list[Slot] = []  # tensor attributes the run created or reassigned
@@ -108,6 +113,9 @@ class Recording:
     # -- the recorded run ----------------------------------------------------------------------
     def __enter__(self) -> Recording:
         self.hook_serial = RemovableHandle.next_id
+        if self.torch_recomputes and any(type(m) is nn.RReLU and m.training
+                                         for root in self.modules for m in root.modules()):
+            raise recomputed_wrong()  # NOTE [ Recomputed wrong by torch ] in watch.py
         known = known_run(self.modules, self.device, self.preserve_rng, self.chain.verified)
         self.known, self.known_draws = known is not None, known is not None and known.draws
         # Known layers draw nothing from Python's or numpy's generators.
@@ -145,7 +153,7 @@ class Recording:
         reads = frozenset(s.storage for s in (*self.slots, *census.loose)
                           if (s.reached if isinstance(s, Slot) else True)
                           and s.storage is not None)
-        self._watch = Watch(watched, self.preserve_rng, exempt, reads)
+        self._watch = Watch(watched, self.preserve_rng, exempt, reads, self.torch_recomputes)
         self._hooks = HookWatch(census.hooked, self.modules, self.root_owner)
         self._run.enter_context(uncached_parametrizations())
         self._run.enter_context(self._hooks)
@@ -217,6 +225,7 @@ class Recording:
         census, self._census = self._census, None
         self.walked = census.modules
         self.containers = census.containers
+        self.attribute_names = census.attribute_names()
         created = census.new_tensor_attributes()
         self.scalars = self.scalars + census.new_plain_attributes()
         reassigned = [s for s in self.changed if s.table == "__dict__"]
@@ -365,7 +374,7 @@ class Recording:
         self.changed, self.generators, self.python, self.slots = [], [], [], []
         self.computed = []
         self.scalars, self.external, self.assigned, self.containers = [], [], [], []
-        self.held, self.loose = [], []
+        self.held, self.loose, self.attribute_names = [], [], []
 
 
 class _Replay:
@@ -390,6 +399,8 @@ class _Replay:
                 rare.enter_context(r._external_found())
             if r.containers:
                 rare.enter_context(as_found(r.containers))
+            if r.attribute_names:
+                rare.enter_context(without_added(r.attribute_names))
             if r.held:
                 rare.enter_context(r._held_found())
             if RemovableHandle.next_id != r.hook_serial:  # hooks registered since (rule 4)

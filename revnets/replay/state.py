@@ -387,6 +387,11 @@ class Census:
             ]
         return created
 
+    def attribute_names(self) -> list[tuple[dict, frozenset[str]]]:
+        """Each walked module's attributes and their names now (after the run): what code
+        after it adds there is away for the replay (:func:`without_added`)."""
+        return [(d, frozenset(d)) for _, d, _, _ in self.attributes]
+
     def new_plain_attributes(self) -> list[tuple[dict, str, Any]]:
         """Other attributes the run created (a counter made on the first call), as scalars
         that were ``MISSING`` before it: the replay runs without them, as the run did."""
@@ -475,3 +480,17 @@ def put_attribute(attributes: dict, key: str, value: Any) -> None:
         attributes.pop(key, None)
     else:
         attributes[key] = value
+
+
+@contextlib.contextmanager
+def without_added(names: Sequence[tuple[dict, frozenset[str]]]) -> Iterator[None]:
+    """The modules' attributes added since the run (by code after it: ``self.extra = ...``,
+    which the run's ``getattr(self, "extra", default)`` did not find) away while inside, then
+    back (NOTE [ Replay ], rule 2); torch's own bookkeeping stays."""
+    away = [(d, k, d.pop(k)) for d, found in names
+            for k in [k for k in d if k not in found and k not in _MODULE_INTERNALS]]
+    try:
+        yield
+    finally:
+        for d, k, v in away:
+            d[k] = v

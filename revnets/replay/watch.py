@@ -21,7 +21,7 @@ from revnets.replay.state import (
     device_of_op,
 )
 
-__all__ = ["DEVICE_QUERY", "Watch", "operator_tensors"]
+__all__ = ["DEVICE_QUERY", "Watch", "operator_tensors", "recomputed_wrong"]
 
 
 # NOTE [ Device queries ]
@@ -115,6 +115,26 @@ def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
     return args[position] if position < len(args) else kwargs[name]
 
 
+# NOTE [ Recomputed wrong by torch ]
+# Randomized leaky ReLU in training (nn.RReLU, F.rrelu) draws its slopes into a noise tensor
+# its backward reads. Recomputed by torch's checkpoint, the backward reads other slopes than the
+# forward used: wrong gradients, in torch.utils.checkpoint alone too (torch 2.14), whatever the
+# generators' states. A run torch's checkpoint recomputes (revnets.checkpoint, plans of modules)
+# is refused where it calls it; a reversible block's transform, recomputed by revnets' own
+# engine, differentiates the same slopes and may call it.
+_RECOMPUTED_WRONG = {_aten.rrelu_with_noise.default, _aten.rrelu_with_noise_.default}
+
+
+def recomputed_wrong() -> RuntimeError:
+    """The refusal of NOTE [ Recomputed wrong by torch ]."""
+    return RuntimeError(
+        "nn.RReLU (F.rrelu) in training mode runs in a checkpoint: torch's checkpoint "
+        "recomputes its random slopes into a noise tensor that its backward then reads "
+        "otherwise, which gives wrong gradients (torch.utils.checkpoint alone too). Put it in "
+        "eval mode there, use another activation (LeakyReLU), or keep it out of the "
+        "checkpointed part")
+
+
 def _draws(func: Any, args: tuple) -> bool:
     """Whether a seeded operator draws here: attention kernels take a ``dropout_p`` and draw
     nothing when it is 0 (the other seeded operators draw whatever their probabilities)."""
@@ -136,8 +156,10 @@ class Watch(TorchDispatchMode):
         draws: bool,
         exempt: dict[int, tuple[nn.Module, str] | None],
         reads: frozenset[int] = frozenset(),
+        torch_recomputes: bool = False,
     ) -> None:
         super().__init__()
+        self.torch_recomputes = torch_recomputes  # NOTE [ Recomputed wrong by torch ]
         self.watched = watched
         self.draws = draws
         # Training BatchNorm's statistics, by storage: never copied; the names of the running
@@ -169,6 +191,9 @@ class Watch(TorchDispatchMode):
         kwargs = kwargs or {}
         if _COPYING:  # a nested watch's own copy: no operator of the run
             return func(*args, **kwargs)
+        if self.torch_recomputes and func in _RECOMPUTED_WRONG and (
+                args[4] if len(args) > 4 else kwargs.get("training", False)):
+            raise recomputed_wrong()  # NOTE [ Recomputed wrong by torch ]
         seeded, written, reads_exempt, overwritten = _facts(func)
         if seeded and self.draws and _draws(func, args):
             self._note_draw(args, kwargs)
