@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -113,6 +114,9 @@ class _Run:
         self.names, self.modules, self.inner = names, modules, inner
         self.state = _RunState()
 
+    # Under torch.compile a run's members run eagerly, the rest of the model compiled: dynamo
+    # cannot trace a checkpoint that opens in one module's call and closes in another's.
+    @torch.compiler.disable
     def call(self, index: int, forward: Any, args: tuple, kwargs: dict) -> Any:
         state = self.state
         leaves, spec = tree_flatten((args, kwargs))
