@@ -353,6 +353,36 @@ def test_where_a_layer_peaks_the_least_budget_is_under_075x_of_hf_checkpointing(
 
 
 @pytest.mark.slow  # compiles the model (about 20 s)
+def test_a_compiled_plan_of_layers_compiles_once_and_traces_its_checkpoints():
+    """Under torch.compile each checkpointed layer of Llama (whose attention writes a
+    module-level variable of the ``kernels`` package) is traced into the graph, and the plan's
+    forwards are the same objects at every step: nothing is compiled after the first step, no
+    region falls back to eager, and the gradients are the eager model's to compile's float64
+    error, dropout on, its masks drawn as eager draws them (inductor's ``fallback_random``;
+    NOTE [ Plans of modules compiled ])."""
+    from torch._dynamo.utils import counters
+
+    model = build("llama", use_cache=False, attention_dropout=0.1).double()
+    reference = copy.deepcopy(model)
+    planned = revnets.planning.CheckpointedModules(model, ["model.layers.0", "model.layers.1"])
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(planned)
+    inputs = batch()
+    graphs = []
+    with torch._inductor.config.patch(fallback_random=True):
+        for seed in (1, 2, 3):
+            for m in (compiled, reference):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(seed)
+                m(**inputs).loss.backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+            assert max_grad_error(model, reference) < 1e-6
+    assert graphs[0] == graphs[1] == graphs[2]
+    assert not [reason for reason in counters["graph_break"] if "side effect" in reason]
+
+
+@pytest.mark.slow  # compiles the model (about 20 s)
 def test_a_plan_with_a_run_of_layers_trains_under_torch_compile():
     """A run's checkpoint opens in one layer's call and closes in another's, which dynamo
     cannot trace: its layers run eagerly, the rest compiled, and the step (dropout on) gets

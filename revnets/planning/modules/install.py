@@ -17,7 +17,7 @@ from revnets.checkpoint import checkpoint_forward, open_checkpoint
 from revnets.plan import Checkpoint
 from revnets.planning.modules.profile import hidden_of, objects_of
 
-__all__ = ["Part", "checkpointed", "is_inside", "names_of"]
+__all__ = ["CheckpointedForwards", "Part", "is_inside", "names_of"]
 
 Part = str | tuple[str, ...]  # a module's name, or the names of a run of modules
 
@@ -36,6 +36,15 @@ Part = str | tuple[str, ...]  # a module's name, or the names of a run of module
 # recorded calls in order, each given its predecessor's recomputed output. What breaks the
 # run at step time (the run left before its last module, another hidden state or other
 # objects given, a module called twice) is refused by name, and the checkpoint is closed.
+
+# NOTE [ Forwards made once ]
+# A plan makes each module's checkpointed forward once and sets that same object over the
+# module's own at every step (made again only where the module's own forward has changed: one
+# set on the object, or its class's): torch.compile guards on the forward it traced (an
+# instance attribute ``forward`` is a guarded object), and a wrapper made for each step would be
+# freed after it, invalidating the compiled code, compiled again at every step. What a step
+# has under way (a run's checkpoint, the modules running) is kept per thread, not on the
+# wrappers, so that a plan is copied and pickled with them.
 
 # NOTE [ Nested checkpoints ]
 # A part of a plan may hold other parts (a decoder layer, and its attention and MLP): where a
@@ -96,8 +105,8 @@ class _RunMember(_CheckpointedForward):
         return self.run.call(self.index, self.forward, args, kwargs)
 
 
-class _RunState(threading.local):
-    """A run's checkpoint under way in this thread (NOTE [ Runs of modules ])."""
+class _RunState:
+    """A run's checkpoint under way in one thread (NOTE [ Runs of modules ])."""
 
     def __init__(self) -> None:
         self.checkpoint: Iterator[None] | None = None
@@ -112,7 +121,12 @@ class _Run:
     def __init__(self, names: tuple[str, ...], modules: list[nn.Module],
                  inner: Any = contextlib.nullcontext) -> None:
         self.names, self.modules, self.inner = names, modules, inner
-        self.state = _RunState()
+
+    @property
+    def state(self) -> _RunState:
+        """This run's state in this thread (kept per thread, not on the run: a plan is copied
+        and pickled with its runs)."""
+        return _RUNNING.runs.setdefault(id(self), _RunState())
 
     # Under torch.compile a run's members run eagerly, the rest of the model compiled: dynamo
     # cannot trace a checkpoint that opens in one module's call and closes in another's.
@@ -169,17 +183,19 @@ class _Run:
                 "order). Plan the model again with the step it runs")
 
     def left_open(self) -> bool:
-        return self.state.checkpoint is not None
+        state = _RUNNING.runs.get(id(self))
+        return state is not None and state.checkpoint is not None
 
     def abandon(self) -> None:
-        if self.state.checkpoint is not None:
-            self.state.checkpoint.close()
-        self.state.checkpoint, self.state.last, self.state.calls = None, None, []
+        state = _RUNNING.runs.pop(id(self), None)
+        if state is not None and state.checkpoint is not None:
+            state.checkpoint.close()
 
 
 class _Running(threading.local):
     def __init__(self) -> None:
         self.modules: dict[int, int] = {}  # id: steps under way in this thread
+        self.runs: dict[int, _RunState] = {}  # id of a run: its checkpoint under way
 
 
 _RUNNING = _Running()
@@ -192,71 +208,91 @@ def _running() -> dict[int, int]:
     return _RUNNING.modules
 
 
-@contextlib.contextmanager
-def checkpointed(model: nn.Module, decisions: Mapping[Part, Checkpoint]) -> Iterator[None]:
-    """The forward of each module of ``decisions`` run as its checkpoint in this thread, a run's
-    modules' as one (NOTE [ Runs of modules ]), the module left in place (NOTE [ Plans of whole
-    modules ]); put back as it was after the last step using it, unless the step set a forward
-    of its own."""
-    chosen: dict[int, tuple[nn.Module, Any]] = {}
-    runs = []
-    for part, decision in decisions.items():
-        inside = {other: d for other, d in decisions.items() if is_inside(other, part)}
-        inner = functools.partial(checkpointed, model, inside) if inside \
-            else contextlib.nullcontext
-        if isinstance(part, str):
-            module = model.get_submodule(part)
-            chosen[id(module)] = (module, functools.partial(_CheckpointedForward, module,
-                                                            decision=decision, inner=inner))
-            continue
-        members = [model.get_submodule(name) for name in part]
-        runs.append(run := _Run(part, members, inner))
-        for index, module in enumerate(members):
-            chosen[id(module)] = (module, functools.partial(_RunMember, module, run=run,
-                                                            index=index))
-    modules = [module for module, _ in chosen.values()]
-    running = _running()
-    with _LOCK:
-        for module, make in chosen.values():
-            key = id(module)
-            if key in _INSTALLED:
-                found, own, wrapper, users = _INSTALLED[key]
-                _INSTALLED[key] = (found, own, wrapper, users + 1)
+class CheckpointedForwards:
+    """The checkpointed forwards of a plan's parts, each module's made once (NOTE [ Forwards
+    made once ]) and set over its own for each step in the thread running it (``installed``),
+    a run's modules' as one (NOTE [ Runs of modules ]), the module left in place (NOTE [ Plans
+    of whole modules ] in plan.py)."""
+
+    def __init__(self, model: nn.Module, decisions: Mapping[Part, Checkpoint]) -> None:
+        # Each module, its wrapper's maker, and the forward it wrapped and the wrapper last made
+        # (lists, not keyed by id: a copied plan holds the copies' modules).
+        self.makers: list[tuple[nn.Module, Any]] = []
+        self.runs: list[_Run] = []
+        self.made: list[tuple[Any, Any] | None] = []
+        for part, decision in decisions.items():
+            inside = {other: d for other, d in decisions.items() if is_inside(other, part)}
+            inner = CheckpointedForwards(model, inside).installed if inside \
+                else contextlib.nullcontext
+            if isinstance(part, str):
+                module = model.get_submodule(part)
+                self.makers.append((module, functools.partial(
+                    _CheckpointedForward, module, decision=decision, inner=inner)))
                 continue
-            own = module.__dict__.get("forward", _NONE)  # a forward set on the object already
-            wrapper = make(module.forward)
-            module.__dict__["forward"] = wrapper
-            _INSTALLED[key] = (module, own, wrapper, 1)
-    for module in modules:
-        running[id(module)] = running.get(id(module), 0) + 1
-    try:
-        yield
-        left = [run for run in runs if run.left_open()]
-        for run in left:
-            run.abandon()
-        if left:
-            raise RuntimeError(
-                f"auto_checkpoint: the plan checkpoints {left[0].names[0]} .. "
-                f"{left[0].names[-1]} as one run, and the model's forward returned before "
-                f"calling {left[0].names[-1]} (an early exit, a layer skipped). Plan the model "
-                f"again with the step it runs")
-    finally:
-        for run in runs:
-            run.abandon()
-        for module in modules:
-            running[id(module)] -= 1
-            if not running[id(module)]:
-                del running[id(module)]
+            members = [model.get_submodule(name) for name in part]
+            self.runs.append(run := _Run(part, members, inner))
+            for index, module in enumerate(members):
+                self.makers.append((module, functools.partial(
+                    _RunMember, module, run=run, index=index)))
+        self.made = [None] * len(self.makers)
+
+    def _wrapper(self, index: int, own: Any) -> Any:
+        """The wrapper over the forward module ``index`` has now: the one made before, where
+        that forward is the same (set on the object, ``own``, or its class's)."""
+        module, make = self.makers[index]
+        found = type(module).forward if own is _NONE else own
+        made = self.made[index]
+        if made is None or made[0] is not found:
+            self.made[index] = made = (found, make(module.forward))
+        return made[1]
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Each module's checkpointed forward in this thread, for one step; put back as it was
+        after the last step using it, unless the step set a forward of its own."""
+        modules = [module for module, _ in self.makers]
+        running = _running()
         with _LOCK:
+            for index, module in enumerate(modules):
+                key = id(module)
+                if key in _INSTALLED:
+                    found, own, wrapper, users = _INSTALLED[key]
+                    _INSTALLED[key] = (found, own, wrapper, users + 1)
+                    continue
+                own = module.__dict__.get("forward", _NONE)  # a forward set on the object already
+                wrapper = self._wrapper(index, own)
+                module.__dict__["forward"] = wrapper
+                _INSTALLED[key] = (module, own, wrapper, 1)
+        for module in modules:
+            running[id(module)] = running.get(id(module), 0) + 1
+        try:
+            yield
+            left = [run for run in self.runs if run.left_open()]
+            for run in left:
+                run.abandon()
+            if left:
+                raise RuntimeError(
+                    f"auto_checkpoint: the plan checkpoints {left[0].names[0]} .. "
+                    f"{left[0].names[-1]} as one run, and the model's forward returned before "
+                    f"calling {left[0].names[-1]} (an early exit, a layer skipped). Plan the "
+                    f"model again with the step it runs")
+        finally:
+            for run in self.runs:
+                run.abandon()
             for module in modules:
-                found, own, wrapper, users = _INSTALLED.pop(id(module))
-                if users > 1:
-                    _INSTALLED[id(module)] = (found, own, wrapper, users - 1)
-                elif module.__dict__.get("forward") is wrapper:
-                    if own is _NONE:
-                        del module.__dict__["forward"]
-                    else:
-                        module.__dict__["forward"] = own
+                running[id(module)] -= 1
+                if not running[id(module)]:
+                    del running[id(module)]
+            with _LOCK:
+                for module in modules:
+                    found, own, wrapper, users = _INSTALLED.pop(id(module))
+                    if users > 1:
+                        _INSTALLED[id(module)] = (found, own, wrapper, users - 1)
+                    elif module.__dict__.get("forward") is wrapper:
+                        if own is _NONE:
+                            del module.__dict__["forward"]
+                        else:
+                            module.__dict__["forward"] = own
 
 
 def _recompute(inner: Any, calls: list[tuple[Any, list, Any, int | None]],

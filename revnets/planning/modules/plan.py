@@ -17,7 +17,7 @@ from revnets.memory import Predictor
 from revnets.plan import Checkpoint, MemoryPlan, PartPlan, Reconstruct, Store
 from revnets.planning.budget import LossFn, training_step
 from revnets.planning.model_view import ModelView
-from revnets.planning.modules.install import Part, checkpointed, is_inside, names_of
+from revnets.planning.modules.install import CheckpointedForwards, Part, is_inside, names_of
 from revnets.planning.modules.profile import ModuleProfile, ModuleProfiler
 from revnets.planning.search.budget import fits, no_fit
 from revnets.reversible import ReversibleSequence
@@ -61,6 +61,20 @@ __all__ = ["CheckpointedModules", "plan_modules"]
 # planning/search/options.py). The
 # ``FLOORS`` plans of least modelled peak are predicted last, from the cheapest; where none
 # fits, a refusal names the least of their exact peaks, which they meet again when asked for.
+
+# NOTE [ Plans of modules compiled ]
+# Under torch.compile the model's own code is compiled around the plan and a checkpointed
+# module's forward is traced into the graph (NOTE [ Compiled checkpoints ] in checkpoint.py),
+# its wrapper the same object at every step (NOTE [ Forwards made once ] in install.py), so
+# nothing is compiled again after the first step. Code in a checkpointed forward that writes
+# Python state outside it (transformers' Llama attention sets and resets a module-level
+# variable of the ``kernels`` package around its rotary embedding) would make dynamo refuse to
+# trace the region by default, and run it eagerly: the step's forward traces with dynamo's
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint``, so such writes happen once, in the
+# forward: compiled code recomputes from its graph, not by rerunning Python, and module state,
+# buffers included, is updated once by construction there.
+# A run of modules runs eagerly: its checkpoint opens in one module's call and closes in
+# another's, which dynamo cannot trace.
 MAX_PREDICTIONS = 4  # exact predictions of plans within the budget as modelled, cheapest first
 FLOORS = 3  # then those of least modelled peak
 NESTED_FLOORS = 1  # below every floor, the least of them with checkpoints nested inside
@@ -110,6 +124,7 @@ class CheckpointedModules(ModelView):
                     f"it, are checkpointed whole: Checkpoint() (NOTE [ Nested checkpoints ] in "
                     f"planning/modules/install.py)")
         self._decisions = dict(sorted(decisions.items(), key=lambda item: names_of(item[0])))
+        self._forwards = CheckpointedForwards(model, self._decisions)  # NOTE [ Forwards made once ]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -131,7 +146,14 @@ class CheckpointedModules(ModelView):
         model = self._model[0]
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
-        with checkpointed(model, self._decisions):
+        return self._step(model, args, kwargs)
+
+    # Not traced by dynamo (it cannot enter the lock the forwards are installed under), the
+    # model's own frames are: NOTE [ Plans of modules compiled ].
+    @torch.compiler.disable(recursive=False, reason="installs the plan's forwards")
+    def _step(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        with self._forwards.installed(), torch._dynamo.config.patch(
+                skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             return model(*args, **kwargs)
 
 
