@@ -308,6 +308,25 @@ def test_runs_of_layers_go_below_hf_checkpointing_of_every_layer(name):
 
 
 
+def test_a_plan_for_a_compiled_model_has_no_runs():
+    """Under torch.compile a run of layers runs eagerly (NOTE [ Plans of modules compiled ]):
+    planned with ``compiled=True``, the least budget is reached by parts dynamo traces, each
+    one module, and the plan fits it, measured == predicted; above the least budget of the
+    eager planner, which runs reach."""
+    g = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": torch.randint(1, 4096, (2, 128), generator=g),
+              "labels": torch.randint(1, 4096, (2, 128), generator=g)}
+    model = deep("llama")
+    eager_least = least_budget(model, inputs, measure_time=False)
+    least = least_budget(model, inputs, measure_time=False, compiled=True)
+    planned = revnets.auto_checkpoint(model, inputs, least, loss_fn=lambda out: out.loss,
+                                      measure_time=False, compiled=True)
+    assert all(isinstance(part, str) for part in planned.decisions)
+    measured = revnets.measure_memory(step, planned, inputs).peak_bytes
+    assert measured == planned.memory_plan.peak_bytes <= least
+    assert eager_least < least
+
+
 def narrow_gpt2(layers: int, **options) -> torch.nn.Module:
     """GPT-2 with width 64 and a vocabulary of 128, its cache off: a step that peaks in one
     layer's recomputation and backward, not at the logits."""

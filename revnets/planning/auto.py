@@ -83,7 +83,9 @@ def auto_checkpoint(
     cannot be traced: a zoo model gets the cheapest preset that fits; any other, with a warning
     naming why, comes back as a :class:`CheckpointedModules` whose training steps run its own
     forward with whole modules it calls checkpointed (NOTE [ Plans of whole modules ] in
-    ``planning/modules/plan.py``; ``measure_time`` and ``compiled`` are not used there).
+    ``planning/modules/plan.py``; ``measure_time`` is not used there, and ``compiled`` leaves
+    out runs of modules checkpointed as one, which run eagerly under compile: NOTE [ Plans of
+    modules compiled ]).
     Raises :class:`PlanningError` stating the smallest reachable budget when no plan fits.
     Python's cycle collector is paused while it plans, and resumed as it was.
     """
@@ -122,7 +124,7 @@ def _auto_checkpoint(
     if isinstance(example_input, Mapping):  # NOTE [ Example inputs ] in budget.py
         return plan_modules(model, example_input, budget, loss_fn, optimizer, TypeError(
             f"auto_checkpoint: {type(model).__name__} is called with keyword arguments"),
-            predictor)
+            predictor, compiled)
     try:
         chain = planning_chain(model)
     except Untraceable as untraceable:
@@ -131,7 +133,7 @@ def _auto_checkpoint(
                       f"for a finer one, make its forward traceable or an nn.Sequential of its "
                       f"stages", stacklevel=3)
         return plan_modules(model, example_input, budget, loss_fn, optimizer, untraceable,
-                            predictor)
+                            predictor, compiled)
     if chain is None:
         return choose_preset(model, example_input, budget, loss_fn, optimizer, predictor)
     planner = ChainPlanner(model, chain, example_input, loss_fn, optimizer, measure_time, compiled,

@@ -277,11 +277,13 @@ def plan_modules(
     optimizer: torch.optim.Optimizer | None,
     untraceable: Exception,
     predictor: Predictor,
+    compiled: bool = False,
 ) -> nn.Module:
     """``model`` set up to train within ``budget`` with whole modules checkpointed (NOTE
     [ Plans of whole modules ]), or ``model`` itself where it fits as it is. ``untraceable``:
     why it has no chain, for an error where its step cannot be predicted either; ``predictor``
-    predicts every step."""
+    predicts every step. ``compiled``: the model will train under torch.compile, where a run
+    of modules runs eagerly (NOTE [ Plans of modules compiled ]): no plan has runs."""
     profiler = ModuleProfiler()
     try:
         unplanned = predictor.predict(
@@ -300,7 +302,8 @@ def plan_modules(
     predictor.predict(profiler, (model, example_input, loss_fn, optimizer), {})
     profiles = {p.name: p for p in profiler.profiles()}
     around = _around(model)
-    candidates = _candidates(list(profiles.values()), profiler.runs(), unplanned, around)
+    runs = [] if compiled else profiler.runs()
+    candidates = _candidates(list(profiles.values()), runs, unplanned, around)
     if not candidates:
         raise no_fit(budget, unplanned, f"{type(model).__name__} as it is: no module it calls "
                                         f"saves memory checkpointed")
@@ -334,7 +337,7 @@ def plan_modules(
     # Below every floor: the lowest floors with checkpoints inside their parts.
     whole = [c for c in floors if not any(d.selective for _, d in c.decisions)]
     lowest = sorted(whole, key=lambda c: (peaks[c], c.cost, c.order))[:NESTED_FLOORS]
-    nested = [n for c in lowest for n in _nested(c, profiles, profiler.runs(), around)]
+    nested = [n for c in lowest for n in _nested(c, profiles, runs, around)]
     if planned := first_fitting(by_cost(nested)):
         return planned
     floors += nested
