@@ -22,10 +22,11 @@ less time (``beaten_by``): a revnets point with none is at or below compile's cu
 
 The Hugging Face models (transformers' Llama and GPT-2 from their configs, random weights) are
 planned as checkpoints of modules (torch.fx cannot trace them): layers and their sublayers,
-whole or selective, runs of layers, checkpoints nested inside others; ``compiled=True`` does not
-apply there, so they have no "revnets + compile" points, beside transformers' own gradient
-checkpointing, of every layer and of every second one, and revnets' plan at the peak that
-transformers' checkpointing of every layer measures (``revnets at hf's peak``).
+whole or selective, runs of layers, checkpoints nested inside others; planned with
+``compiled=True`` (no runs of layers, which run eagerly under compile) for their "revnets +
+compile" points; beside transformers' own gradient checkpointing, of every layer and of every
+second one, and revnets' plan at the peak that transformers' checkpointing of every layer
+measures (``revnets at hf's peak``).
 """
 
 from __future__ import annotations
@@ -263,15 +264,18 @@ def frontier(
         budgets["at hf's peak"] = revnets.measure_memory(
             step_of(hf_every[1], x, y)).peak_bytes
         hf_every[1].zero_grad(set_to_none=True)
-    traceable = not hasattr(model, "gradient_checkpointing_enable")  # Hugging Face's are not
     for label, budget in budgets.items():
-        for under_compile in (False, True) if traceable else (False,):
+        for under_compile in (False, True):
             # A plan for a compiled model (``compiled=True``: its checkpoints' cheap steps are
             # recomputed inside fused kernels, so it keeps products and recomputes the rest),
             # compiled as users compile models.
-            planned = revnets.auto_checkpoint(model, x, budget, compiled=under_compile,
-                                              measure_time=times,
-                                              loss_fn=lambda out: loss_of(out, y))
+            try:
+                planned = revnets.auto_checkpoint(model, x, budget, compiled=under_compile,
+                                                  measure_time=times,
+                                                  loss_fn=lambda out: loss_of(out, y))
+            except PlanningError:  # below what a plan for a compiled model reaches (no runs)
+                assert under_compile
+                continue
             steps[f"revnets + compile {label}" if under_compile else f"revnets {label}"] = (
                 compiled(planned, 1.0, x, y) if under_compile else step_of(planned, x, y))
     for selective in (False, True):
@@ -375,6 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     keeps = args.keeps or (KEEPS[::2] if args.quick else KEEPS)
     fractions = args.fractions or (FRACTIONS[::2] if args.quick else FRACTIONS)
     device = torch.device(args.device)
+    # Every plan and copy of a model compiled in one process: its modules' frames are compiled
+    # once for each (guards on the module objects); past dynamo's default of 8 they would run
+    # eagerly, unnoticed.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     rows = []
     argv = sys.argv[1:] if argv is None else argv
     only = set(args.only.split(",")) if args.only else None
