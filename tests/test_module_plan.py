@@ -555,6 +555,105 @@ def test_another_thread_sharing_a_module_runs_its_own_forward():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def test_a_forward_set_as_a_callable_object_runs_as_set():
+    """A forward the user set on a module, an object keeping the forward it wraps as its own
+    ``forward``, is what the checkpoint runs (its attributes are not the plan's wrapper's)."""
+
+    class Scaled:
+        def __init__(self, forward, scale):
+            self.forward, self.scale = forward, scale
+
+        def __call__(self, x):
+            return self.forward(x) * self.scale
+
+    torch.manual_seed(0)
+    model, reference = (nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+                        for _ in range(2))
+    reference.load_state_dict(model.state_dict())
+    for m in (model, reference):
+        m[0].forward = Scaled(m[0].forward, 10.0)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    planned, unplanned = CheckpointedModules(model, ["0"])(x), reference(x)
+    assert torch.equal(planned, unplanned)
+    planned.sum().backward()
+    unplanned.sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                          reference.parameters()))
+
+
+def threads_running(*steps) -> None:
+    errors = []
+
+    def run(step):
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001  reported below, not lost in the thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(step,)) for step in steps]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+
+
+def test_two_threads_training_one_plan_leave_the_modules_as_they_were():
+    """Two threads stepping one plan at once: each recomputation's replay leaves the plan's
+    forwards alone (they are the plan's to set and remove, not module state), so none stays on
+    a module after the steps, and a later change of the class's forward is seen."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 1))
+    planned = CheckpointedModules(model, ["0", "2"])
+    x = torch.randn(16, 8)
+
+    def steps():
+        for _ in range(30):
+            planned(x).sum().backward()
+
+    threads_running(steps, steps)
+    assert not [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
+def test_two_plans_sharing_modules_step_at_once_each_with_its_own_decisions():
+    """A plan running three modules as one run and another checkpointing the last of them
+    alone, stepping at once in two threads: each thread runs its own plan's checkpoints (the
+    second's is no member of the first's run), and both leave the model as it was."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 1)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    run = CheckpointedModules(model, {("0", "1", "2"): revnets.Checkpoint()})
+    alone = CheckpointedModules(model, {"2": revnets.Checkpoint(selective=True)})
+    inside, done = threading.Event(), threading.Event()
+
+    def hold(module, args):  # the run's step stays under way while the other one steps
+        if threading.current_thread().name == "run":
+            inside.set()
+            assert done.wait(timeout=120)
+
+    model[4].register_forward_pre_hook(hold)
+    outputs = {}
+
+    def step_of(name, planned):
+        def step():
+            threading.current_thread().name = name
+            if name == "alone":
+                assert inside.wait(timeout=120)
+            try:
+                out = planned(x)
+                outputs[name] = out.detach()
+                out.sum().backward()
+            finally:
+                done.set()
+        return step
+
+    threads_running(step_of("run", run), step_of("alone", alone))
+    with torch.no_grad():
+        assert torch.equal(outputs["run"], model(x)) and torch.equal(outputs["alone"], model(x))
+    assert not [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
 class _Products(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the matrix products a step runs, forward and backward."""
 

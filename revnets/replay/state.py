@@ -16,7 +16,7 @@ from revnets.facts import device_of, storage_key, version_of
 from revnets.replay.containers import ContainerCopy
 from revnets.replay.held import AttributesCopy, path_to, reached, state_copies
 from revnets.replay.stateless import has_state
-from revnets.replay.structure import structure_of
+from revnets.replay.structure import InstalledForward, structure_of
 
 __all__ = ["forked_rng", "state_tensors"]
 
@@ -340,6 +340,8 @@ class Census:
                     value.requires_grad, reached,
                 ))
                 continue
+            if isinstance(value, InstalledForward):
+                continue
             candidates.append(key)
             if type(value) in (bool, int, float):
                 self.scalars.append((d, key, value))
@@ -369,7 +371,7 @@ class Census:
                 ))
             elif type(value) in (bool, int, float):
                 self.scalars.append((d, key, value))
-            elif not isinstance(value, nn.Module):
+            elif not isinstance(value, (nn.Module, InstalledForward)):
                 walk.scan(value, m, modules=False)
 
     def new_tensor_attributes(self) -> list[Slot]:

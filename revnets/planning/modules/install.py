@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from revnets.checkpoint import checkpoint_forward, open_checkpoint
 from revnets.plan import Checkpoint
 from revnets.planning.modules.profile import hidden_of, objects_of
+from revnets.replay.structure import InstalledForward
 
 __all__ = ["CheckpointedForwards", "Part", "is_inside", "names_of"]
 
@@ -44,7 +46,12 @@ Part = str | tuple[str, ...]  # a module's name, or the names of a run of module
 # instance attribute ``forward`` is a guarded object), and a wrapper made for each step would be
 # freed after it, invalidating the compiled code, compiled again at every step. What a step
 # has under way (a run's checkpoint, the modules running) is kept per thread, not on the
-# wrappers, so that a plan is copied and pickled with them.
+# wrappers, so that a plan is copied and pickled with them. One wrapper is set on a module at
+# a time, the first step's using it; called, it runs as the innermost step under way in the
+# calling thread checkpoints the module (two plans sharing a module step at once, each with
+# its own decisions), and as the module's own forward in a thread running none. A replay
+# leaves the wrappers alone (replay.structure.InstalledForward): one put back by a
+# recomputation in another thread would stay on the module after its last step.
 
 # NOTE [ Nested checkpoints ]
 # A part of a plan may hold other parts (a decoder layer, and its attention and MLP): where a
@@ -60,21 +67,29 @@ Part = str | tuple[str, ...]  # a module's name, or the names of a run of module
 # another would keep its products from the step's forward, in every layer, to its backward).
 
 
-class _CheckpointedForward:
+class _CheckpointedForward(InstalledForward):
     """A module's forward run as a checkpoint, set over its class's for the steps under way:
-    in a thread running none of them (another model sharing the module), the forward as it
-    was. It reads as that forward (``inspect.signature``, ``__wrapped__``, ``__self__``)."""
+    called, it runs as the innermost step under way in this thread checkpoints the module (a
+    plan's, another's sharing the module, a part's inside another's), and in a thread running
+    none of them, as the forward it was. It reads as that forward (``inspect.signature``,
+    ``__wrapped__``, ``__self__``), and takes none of its attributes (a callable object's
+    ``forward`` is not this one's)."""
 
     def __init__(self, module: nn.Module, forward: Any, decision: Checkpoint,
                  inner: Any = contextlib.nullcontext) -> None:
+        functools.update_wrapper(self, forward, updated=())
         self.module, self.forward, self.decision, self.inner = module, forward, decision, inner
-        functools.update_wrapper(self, forward)
         self.__self__ = module
         self.__func__ = getattr(forward, "__func__", forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if id(self.module) not in _running():
+        active = _running().get(id(self.module))
+        if not active:
             return self.forward(*args, **kwargs)
+        return active[-1].checkpointed(*args, **kwargs)
+
+    def checkpointed(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward as this wrapper's plan checkpoints it."""
         # Every tensor handed over positionally: torch checks those for writes in place
         # before it recomputes (a keyword's or a list's, it would read as written).
         leaves, spec = tree_flatten((args, kwargs))
@@ -99,9 +114,7 @@ class _RunMember(_CheckpointedForward):
         super().__init__(module, forward, Checkpoint())
         self.run, self.index = run, index
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if id(self.module) not in _running():
-            return self.forward(*args, **kwargs)
+    def checkpointed(self, *args: Any, **kwargs: Any) -> Any:
         return self.run.call(self.index, self.forward, args, kwargs)
 
 
@@ -194,17 +207,19 @@ class _Run:
 
 class _Running(threading.local):
     def __init__(self) -> None:
-        self.modules: dict[int, int] = {}  # id: steps under way in this thread
+        # id of a module: the wrappers of the steps under way in this thread, innermost last
+        self.modules: dict[int, list[_CheckpointedForward]] = {}
         self.runs: dict[int, _RunState] = {}  # id of a run: its checkpoint under way
 
 
 _RUNNING = _Running()
+# id of a module: the module, its own forward, the wrapper set on it, the steps using it
 _INSTALLED: dict[int, tuple[nn.Module, Any, Any, int]] = {}
 _LOCK = threading.Lock()
 _NONE = object()
 
 
-def _running() -> dict[int, int]:
+def _running() -> dict[int, list[_CheckpointedForward]]:
     return _RUNNING.modules
 
 
@@ -217,7 +232,7 @@ class CheckpointedForwards:
     def __init__(self, model: nn.Module, decisions: Mapping[Part, Checkpoint]) -> None:
         # Each module, its wrapper's maker, and the forward it wrapped and the wrapper last made
         # (lists, not keyed by id: a copied plan holds the copies' modules).
-        self.makers: list[tuple[nn.Module, Any]] = []
+        self.makers: list[tuple[str, nn.Module, Any]] = []
         self.runs: list[_Run] = []
         self.made: list[tuple[Any, Any] | None] = []
         for part, decision in decisions.items():
@@ -226,45 +241,48 @@ class CheckpointedForwards:
                 else contextlib.nullcontext
             if isinstance(part, str):
                 module = model.get_submodule(part)
-                self.makers.append((module, functools.partial(
+                self.makers.append((part, module, functools.partial(
                     _CheckpointedForward, module, decision=decision, inner=inner)))
                 continue
             members = [model.get_submodule(name) for name in part]
             self.runs.append(run := _Run(part, members, inner))
-            for index, module in enumerate(members):
-                self.makers.append((module, functools.partial(
+            for index, (name, module) in enumerate(zip(part, members)):
+                self.makers.append((name, module, functools.partial(
                     _RunMember, module, run=run, index=index)))
         self.made = [None] * len(self.makers)
 
-    def _wrapper(self, index: int, own: Any) -> Any:
-        """The wrapper over the forward module ``index`` has now: the one made before, where
-        that forward is the same (set on the object, ``own``, or its class's)."""
-        module, make = self.makers[index]
+    def _wrapper(self, index: int, own: Any) -> _CheckpointedForward:
+        """The wrapper over module ``index``'s own forward (set on the object, ``own``, or its
+        class's): the one made before, where that forward is the same."""
+        _, module, make = self.makers[index]
         found = type(module).forward if own is _NONE else own
         made = self.made[index]
         if made is None or made[0] is not found:
-            self.made[index] = made = (found, make(module.forward))
+            forward = types.MethodType(found, module) if own is _NONE else own
+            self.made[index] = made = (found, make(forward))
         return made[1]
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Each module's checkpointed forward in this thread, for one step; put back as it was
         after the last step using it, unless the step set a forward of its own."""
-        modules = [module for module, _ in self.makers]
+        modules = [module for _, module, _ in self.makers]
         running = _running()
+        mine = []
         with _LOCK:
             for index, module in enumerate(modules):
                 key = id(module)
-                if key in _INSTALLED:
+                if key in _INSTALLED:  # another step's, of this plan or another, or inside one
                     found, own, wrapper, users = _INSTALLED[key]
                     _INSTALLED[key] = (found, own, wrapper, users + 1)
+                    mine.append(self._wrapper(index, own))
                     continue
                 own = module.__dict__.get("forward", _NONE)  # a forward set on the object already
-                wrapper = self._wrapper(index, own)
+                mine.append(wrapper := self._wrapper(index, own))
                 module.__dict__["forward"] = wrapper
                 _INSTALLED[key] = (module, own, wrapper, 1)
-        for module in modules:
-            running[id(module)] = running.get(id(module), 0) + 1
+        for module, wrapper in zip(modules, mine):
+            running.setdefault(id(module), []).append(wrapper)
         try:
             yield
             left = [run for run in self.runs if run.left_open()]
@@ -280,7 +298,7 @@ class CheckpointedForwards:
             for run in self.runs:
                 run.abandon()
             for module in modules:
-                running[id(module)] -= 1
+                running[id(module)].pop()
                 if not running[id(module)]:
                     del running[id(module)]
             with _LOCK:
