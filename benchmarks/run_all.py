@@ -11,6 +11,7 @@ import exact_accuracy
 import exact_error_vs_depth
 import exact_step_time
 import frontier
+import hf_capture
 import hf_checkpointing
 import memory_timeline
 import memory_vs_depth
@@ -30,7 +31,7 @@ if __name__ == "__main__":
     for script in (reversible_stack, peers, peers_overhead, exact_step_time, compile_speed,
                    zoo_memory, vit_memory, memory_timeline, memory_vs_depth, accuracy,
                    planning_torchvision, planning_lstm, plan_example, planner_zoo, budget_sweep,
-                   exact_error_vs_depth, exact_accuracy, frontier, hf_checkpointing):
+                   exact_error_vs_depth, exact_accuracy, frontier, hf_checkpointing, hf_capture):
         print(f"== {script.__name__}", flush=True)
         script.main([])
     # The tables these scripts write under other arguments.

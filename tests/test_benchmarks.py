@@ -148,6 +148,17 @@ def test_conversion_quick_run_fine_tunes_every_method_and_measures_depth():
     assert "'depth': 8" in out and "'predicted_equal': False" not in out
 
 
+@pytest.mark.slow  # plans two small transformers models two ways (about 20 s)
+def test_hf_capture_quick_run_plans_modules_and_the_exported_graph(tmp_path):
+    pytest.importorskip("transformers")
+    out = run_quick("hf_capture.py", "--results", str(tmp_path))
+    for model in ("'llama'", "'gpt2'"):
+        assert f"'model': {model}, 'route': 'modules'" in out
+        assert f"'model': {model}, 'route': 'export graph'" in out
+    assert "'predicted_equal': False" not in out
+    assert list(tmp_path.glob("hf_capture-*-quick.md"))
+
+
 @pytest.mark.slow  # plans and times two small transformers models (about 15 s)
 def test_hf_checkpointing_quick_run_plans_at_transformers_peak(tmp_path):
     pytest.importorskip("transformers")
