@@ -56,7 +56,8 @@ def config(*overrides: str):
 def model_of(cfg, device="meta"):
     """The model a run's settings make (the trainer resolves its config once, so do we)."""
     settings = cfg if isinstance(cfg, Settings) else Settings.of(cfg)
-    return create_model(settings.model, settings.data.num_classes, device, settings.memory)
+    return create_model(settings.model, settings.data.num_classes, device, settings.memory,
+                        tokens=settings.data.name == "text")
 
 
 def run_train_py(*args: str, cwd: Path, launcher=(sys.executable,)) -> subprocess.CompletedProcess:
@@ -104,6 +105,10 @@ def test_every_config_composes_and_instantiates(group):
         if group == "memory" and option != "default":
             continue  # checked below against the models that accept them
         settings = Settings.of(config(f"{group}={option}"))
+        if settings.model.name.startswith("hf:") and "LM" in settings.model.name:
+            settings = Settings.of(config(f"{group}={option}", "data=text"))  # takes tokens
+        elif settings.data.name == "text":
+            settings = Settings.of(config(f"{group}={option}", "model=hf_gpt2"))  # makes them
         model = model_of(settings)
         assert build_optimizer(settings.optim, model).param_groups
 

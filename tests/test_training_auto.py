@@ -113,3 +113,71 @@ def test_sizes_are_bytes_or_a_number_and_a_unit(text, size):
     assert parse_size(text) == size
     assert Settings.of(config("memory=auto", f"memory.budget={text}")).memory == AutoPlan(size)
 
+
+
+TEXT = ["data=text", "data.sequence_length=64", "data.train_size=32", "data.val_size=16",
+        "data.batch_size=8", "trainer.max_steps=2", "trainer.log_every=1"]
+
+
+@pytest.mark.parametrize("model", ["hf_gpt2", "hf_llama"])
+def test_a_language_model_on_text_trains_within_a_budget_below_its_unplanned_peak(
+        model, tmp_path):
+    """``model=hf_gpt2 data=text``: a causal language model of bytes, each position's target
+    the next byte, planned by auto_checkpoint under 75 % of its unplanned step's peak (the
+    model and SGD the run builds, one batch of token ids), measured within the plan."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    settings = Settings.of(config(f"model={model}", *TEXT))
+    built = create_model(settings.model, 256, tokens=True)
+    optimizer = settings.optim.make([{"params": list(built.parameters())}])
+    x = torch.zeros(8, 64, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unplanned = revnets.auto_checkpoint(
+            built, x, 2**40, lambda out: F.cross_entropy(out.logits.flatten(0, 1), x.flatten()),
+            optimizer).memory_plan.peak_bytes
+    budget = int(0.75 * unplanned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        done = train_py_in_process(f"model={model}", *TEXT, "memory=auto",
+                                   f"memory.budget={budget}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"memory plan of {settings.model.name}: auto ({budget / MiB:.1f} MiB)" in done.stdout
+    predicted = float(re.search(r"predicted peak of a training step: ([\d.]+) MiB",
+                                done.stdout)[1]) * MiB
+    assert first_step_peak(tmp_path) <= predicted + 0.01 * MiB <= budget + 0.01 * MiB
+
+
+def test_a_language_model_step_measures_what_its_baseline_predicts(tmp_path):
+    """Unplanned (``memory=none``), the run's first step holds what the baseline predicted on
+    the meta device: the logits are not kept through the backward."""
+    pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        done = train_py_in_process("model=hf_gpt2", *TEXT, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    row = re.search(r"hf:GPT2LMHeadModel \| none +\| ([\d.]+) +\| ([\d.]+) +\| 1.00x", done.stdout)
+    assert row and row[1] == row[2]
+
+
+def test_text_is_the_next_byte_of_the_documentation_topics():
+    from pydoc_data.topics import topics
+
+    from revnets.training.data import text
+
+    x, y = text(16, 4, split=0).tensors
+    held_out = text(16, None, split=1).tensors[0]
+    first = "\n".join(topics[k] for i, k in enumerate(sorted(topics)) if i % 5 != 4).encode()
+    assert bytes(x[0].tolist()) == first[:16] and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(x[1, 0], y[0, -1]) and len(x) == 4 and len(held_out) > 100
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=timm", "data=text"], "text (data of tokens) trains a Hugging Face language model"),
+    (["model=hf_gpt2"], "a language model takes tokens, e.g. data=text"),
+    (["model=hf_gpt2", "data=text", "data.num_classes=100"], "set data.num_classes=256"),
+])
+def test_a_model_and_data_that_do_not_match_are_refused_by_name(overrides, message, tmp_path):
+    pytest.importorskip("transformers")
+    done = train_py_in_process(*overrides, "trainer.max_steps=1", cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert message in done.stderr

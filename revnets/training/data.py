@@ -1,7 +1,8 @@
-"""Data sets and loaders: synthetic CIFAR-shaped data, CIFAR-10/100 and ImageNet.
+"""Data sets and loaders: synthetic CIFAR-shaped data, CIFAR-10/100, ImageNet, and text.
 
 CIFAR uses torchvision's own dataset classes on a local folder and ImageNet torchvision's
-ImageFolder; nothing is downloaded unless ``download=true`` is asked for.
+ImageFolder; nothing is downloaded unless ``download=true`` is asked for. Text is the standard
+library's documentation topics (``pydoc_data.topics``), which ship with Python, as bytes.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class Loaders:
     train: DataLoader
     val: DataLoader
     sampler: ResumableSampler
-    num_classes: int
-    image_size: int  # the side of the square images every batch holds
+    num_classes: int  # classes, or a text's tokens
+    image_size: int | None  # the side of the square images every batch holds; text: None
+    tokens: bool = False  # text: samples of token ids, each target the next token
 
 
 class ResumableSampler(Sampler[int]):
@@ -79,6 +81,24 @@ def synthetic(
     labels = torch.randint(0, num_classes, (size,), generator=generator)
     noise = torch.randn(size, 3, image_size, image_size, generator=generator)
     return TensorDataset(patterns[labels] + noise, labels)
+
+
+def text(sequence_length: int, size: int | None, split: int) -> TensorDataset:
+    """Samples of ``sequence_length`` bytes of the standard library's documentation topics,
+    each target the byte after its input's: topics in sorted order, every fifth one held out
+    for validation (``split`` 1), cut into samples one after another, the first ``size``
+    kept."""
+    from pydoc_data.topics import topics
+
+    chosen = [topics[k] for i, k in enumerate(sorted(topics)) if (i % 5 == 4) == (split == 1)]
+    data = torch.frombuffer(bytearray("\n".join(chosen).encode()), dtype=torch.uint8).long()
+    samples = (len(data) - 1) // sequence_length
+    if size is not None:
+        samples = min(samples, size)
+    used = data[:samples * sequence_length + 1]
+    x = used[:-1].view(samples, sequence_length)
+    y = used[1:].view(samples, sequence_length)
+    return TensorDataset(x, y)
 
 
 def _cifar(cfg: Any, train: bool) -> Dataset:
@@ -142,8 +162,16 @@ def build_datasets(cfg: DataSettings, seed: int) -> tuple[Dataset, Dataset]:
         return _checked_classes(_cifar(cfg, train=True), cfg), _cifar(cfg, train=False)
     if cfg.name == "imagenet":
         return _checked_classes(_imagenet(cfg, train=True), cfg), _imagenet(cfg, train=False)
+    if cfg.name == "text":
+        if cfg.num_classes != 256 or cfg.sequence_length is None:
+            raise DataMismatchError(
+                f"data=text is bytes, 256 tokens, in samples of data.sequence_length tokens: "
+                f"set data.num_classes=256 (not {cfg.num_classes}) and data.sequence_length")
+        return (text(cfg.sequence_length, cfg.train_size, split=0),
+                text(cfg.sequence_length, cfg.val_size, split=1))
     raise ValueError(
-        f"unknown data set {cfg.name!r}; valid: 'synthetic', 'cifar10', 'cifar100', 'imagenet'"
+        f"unknown data set {cfg.name!r}; valid: 'synthetic', 'cifar10', 'cifar100', 'imagenet', "
+        f"'text'"
     )
 
 
@@ -174,4 +202,4 @@ def build_loaders(cfg: DataSettings, seed: int, world_size: int = 1, rank: int =
     )
     val = DataLoader(val_set, batch_size=per_rank, shuffle=False, **common)
     size = CIFAR_SIZE if cfg.name in ("cifar10", "cifar100") else cfg.image_size
-    return Loaders(train, val, sampler, cfg.num_classes, size)
+    return Loaders(train, val, sampler, cfg.num_classes, size, tokens=cfg.name == "text")

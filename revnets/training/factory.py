@@ -1,6 +1,7 @@
 """The model a training run names, with the memory plan it asks for: a model of revnets' zoo or
-any other timm name (``timm.create_model``), or a Hugging Face image classifier built from the
-keys of its config (``name: hf:ViTForImageClassification``, random weights, never downloaded)."""
+any other timm name (``timm.create_model``), or a Hugging Face model built from the keys of its
+config (``name: hf:ViTForImageClassification``, ``hf:GPT2LMHeadModel``, random weights, never
+downloaded); and the loss its outputs train with."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import timm
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import revnets  # noqa: F401  (registers the zoo with timm)
@@ -16,23 +18,31 @@ from revnets.plan import PRESETS, MemoryPlan
 from revnets.training.memory_options import MemoryConfigError
 from revnets.training.settings import ModelSettings, SettingsError
 
-__all__ = ["HF_PREFIX", "create_model", "logits_of", "memory_plan_of"]
+__all__ = ["HF_PREFIX", "correct_of", "create_model", "logits_of", "loss_of", "memory_plan_of"]
 
 HF_PREFIX = "hf:"  # model.name=hf:<a transformers class>: built from its config's keys
 
 
 def create_model(
     model: ModelSettings, num_classes: int, device: torch.device | str = "cpu",
-    memory: MemoryPlan | None = None, image_size: int | None = None,
+    memory: MemoryPlan | None = None, image_size: int | None = None, tokens: bool = False,
 ) -> nn.Module:
     """The model ``model.name`` under ``memory`` (None: the model's own plan). For a timm name,
     ``exact`` and every other key of the model group (``+model.units=[2,2,2]``) are keywords
     of its builder; for ``hf:<class>``, keys of the class's config (its images
-    ``image_size`` x ``image_size``). Only the zoo's models follow presets other than
-    ``none``; any model is planned under a budget with ``memory=auto``."""
+    ``image_size`` x ``image_size``; with ``tokens``, a language model of ``num_classes``
+    tokens). Only the zoo's models follow presets other than ``none``; any model is planned
+    under a budget with ``memory=auto``."""
+    language = model.name.startswith(HF_PREFIX) and "LM" in model.name
+    if tokens != language:
+        raise SettingsError(
+            f"model={model.name} with "
+            + ("text (data of tokens) trains a Hugging Face language model: name one, e.g. "
+               "model=hf_gpt2 (hf:GPT2LMHeadModel) or model=hf_llama" if tokens else
+               "images: a language model takes tokens, e.g. data=text"))
     with torch.device(device):
         if model.name.startswith(HF_PREFIX):
-            built = _hugging_face(model, num_classes, image_size)
+            built = _hugging_face(model, num_classes, image_size, tokens)
         else:
             built = timm.create_model(
                 model.name, num_classes=num_classes, drop_rate=model.drop_rate,
@@ -62,11 +72,23 @@ def memory_plan_of(model: nn.Module) -> MemoryPlan:
 
 
 def logits_of(output: Any) -> Tensor:
-    """A classifier's logits: the tensor itself, or a Hugging Face output's ``logits``."""
+    """A model's logits: the tensor itself, or a Hugging Face output's ``logits``."""
     return output if isinstance(output, Tensor) else output.logits
 
 
-def _hugging_face(model: ModelSettings, num_classes: int, image_size: int | None) -> nn.Module:
+def loss_of(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``logits`` against ``targets``, in float32: one class per sample
+    (logits N x C) or per token (N x T x V against N x T next tokens)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
+
+
+def correct_of(logits: Tensor, targets: Tensor) -> Tensor:
+    """How many of ``targets`` (samples or tokens) the logits rank first."""
+    return (logits.argmax(-1) == targets).sum()
+
+
+def _hugging_face(model: ModelSettings, num_classes: int, image_size: int | None,
+                  tokens: bool) -> nn.Module:
     name = model.name[len(HF_PREFIX):]
     try:
         transformers = importlib.import_module("transformers")
@@ -76,14 +98,15 @@ def _hugging_face(model: ModelSettings, num_classes: int, image_size: int | None
     cls = getattr(transformers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")):
         raise SettingsError(f"model.name={model.name}: transformers has no model class {name!r}; "
-                            f"name one, e.g. hf:ViTForImageClassification")
+                            f"name one, e.g. hf:ViTForImageClassification or hf:GPT2LMHeadModel")
     if model.exact or model.drop_rate:
         raise SettingsError(f"model.name={model.name}: model.exact and model.drop_rate are the "
                             f"zoo's keys; set the config's own, e.g. "
                             f"+model.hidden_dropout_prob=0.1")
     sizes = {} if image_size is None else {"image_size": image_size}
+    classes = {"vocab_size": num_classes} if tokens else {"num_labels": num_classes}
     try:
-        config = cls.config_class(**{**sizes, **model.keywords, "num_labels": num_classes})
+        config = cls.config_class(**{**sizes, **model.keywords, **classes})
     except (TypeError, ValueError) as error:
         raise SettingsError(f"model.name={model.name}: its config refuses the model group's keys "
                             f"({error})") from None

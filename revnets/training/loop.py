@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -30,7 +29,7 @@ from revnets.training.distributed import (
     setup_distributed,
     shard_model,
 )
-from revnets.training.factory import create_model, logits_of, memory_plan_of
+from revnets.training.factory import correct_of, create_model, logits_of, loss_of, memory_plan_of
 from revnets.training.memory_options import AutoPlan, MemoryConfigError
 from revnets.training.optim import build_optimizer, build_scheduler
 from revnets.training.progress import Progress, Throughput
@@ -131,7 +130,8 @@ class Trainer:
                                 "trainer.distributed=fsdp its shards are not that model: use "
                                 "trainer.distributed=ddp, or a preset")
         self.model = create_model(settings.model, settings.data.num_classes, self.device,
-                                  None if auto else settings.memory, self.loaders.image_size)
+                                  None if auto else settings.memory, self.loaders.image_size,
+                                  self.loaders.tokens)
         check_image_size(settings, self.model, self.loaders.image_size)  # before a step fails
         if self.dist.mode == "fsdp":
             shard_model(self.model)  # before the optimizer: sharding replaces the parameters
@@ -180,13 +180,12 @@ class Trainer:
         this run's optimizer (``memory=auto``); a budget no plan reaches names the least one."""
         data, trainer = self.settings.data, self.settings.trainer
         micro = max(data.batch_size // self.dist.world_size // trainer.accumulate, 1)
-        images, _ = next(iter(self.loaders.val))  # the shape and type of a batch, no draw
-        x = torch.zeros(micro, *images.shape[1:], dtype=images.dtype, device=self.device)
-        y = torch.zeros(micro, dtype=torch.long, device=self.device)
+        inputs, targets = next(iter(self.loaders.val))  # a batch's shapes and types, no draw
+        x = torch.zeros(micro, *inputs.shape[1:], dtype=inputs.dtype, device=self.device)
+        y = torch.zeros(micro, *targets.shape[1:], dtype=torch.long, device=self.device)
         try:
             return auto_checkpoint(
-                self.model, x, budget, lambda out: F.cross_entropy(logits_of(out).float(), y),
-                self.optimizer)
+                self.model, x, budget, lambda out: loss_of(logits_of(out), y), self.optimizer)
         except PlanningError as error:
             least = error.smallest_budget
             fix = "" if least is None else f"; set memory.budget={least} (bytes) or more"
@@ -236,10 +235,11 @@ class Trainer:
             ddp_skip = not sync and self.dist.mode == "ddp"
             with net.no_sync() if ddp_skip else contextlib.nullcontext(), self.autocast:
                 logits = logits_of(net(xs))
-                loss = F.cross_entropy(logits.float(), ys) / parts
+                loss = loss_of(logits, ys) / parts
+            correct += correct_of(logits.detach(), ys)
+            del logits  # not held through the backward (a language model's are its largest)
             self.scaler.scale(loss).backward()
             total_loss += loss.detach()
-            correct += (logits.argmax(1) == ys).sum()
         if not all_finite(total_loss, self.dist):
             raise NonFiniteLossError(
                 f"the loss is {total_loss.item()} at step {self.step + 1}: stopping before the "
@@ -264,11 +264,11 @@ class Trainer:
             rank_peaks = tuple(gathered)
         if self.dist.is_main:
             baseline, baseline_timeline = predict_baseline(self.settings, self.train_step_meta,
-                                                           x.shape)
+                                                           x, y, self.loaders.tokens)
             unsharded = None
             if self.dist.mode == "fsdp":
-                unsharded, _ = predict_baseline(self.settings, self.train_step_meta, x.shape,
-                                                plan=self.plan)
+                unsharded, _ = predict_baseline(self.settings, self.train_step_meta, x, y,
+                                                self.loaders.tokens, plan=self.plan)
             self.memory = MemoryComparison(report, baseline, timeline, baseline_timeline,
                                            rank_peaks, unsharded)
             write_timelines(self.settings, self.plan_label, self.memory,
@@ -281,7 +281,7 @@ class Trainer:
         """One plain step (no accumulation, autocast or loss scaling), run on the meta device
         to predict the baseline's memory."""
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(logits_of(model(x)), y).backward()
+        loss_of(logits_of(model(x)), y).backward()
         optimizer.step()
 
     # -- the loop --------------------------------------------------------------------------------
@@ -306,13 +306,13 @@ class Trainer:
                             torch.cuda.synchronize(self.device)
                         if self.step > start_step:
                             self.step_times.append(time.perf_counter() - begin)
-                            self.throughput.add(len(y), self.step_times[-1])
+                            self.throughput.add(len(y), self.step_times[-1])  # samples
                     self.scheduler.step()
                     self.step += 1
                     self.position += 1
                     self.progress.step()
                     if self.step % trainer.log_every == 0 or self.step == self.total_steps:
-                        self._log_step(loss, correct, len(y))
+                        self._log_step(loss, correct, y.numel())
                     if trainer.eval_every and self.step % trainer.eval_every == 0:
                         self._log(self.evaluate())
                     if trainer.checkpoint_every and self.step % trainer.checkpoint_every == 0:
@@ -341,10 +341,10 @@ class Trainer:
         for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with self.autocast:
-                logits = logits_of(self.net(x)).float()
-            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-            correct += (logits.argmax(1) == y).sum().item()
-            total += len(y)
+                logits = logits_of(self.net(x))
+            loss_sum += loss_of(logits, y, reduction="sum").item()
+            correct += correct_of(logits, y).item()
+            total += y.numel()  # samples, or tokens
         self.net.train()
         return {"step": self.step, "val_loss": loss_sum / total, "val_accuracy": correct / total}
 

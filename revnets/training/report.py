@@ -39,17 +39,20 @@ class MemoryComparison:
 def predict_baseline(
     settings: Settings,
     step: Callable[..., Any],
-    batch_shape: torch.Size,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    tokens: bool,
     plan: MemoryPlan = PRESETS["none"],
 ) -> tuple[MemoryReport, MemoryTimeline]:
-    """Peak memory of one step of the same model in one process, on meta tensors, and its
-    timeline: with every memory saving off, or under ``plan``."""
+    """Peak memory of one step of the same model in one process on a batch shaped as
+    ``inputs`` and ``targets`` (images, or ``tokens``), on meta tensors, and its timeline: with
+    every memory saving off, or under ``plan``."""
     model = create_model(settings.model, settings.data.num_classes, "meta", memory=plan,
-                         image_size=batch_shape[-1])
+                         image_size=None if tokens else inputs.shape[-1], tokens=tokens)
     optimizer = build_optimizer(settings.optim, model)
-    micro_batch = (batch_shape[0] // settings.trainer.accumulate, *batch_shape[1:])
-    x = torch.empty(micro_batch, device="meta")
-    y = torch.empty(micro_batch[0], dtype=torch.long, device="meta")
+    micro = inputs.shape[0] // settings.trainer.accumulate
+    x = torch.empty(micro, *inputs.shape[1:], dtype=inputs.dtype, device="meta")
+    y = torch.empty(micro, *targets.shape[1:], dtype=torch.long, device="meta")
     return predict_timeline(step, model, optimizer, x, y)
 
 

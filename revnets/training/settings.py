@@ -67,6 +67,7 @@ class DataSettings:
     root: str | None = None
     download: bool = False
     augment: bool = False
+    sequence_length: int | None = None  # text: the tokens of a sample
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def check_settings(settings: Settings, world_size: int = 1) -> None:
                  ("trainer.checkpoint_every", trainer.checkpoint_every)]
     if trainer.epochs is None:
         positive.append(("trainer.max_steps", trainer.max_steps))
-    for key in ("num_classes", "image_size", "train_size", "val_size"):
+    for key in ("num_classes", "image_size", "train_size", "val_size", "sequence_length"):
         if getattr(data, key) is not None:
             positive.append((f"data.{key}", getattr(data, key)))
     for key, value in positive:
@@ -165,14 +166,14 @@ def check_settings(settings: Settings, world_size: int = 1) -> None:
         )
 
 
-def check_image_size(settings: Settings, model: nn.Module, size: int) -> None:
+def check_image_size(settings: Settings, model: nn.Module, size: int | None) -> None:
     """Refuse the data's ``size`` x ``size`` images where the model says it cannot take them:
     i-RevNet's space to depth needs multiples of its reduction, a Rev-ViT its position
     embedding's size. The model states its rule (``input_size_problem``) rather than this file
     keeping a number per model; a model without one (the ResNets and RevNets pool adaptively)
     takes any size."""
     rule = getattr(model, "input_size_problem", None)
-    problem = None if rule is None else rule(size, size)
+    problem = None if rule is None or size is None else rule(size, size)
     if problem is None:
         return
     if settings.data.image_size is not None:
