@@ -616,6 +616,42 @@ def test_two_threads_training_one_plan_leave_the_modules_as_they_were():
     assert not [name for name, m in model.named_modules() if "forward" in vars(m)]
 
 
+def test_steps_in_two_threads_leave_dynamos_setting_as_they_found_it():
+    """A step traces its checkpoints with dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint
+    (NOTE [ Plans of modules compiled ]): the first of two threads' steps starts and ends while
+    the second's is under way, and the setting is on in both and as the first found it after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    planned = CheckpointedModules(model, ["0"])
+    x = torch.randn(16, 8)
+    second_inside, first_done = threading.Event(), threading.Event()
+    seen = []
+
+    def hold(module, args):
+        seen.append(torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint)
+        if threading.current_thread().name == "first":
+            assert second_inside.wait(timeout=120)
+        else:
+            second_inside.set()
+            assert first_done.wait(timeout=120)
+
+    model[2].register_forward_pre_hook(hold)
+
+    def step_of(name):
+        def step():
+            threading.current_thread().name = name
+            try:
+                planned(x).sum().backward()
+            finally:
+                if name == "first":
+                    first_done.set()
+        return step
+
+    threads_running(step_of("first"), step_of("second"))
+    assert seen == [True, True]
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False
+
+
 def test_two_plans_sharing_modules_step_at_once_each_with_its_own_decisions():
     """A plan running three modules as one run and another checkpointing the last of them
     alone, stepping at once in two threads: each thread runs its own plan's checkpoints (the

@@ -232,7 +232,7 @@ class CheckpointedForwards:
     def __init__(self, model: nn.Module, decisions: Mapping[Part, Checkpoint]) -> None:
         # Each module, its wrapper's maker, and the forward it wrapped and the wrapper last made
         # (lists, not keyed by id: a copied plan holds the copies' modules).
-        self.makers: list[tuple[str, nn.Module, Any]] = []
+        self.makers: list[tuple[nn.Module, Any]] = []
         self.runs: list[_Run] = []
         self.made: list[tuple[Any, Any] | None] = []
         for part, decision in decisions.items():
@@ -241,20 +241,20 @@ class CheckpointedForwards:
                 else contextlib.nullcontext
             if isinstance(part, str):
                 module = model.get_submodule(part)
-                self.makers.append((part, module, functools.partial(
+                self.makers.append((module, functools.partial(
                     _CheckpointedForward, module, decision=decision, inner=inner)))
                 continue
             members = [model.get_submodule(name) for name in part]
             self.runs.append(run := _Run(part, members, inner))
-            for index, (name, module) in enumerate(zip(part, members)):
-                self.makers.append((name, module, functools.partial(
+            for index, module in enumerate(members):
+                self.makers.append((module, functools.partial(
                     _RunMember, module, run=run, index=index)))
         self.made = [None] * len(self.makers)
 
     def _wrapper(self, index: int, own: Any) -> _CheckpointedForward:
         """The wrapper over module ``index``'s own forward (set on the object, ``own``, or its
         class's): the one made before, where that forward is the same."""
-        _, module, make = self.makers[index]
+        module, make = self.makers[index]
         found = type(module).forward if own is _NONE else own
         made = self.made[index]
         if made is None or made[0] is not found:
@@ -266,7 +266,7 @@ class CheckpointedForwards:
     def installed(self) -> Iterator[None]:
         """Each module's checkpointed forward in this thread, for one step; put back as it was
         after the last step using it, unless the step set a forward of its own."""
-        modules = [module for _, module, _ in self.makers]
+        modules = [module for module, _ in self.makers]
         running = _running()
         mine = []
         with _LOCK:

@@ -70,7 +70,8 @@ __all__ = ["CheckpointedModules", "plan_modules"]
 # Python state outside it (transformers' Llama attention sets and resets a module-level
 # variable of the ``kernels`` package around its rotary embedding) would make dynamo refuse to
 # trace the region by default, and run it eagerly: the step's forward traces with dynamo's
-# ``skip_fwd_side_effects_in_bwd_under_checkpoint``, so such writes happen once, in the
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (a patch of dynamo's config, which is the
+# patching thread's alone), so such writes happen once, in the
 # forward: compiled code recomputes from its graph, not by rerunning Python, and module state,
 # buffers included, is updated once by construction there.
 # A run of modules runs eagerly: its checkpoint opens in one module's call and closes in
