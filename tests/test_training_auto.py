@@ -159,22 +159,56 @@ def test_a_language_model_step_measures_what_its_baseline_predicts(tmp_path):
     assert row and row[1] == row[2]
 
 
-def test_text_is_the_next_byte_of_the_documentation_topics():
+def test_text_is_the_next_byte_of_the_documentation_topics_every_fifth_held_out():
     from pydoc_data.topics import topics
 
     from revnets.training.data import text
 
     x, y = text(16, 4, split=0).tensors
-    held_out = text(16, None, split=1).tensors[0]
     first = "\n".join(topics[k] for i, k in enumerate(sorted(topics)) if i % 5 != 4).encode()
     assert bytes(x[0].tolist()) == first[:16] and torch.equal(x[:, 1:], y[:, :-1])
-    assert torch.equal(x[1, 0], y[0, -1]) and len(x) == 4 and len(held_out) > 100
+    assert torch.equal(x[1, 0], y[0, -1]) and len(x) == 4
+    train, held_out = (bytes(text(1, None, split).tensors[0].flatten().tolist())
+                       for split in (0, 1))
+    for i, key in enumerate(sorted(topics)):
+        start = topics[key][:200].encode()
+        assert (start in held_out, start in train) == ((True, False) if i % 5 == 4 else
+                                                      (False, True)), key
+
+
+def test_a_language_models_loss_and_accuracy_are_per_token(tmp_path):
+    """Per token, not per sample: at initialisation the loss is near ln(256) and the accuracy
+    a share of the tokens."""
+    pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        done = train_py_in_process("model=hf_gpt2", *TEXT, "trainer.eval_every=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    evaluation = next(r for r in records if "val_loss" in r)
+    for loss, accuracy in [(r["loss"], r["accuracy"]) for r in steps] + [
+            (evaluation["val_loss"], evaluation["val_accuracy"])]:
+        assert 4 < loss < 7 and 0 <= accuracy <= 1
+
+
+BERT = ["~model.n_embd", "~model.n_layer", "~model.n_head", "~model.n_positions",
+        "+model.hidden_size=64", "+model.num_hidden_layers=2", "+model.num_attention_heads=4",
+        "+model.intermediate_size=128"]  # a BERT-like config in place of GPT-2's keys
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model=timm", "data=text"], "text (data of tokens) trains a Hugging Face language model"),
+    (["model=timm", "data=text"], "text trains a Hugging Face causal language model"),
     (["model=hf_gpt2"], "a language model takes tokens, e.g. data=text"),
     (["model=hf_gpt2", "data=text", "data.num_classes=100"], "set data.num_classes=256"),
+    (["model=hf_gpt2", "data=text", "data.sequence_length=300"],
+     "data.sequence_length=300 is more than model=hf:GPT2LMHeadModel's 256 positions"),
+    (["model=hf_gpt2", "data=text", *BERT, "model.name=hf:XLMRobertaForSequenceClassification"],
+     "text trains a causal language model"),
+    # Masked, or a decoder class built as an encoder (is_decoder false): they see the answer.
+    (["model=hf_gpt2", "data=text", *BERT, "model.name=hf:BertForMaskedLM"], "sees later tokens"),
+    (["model=hf_gpt2", "data=text", *BERT, "model.name=hf:XLMRobertaForCausalLM"],
+     "sees later tokens"),
 ])
 def test_a_model_and_data_that_do_not_match_are_refused_by_name(overrides, message, tmp_path):
     pytest.importorskip("transformers")

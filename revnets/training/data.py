@@ -163,12 +163,19 @@ def build_datasets(cfg: DataSettings, seed: int) -> tuple[Dataset, Dataset]:
     if cfg.name == "imagenet":
         return _checked_classes(_imagenet(cfg, train=True), cfg), _imagenet(cfg, train=False)
     if cfg.name == "text":
-        if cfg.num_classes != 256 or cfg.sequence_length is None:
-            raise DataMismatchError(
-                f"data=text is bytes, 256 tokens, in samples of data.sequence_length tokens: "
-                f"set data.num_classes=256 (not {cfg.num_classes}) and data.sequence_length")
-        return (text(cfg.sequence_length, cfg.train_size, split=0),
+        if cfg.num_classes != 256:
+            raise DataMismatchError(f"data=text is bytes, 256 tokens: set data.num_classes=256 "
+                                    f"(not {cfg.num_classes})")
+        if cfg.sequence_length is None:
+            raise DataMismatchError("data=text is cut into samples of data.sequence_length "
+                                    "tokens: set it (e.g. data.sequence_length=128)")
+        sets = (text(cfg.sequence_length, cfg.train_size, split=0),
                 text(cfg.sequence_length, cfg.val_size, split=1))
+        if not len(sets[1]):
+            raise DataMismatchError(
+                f"data.sequence_length={cfg.sequence_length} leaves the held-out text no "
+                f"sample (it has {len(text(1, None, split=1))} bytes); set it lower")
+        return sets
     raise ValueError(
         f"unknown data set {cfg.name!r}; valid: 'synthetic', 'cifar10', 'cifar100', 'imagenet', "
         f"'text'"

@@ -33,13 +33,10 @@ def create_model(
     ``image_size`` x ``image_size``; with ``tokens``, a language model of ``num_classes``
     tokens). Only the zoo's models follow presets other than ``none``; any model is planned
     under a budget with ``memory=auto``."""
-    language = model.name.startswith(HF_PREFIX) and "LM" in model.name
-    if tokens != language:
+    if tokens and not model.name.startswith(HF_PREFIX):
         raise SettingsError(
-            f"model={model.name} with "
-            + ("text (data of tokens) trains a Hugging Face language model: name one, e.g. "
-               "model=hf_gpt2 (hf:GPT2LMHeadModel) or model=hf_llama" if tokens else
-               "images: a language model takes tokens, e.g. data=text"))
+            f"model={model.name} with text (data of tokens): text trains a Hugging Face causal "
+            f"language model, e.g. model=hf_gpt2 (hf:GPT2LMHeadModel) or model=hf_llama")
     with torch.device(device):
         if model.name.startswith(HF_PREFIX):
             built = _hugging_face(model, num_classes, image_size, tokens)
@@ -99,6 +96,15 @@ def _hugging_face(model: ModelSettings, num_classes: int, image_size: int | None
     if not (isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")):
         raise SettingsError(f"model.name={model.name}: transformers has no model class {name!r}; "
                             f"name one, e.g. hf:ViTForImageClassification or hf:GPT2LMHeadModel")
+    auto = importlib.import_module("transformers.models.auto.modeling_auto")
+    language = name in {*auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(),
+                        *auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()}
+    if tokens != language:
+        raise SettingsError(
+            f"model={model.name} with "
+            + ("text (data of tokens): text trains a causal language model, e.g. "
+               "model=hf_gpt2 (hf:GPT2LMHeadModel) or model=hf_llama" if tokens else
+               "images: a language model takes tokens, e.g. data=text"))
     if model.exact or model.drop_rate:
         raise SettingsError(f"model.name={model.name}: model.exact and model.drop_rate are the "
                             f"zoo's keys; set the config's own, e.g. "
@@ -110,4 +116,28 @@ def _hugging_face(model: ModelSettings, num_classes: int, image_size: int | None
     except (TypeError, ValueError) as error:
         raise SettingsError(f"model.name={model.name}: its config refuses the model group's keys "
                             f"({error})") from None
-    return cls(config)
+    built = cls(config)
+    if tokens and built.device.type != "meta":
+        _check_causal(built, model.name, num_classes)
+    return built
+
+
+def _check_causal(model: nn.Module, name: str, vocabulary: int) -> None:
+    """Refuse a language model whose logits at a position change with a later token: trained
+    on the next byte, it would read the answer (a masked LM, a decoder class built as an
+    encoder). Tried on 8 tokens, without grad, in eval mode, drawing from no shared generator."""
+    tokens = torch.randint(0, vocabulary, (1, 8), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[0, -1] = (tokens[0, -1] + 1) % vocabulary
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits, other = (logits_of(model(t.to(model.device))) for t in (tokens, changed))
+    finally:
+        model.train(training)
+    if not torch.equal(logits[:, :-1], other[:, :-1]):
+        raise SettingsError(
+            f"model.name={name} sees later tokens: its logits at a position change with the "
+            f"next one, which data=text asks it to predict; name a causal language model (e.g. "
+            f"hf:GPT2LMHeadModel), or build a decoder class as one (+model.is_decoder=true)")

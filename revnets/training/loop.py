@@ -39,7 +39,13 @@ from revnets.training.report import (
     summary_table,
     write_timelines,
 )
-from revnets.training.settings import Settings, SettingsError, check_image_size, check_settings
+from revnets.training.settings import (
+    Settings,
+    SettingsError,
+    check_image_size,
+    check_sequence_length,
+    check_settings,
+)
 from revnets.training.state import (
     CHECKPOINT_NAME,
     capture_rng,
@@ -133,6 +139,7 @@ class Trainer:
                                   None if auto else settings.memory, self.loaders.image_size,
                                   self.loaders.tokens)
         check_image_size(settings, self.model, self.loaders.image_size)  # before a step fails
+        check_sequence_length(settings, self.model)
         if self.dist.mode == "fsdp":
             shard_model(self.model)  # before the optimizer: sharding replaces the parameters
         self.optimizer = build_optimizer(settings.optim, self.model)

@@ -32,6 +32,7 @@ __all__ = [
     "SettingsError",
     "TrainerSettings",
     "check_image_size",
+    "check_sequence_length",
     "check_settings",
 ]
 
@@ -186,6 +187,19 @@ def check_image_size(settings: Settings, model: nn.Module, size: int | None) -> 
         f"{given} does not fit model={settings.model.name}: {problem}; {fix} (a model keyword "
         "is given as +model.<key>=...)"
     )
+
+
+def check_sequence_length(settings: Settings, model: nn.Module) -> None:
+    """Refuse samples of more tokens than a language model's config gives positions for
+    (``n_positions``, ``max_position_embeddings``)."""
+    config, length = getattr(model, "config", None), settings.data.sequence_length
+    for key in ("n_positions", "max_position_embeddings"):
+        positions = getattr(config, key, None)
+        if isinstance(positions, int) and length is not None and length > positions:
+            raise SettingsError(
+                f"data.sequence_length={length} is more than model={settings.model.name}'s "
+                f"{positions} positions ({key}); set data.sequence_length to at most "
+                f"{positions}, or model.{key} to at least {length}")
 
 
 def _record(kind: type, group: str, values: dict[str, Any]) -> Any:
