@@ -7,6 +7,14 @@ from torch import nn
 
 import revnets
 
+try:  # transformers' log handler, made now on the session's stderr: made in a test, it would
+    # write to that test's captured stream, closed after it, and print a logging traceback
+    import transformers
+
+    transformers.utils.logging.get_logger("transformers")
+except ImportError:
+    pass
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # The default run spreads the test files over one pytest-xdist worker per core (pyproject's

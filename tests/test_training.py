@@ -552,7 +552,7 @@ def test_progress_is_plain_lines_when_not_on_a_terminal(small_run):
     assert "\r" not in out  # no bar redrawing itself in a log
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 4/4"]
-    assert all(re.search(r"\| \d+ img/s \| mem [\d.]+ MiB$", line) for line in lines)
+    assert all(re.search(r"\| \d+ samples/s \| mem [\d.]+ MiB$", line) for line in lines)
 
 
 class Terminal(io.StringIO):
@@ -566,17 +566,17 @@ def test_progress_is_a_bar_on_a_terminal():
     for step in range(1, 5):
         progress.step()
         if step % 2 == 0:
-            progress.log(step, {"loss": 0.5, "accuracy": 0.75, "images_per_s": 120.0,
+            progress.log(step, {"loss": 0.5, "accuracy": 0.75, "samples_per_s": 120.0,
                                 "peak_mib": 12.5})
     list(progress.evaluation(range(3), total=3))
     progress.close()
     out = stream.getvalue()
     assert "\r" in out and "train" in out and "4/4" in out
-    assert "img/s=120" in out and "mem=12.5 MiB" in out and "loss=0.5000" in out
+    assert "samples/s=120" in out and "mem=12.5 MiB" in out and "loss=0.5000" in out
     assert "step 2/4" not in out  # no plain lines besides the bar
 
 
-def test_images_per_s_counts_training_steps_only(tmp_path):
+def test_samples_per_s_counts_training_steps_only(tmp_path):
     """The rate logged every 2 steps is the images of those 2 steps over their step times:
     the evaluations and checkpoint writes after every step are not in it, nor is the first,
     measured step."""
@@ -588,7 +588,7 @@ def test_images_per_s_counts_training_steps_only(tmp_path):
     finally:
         trainer.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    rates = {r["step"]: r["images_per_s"] for r in records if "images_per_s" in r}
+    rates = {r["step"]: r["samples_per_s"] for r in records if "samples_per_s" in r}
     times = trainer.step_times  # steps 2 to 6: the first step is measured, not timed
     assert rates[2] == pytest.approx(16 / times[0])
     assert rates[4] == pytest.approx(32 / (times[1] + times[2]))

@@ -393,9 +393,9 @@ class Trainer:
 
     # -- logging ---------------------------------------------------------------------------------
     def _log_step(self, loss: torch.Tensor, correct: torch.Tensor, batch: int) -> None:
-        images_per_s = self.throughput.take()  # this process's share of the global batch
-        if images_per_s is not None and self.dist.enabled:
-            images_per_s *= self.dist.world_size
+        samples_per_s = self.throughput.take()  # this process's share of the global batch
+        if samples_per_s is not None and self.dist.enabled:
+            samples_per_s *= self.dist.world_size
         if self.dist.enabled:  # report the global batch, not this process's share
             totals = torch.stack([loss.float() * batch, correct.float()]).to(self.device)
             torch.distributed.all_reduce(totals)
@@ -406,7 +406,7 @@ class Trainer:
             "loss": loss.item(),
             "accuracy": correct.item() / batch,
             "lr": self.scheduler.get_last_lr()[0],
-            "images_per_s": images_per_s,
+            "samples_per_s": samples_per_s,
         }
         if self.memory is not None:
             record["peak_mib"] = self.memory.report.peak_bytes / MiB

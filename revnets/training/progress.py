@@ -1,6 +1,6 @@
 """What the trainer shows while it runs: a progress bar on a terminal, plain lines elsewhere.
 
-A terminal gets a tqdm bar for training (loss, accuracy, images/s, peak memory) and one for each
+A terminal gets a tqdm bar for training (loss, accuracy, samples/s, peak memory) and one for each
 evaluation. Anything else (a CI log, a file, a pipe) gets one plain line per logging interval,
 which reads well in a log and never fills it with carriage returns. Images/s counts training
 steps only: evaluation, checkpoint writes and the first, measured step are not in it.
@@ -60,11 +60,11 @@ class Progress:
         if not self.enabled:
             return
         memory = f" | mem {record['peak_mib']:.1f} MiB" if "peak_mib" in record else ""
-        rate = record["images_per_s"]
+        rate = record["samples_per_s"]
         rate = "-" if rate is None else f"{rate:.0f}"  # "-": only the measured first step ran
         if self.bar is not None:
             postfix = {"loss": f"{record['loss']:.4f}", "acc": f"{record['accuracy']:.3f}",
-                       "img/s": rate}
+                       "samples/s": rate}
             if "peak_mib" in record:
                 postfix["mem"] = f"{record['peak_mib']:.1f} MiB"
             self.bar.set_postfix(postfix, refresh=True)
@@ -72,7 +72,7 @@ class Progress:
         width = len(str(self.total_steps))
         print(
             f"step {step:>{width}}/{self.total_steps} | loss {record['loss']:.4f} | "
-            f"acc {record['accuracy']:.3f} | {rate} img/s{memory}",
+            f"acc {record['accuracy']:.3f} | {rate} samples/s{memory}",
             file=self.stream,
             flush=True,
         )
